@@ -1,0 +1,54 @@
+"""Engine options in one place, with the parsing that the CLI, LLM and AsyncLLM share."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int or a string such as '4GiB', '512MiB', '2GB', '1.5G' or '1000000'."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)?\s*", value, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory must be bytes or a size like '4GiB', got {value!r}")
+    number, unit, suffix = float(m.group(1)), m.group(2).upper(), (m.group(3) or "").lower()
+    base = 1000 if suffix == "b" and unit else 1024
+    return int(number * base ** " KMGT".index(unit or " "))
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a local Hugging Face folder; None = the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    block_size: int = 16
+    kv_cache_memory: int | str = "4GiB"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    policy: str | object = "fcfs"
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = str(DEFAULT_MODEL_DIR)
+        self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,144 @@
+"""KVCacheManager: maps requests' logical blocks to physical ones, with prefix caching and copy-on-write.
+
+Prefix caching keys each full block by a chained sha256 (parent digest + its token ids); sharing among the
+samples of one prompt (n > 1) reuses the first sample's blocks. A shared block is copied before it is
+written: the copy is queued in `pending_copies` for the model runner to perform before the next forward.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from aserve.core.block_pool import BlockPool
+from aserve.request import Request, RequestStatus
+
+
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block pairs, copy-on-write
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which were found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- looking up what is already computed ------------------------------------------------------
+
+    def _block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        bs, hashes = self.block_size, req.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else b"", req.all_token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def find_computed(self, req: Request) -> tuple[list[int], int]:
+        """Blocks a new or recomputing request can reuse, and how many of its tokens they hold.
+
+        A sample of an n > 1 prompt takes its first sample's blocks; otherwise the prefix cache is asked.
+        The last token is always left to compute, since its logits are needed.
+        """
+        parent = req.fork_parent
+        if (parent is not None and parent.status == RequestStatus.RUNNING and not req.output_token_ids
+                and parent.num_computed_tokens >= req.num_tokens - 1 and req.num_tokens > 1):
+            num_tokens = req.num_tokens - 1
+            return parent.block_table[:self.blocks_needed(num_tokens)], num_tokens
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hits: list[int] = []
+        for i, block_hash in enumerate(self._block_hashes(req, max_blocks)):
+            block_id = self.pool.lookup(block_hash, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    # -- allocation -------------------------------------------------------------------------------
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] = (), num_computed_tokens: int = 0) -> bool:
+        """Make room for `num_new_tokens` more tokens of `req`; False (and no change) if blocks are short.
+
+        `computed_blocks` (from find_computed) are taken over by a request that holds no blocks yet.
+        """
+        bs, pool, table = self.block_size, self.pool, req.block_table
+        start = req.num_computed_tokens + num_computed_tokens
+        num_held = len(table) + len(computed_blocks)
+        num_new_blocks = max(0, self.blocks_needed(start + num_new_tokens) - num_held)
+        first_write = start // bs  # the only block already held that this step can write into
+        held = list(table) + list(computed_blocks)
+        write_shared = first_write < num_held and (
+            pool.ref_count(held[first_write]) + (held[first_write] in computed_blocks) > 1)
+        revived = sum(1 for b in computed_blocks if pool.ref_count(b) == 0)
+        if num_new_blocks + write_shared > pool.num_free - revived:
+            return False
+
+        for block_id in computed_blocks:
+            pool.acquire(block_id)
+        table.extend(computed_blocks)
+        req.num_computed_tokens += num_computed_tokens
+        if first_write < len(table):
+            old = table[first_write]
+            if pool.ref_count(old) > 1:  # copy-on-write
+                new = pool.allocate()
+                self.pending_copies.append((old, new))
+                pool.release(old)
+                table[first_write] = new
+            else:  # about to be written: it no longer matches its hash
+                pool.uncache(old)
+        for _ in range(num_new_blocks):
+            table.append(pool.allocate())
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Index the request's blocks that have just become full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_table))
+        if num_full <= req.num_cached_blocks:
+            return
+        hashes = self._block_hashes(req, num_full)
+        for i in range(req.num_cached_blocks, num_full):
+            self.pool.cache(req.block_table[i], hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+        req.num_cached_blocks = num_full
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first, so the tail is evicted before the shared prefix."""
+        freed = set(req.block_table)
+        for block_id in reversed(req.block_table):
+            self.pool.release(block_id)
+        if freed and self.pending_copies:
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in freed]
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def check_all_free(self) -> None:
+        self.pool.check_all_free()

@@ -1,0 +1,169 @@
+"""EngineCore: schedule -> execute -> update -> outputs, one step at a time.
+
+The offline LLM drives it synchronously; the online AsyncLLM drives the same object from its own
+thread. Nothing about scheduling or the model is written twice.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+
+from aserve.config import EngineConfig
+from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.scheduler import Scheduler
+from aserve.engine.output_processor import OutputProcessor
+from aserve.models.loader import load_model, load_tokenizer
+from aserve.outputs import RequestOutput
+from aserve.policy import load_policy
+from aserve.request import Request, RequestStatus
+from aserve.sampling_params import SamplingParams
+from aserve.worker.model_runner import ModelRunner
+
+log = logging.getLogger("aserve")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        t0 = time.monotonic()
+        loaded = load_model(config.model, config.dtype, max_model_len=config.max_model_len)
+        self.model_config = loaded.config
+        self.dtype = loaded.dtype
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.vocab_size = loaded.model.args.vocab_size
+        self.max_model_len = config.max_model_len or loaded.model.args.max_position_embeddings
+        eos = set(loaded.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.policy = load_policy(config.policy)
+        self.scheduler = Scheduler(self.kv, self.policy, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, list[Request]] = {}  # group id -> its samples
+        tokens = self.runner.num_blocks * config.block_size
+        log.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens, "
+                 "max concurrency %.2fx at max_model_len %d; policy %s", config.model,
+                 type(loaded.model).__name__, str(self.dtype).replace("torch.", ""), time.monotonic() - t0,
+                 self.runner.num_blocks, config.block_size, tokens, tokens / self.max_model_len,
+                 self.max_model_len, self.policy.name)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError for a request the engine could never serve; return its max_tokens."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is out of range: the vocabulary has {self.vocab_size} "
+                             f"tokens (ids 0..{self.vocab_size - 1})")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}: "
+                             f"it must be shorter, to leave room for at least one output token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len}); lower max_tokens or shorten the prompt")
+        blocks = self.kv.blocks_needed(num_prompt + max_tokens)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {blocks} KV "
+                             f"blocks, but the whole cache has {self.kv.num_blocks}; raise kv_cache_memory")
+        return max_tokens
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, prompt: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        params = params.clone(eos_token_ids=self.eos_token_ids)
+        samples = []
+        for i in range(params.n):
+            child_params = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
+            samples.append(Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_token_ids,
+                                   child_params, group_id=request_id, index=i, priority=priority,
+                                   arrival_time=arrival_time, max_tokens=max_tokens))
+        first = samples[0]
+        for child in samples[1:]:
+            child.fork_parent = first
+        first.pending_forks = samples[1:]
+        self.requests[request_id] = samples
+        self.outputs.add_group(request_id, prompt, prompt_token_ids, samples)
+        self.scheduler.add_request(first)
+        return request_id
+
+    def abort(self, request_ids) -> list[RequestOutput]:
+        """Stop requests wherever they are and free their blocks; returns their final outputs."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finals = []
+        for request_id in request_ids:
+            samples = self.requests.get(request_id)
+            if samples is None:
+                continue
+            for req in samples:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            finals.append(self._finish_group(request_id))
+        return finals
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for each prompt that advanced (cumulative, as vLLM's offline API)."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        sampled = self.runner.execute(sched)
+        tokens = {req: result.token_id for req, result in sampled.items()}
+        self.scheduler.update(sched, tokens)
+        touched = []
+        for req, result in sampled.items():
+            if req.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            stop = self.outputs.on_token(req, result)
+            if stop is not None:
+                req.stop_reason = stop
+                if req.is_finished:  # also ended by length this step: the stop string wins
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if req.group_id not in touched:
+                touched.append(req.group_id)
+        results = []
+        for group_id in touched:
+            samples = self.requests[group_id]
+            if all(r.is_finished for r in samples):
+                results.append(self._finish_group(group_id))
+            else:
+                results.append(self.outputs.make_output(group_id))
+        return results
+
+    def _finish_group(self, group_id: str) -> RequestOutput:
+        output = self.outputs.make_output(group_id)
+        self.outputs.release(group_id)
+        del self.requests[group_id]
+        return output
+
+    def check_idle(self) -> None:
+        """Assert the state every test wants after traffic ends: nothing live, every block free."""
+        if self.requests or self.scheduler.has_unfinished():
+            raise AssertionError(f"live requests remain: {list(self.requests)[:8]}")
+        self.kv.check_all_free()

@@ -1,0 +1,144 @@
+"""The scheduling-policy seam: the decisions the scheduler delegates, and the loader that finds them.
+
+A policy never touches memory. It orders the waiting queue, picks whom to preempt when blocks run out
+and how (recompute or swap), and may hear about request events. Built-ins live in the separate
+`aserve-policies` distribution and register under the entry-point group `aserve.policies`,
+exactly as a third party's policy does.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.metadata
+import importlib.util
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from aserve.request import Request
+
+ENTRY_POINT_GROUP = "aserve.policies"
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(frozen=True)
+class KVView:
+    """What a policy may know of memory: free and total blocks, on the device and in the host pool."""
+    num_free_device_blocks: int
+    num_device_blocks: int
+    num_free_host_blocks: int
+    num_host_blocks: int
+    block_size: int
+
+
+class FCFSQueue:
+    """Arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self._q.append(req)
+
+    def prepend(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class Policy:
+    """Base class of scheduling policies; override what you decide differently."""
+
+    name: str = "base"
+    description: str = ""
+
+    def waiting_queue(self) -> FCFSQueue:
+        return FCFSQueue()
+
+    def select_victim(self, running: Sequence[Request], needing: Request) -> Request | None:
+        """Whom to preempt so that `needing` can get blocks (it may be `needing` itself); None = `needing`."""
+        raise NotImplementedError
+
+    def preemption_mode(self, victim: Request, kv_view: KVView) -> PreemptionMode:
+        return PreemptionMode.RECOMPUTE
+
+    def should_preempt_for(self, waiting: Request, running: Sequence[Request]) -> Request | None:
+        """Optionally let an urgent waiting request displace a running one."""
+        return None
+
+    def on_event(self, req: Request, event: str) -> None:
+        """Hears 'admitted', 'preempted', 'swapped' and 'finished'."""
+
+
+class PolicyError(ValueError):
+    pass
+
+
+def installed_policies() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _load_class(spec: str):
+    target, _, cls_name = spec.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise PolicyError(f"policy file {target!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"aserve_user_policy_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    try:
+        return getattr(module, cls_name)
+    except AttributeError:
+        raise PolicyError(f"policy {spec!r}: {target} has no attribute {cls_name!r}") from None
+
+
+def load_policy(spec: str | Policy | type) -> Policy:
+    """A policy from an installed name, 'module:Class', 'path/to/file.py:Class', a class or an instance."""
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, type):
+        cls, label = spec, spec.__name__
+    else:
+        label = spec
+        try:
+            if ":" in spec:
+                cls = _load_class(spec)
+            else:
+                eps = installed_policies()
+                if spec not in eps:
+                    names = ", ".join(sorted(eps)) or "none (pip install -e ./policies)"
+                    raise PolicyError(f"unknown policy {spec!r}; installed policies: {names}")
+                cls = eps[spec].load()
+        except PolicyError:
+            raise
+        except Exception as exc:  # a broken plugin: name it and its cause, not a traceback soup
+            raise PolicyError(f"policy {spec!r} failed to load: {type(exc).__name__}: {exc}") from exc
+    try:
+        policy = cls()
+    except Exception as exc:
+        raise PolicyError(f"policy {label!r} failed to construct: {type(exc).__name__}: {exc}") from exc
+    missing = [m for m in ("waiting_queue", "select_victim", "preemption_mode") if not callable(getattr(policy, m, None))]
+    if missing:
+        raise PolicyError(f"policy {label!r} does not implement {', '.join(missing)}")
+    return policy

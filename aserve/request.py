@@ -1,0 +1,86 @@
+"""Request: one sequence's life in the engine (a prompt with n > 1 becomes n of these)."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from aserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """Token state, cache state and timestamps of one sequence.
+
+    `num_computed_tokens` counts tokens whose K/V sit in the cache; the scheduler schedules the
+    tokens after it, and a step that reaches the end of `all_token_ids` samples the next token.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, group_id: str | None = None, index: int = 0, priority: int = 0,
+                 arrival_time: float | None = None, max_tokens: int = 16):
+        self.request_id = request_id
+        self.group_id = group_id or request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks, in order
+        self.num_cached_blocks = 0  # how many leading blocks are indexed in the prefix cache
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # n > 1: samples after the first wait for the first one's prefill, then share its blocks.
+        self.fork_parent: Request | None = None
+        self.pending_forks: list[Request] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        now = time.monotonic()
+        self.arrival_time = arrival_time if arrival_time is not None else now
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

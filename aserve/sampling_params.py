@@ -1,0 +1,78 @@
+"""SamplingParams: vLLM's names and meanings, so a vLLM script ports by changing the import."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Filled in by the engine: the model's eos ids, which end a request unless ignore_eos.
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:  # vLLM's older spelling of "disabled"
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
+        need(self.temperature >= 0, "temperature", ">= 0 (0 means greedy)")
+        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0 or -1 (disabled) or an integer >= 1")
+        need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "max_tokens", "an integer >= 1 or None")
+        need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        need(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 means none)")
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def clone(self, **changes) -> "SamplingParams":
+        new = copy.copy(self)
+        for k, v in changes.items():
+            setattr(new, k, v)
+        return new

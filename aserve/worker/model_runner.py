@@ -1,0 +1,99 @@
+"""ModelRunner: owns the model and the paged KV cache; turns a SchedulerOutput into one forward pass.
+
+All scheduled tokens of all requests go in one flat row (decode tokens first, then prefill chunks),
+with their positions, cache slots and the block tables attention reads through. Only the rows that
+sample are projected to logits.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from aserve.core.scheduler import SchedulerOutput
+from aserve.models.llama import LlamaForCausalLM
+from aserve.ops.attention import AttentionMetadata, PrefillChunk
+from aserve.request import Request
+from aserve.worker.sampler import SampleResult, sample
+
+log = logging.getLogger("aserve")
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    a = model.args
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int):
+        self.model = model
+        self.dtype = dtype
+        self.block_size = block_size
+        per_block = kv_bytes_per_block(model, block_size, dtype)
+        self.num_blocks = kv_cache_memory // per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one KV block "
+                             f"({per_block} bytes at block_size {block_size})")
+        a = model.args
+        # zeros (lazily mapped pages): unwritten slots are masked, but must not hold NaNs.
+        self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                    dtype=dtype)
+        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[Request, SampleResult]:
+        if sched.copies:
+            src = torch.tensor([s for s, _ in sched.copies])
+            dst = torch.tensor([d for _, d in sched.copies])
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if not sched.scheduled:
+            return {}
+        batch = [x for x in sched.scheduled if x[1] == 1] + [x for x in sched.scheduled if x[1] > 1]
+        input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        if not sample_reqs:  # only prefill chunks that do not reach the end of their prompts
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return dict(zip(sample_reqs, sample(logits, sample_reqs)))
+
+    def _prepare(self, batch: list[tuple[Request, int]]):
+        bs = self.block_size
+        token_ids: list[int] = []
+        starts, counts, sample_rows, sample_reqs = [], [], [], []
+        for req, n in batch:
+            start = req.num_computed_tokens
+            token_ids.extend(req.all_token_ids[start:start + n])
+            starts.append(start)
+            counts.append(n)
+            if start + n == req.num_tokens:
+                sample_rows.append(len(token_ids) - 1)
+                sample_reqs.append(req)
+        width = max(len(req.block_table) for req, _ in batch)
+        tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table)) for req, _ in batch],
+                              dtype=torch.long)
+        starts_t = torch.tensor(starts)
+        counts_t = torch.tensor(counts)
+        row_of_token = torch.repeat_interleave(torch.arange(len(batch)), counts_t)
+        first_token = torch.cumsum(counts_t, 0) - counts_t
+        positions = starts_t[row_of_token] + torch.arange(len(token_ids)) - first_token[row_of_token]
+        slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping=slot_mapping)
+
+        num_decode = sum(1 for _, n in batch if n == 1)
+        if num_decode:
+            context = starts_t[:num_decode] + 1
+            num_blocks = int((context.max().item() + bs - 1) // bs)
+            meta.num_decode_tokens = num_decode
+            meta.decode_block_tables = tables[:num_decode, :num_blocks]
+            meta.decode_mask = (torch.arange(num_blocks * bs).unsqueeze(0) < context.unsqueeze(1))[:, None, None, :]
+        row = num_decode
+        for i in range(num_decode, len(batch)):
+            start, n = starts[i], counts[i]
+            chunk = PrefillChunk(row, row + n, start)
+            if start:
+                total = start + n
+                chunk.block_table = tables[i, :(total + bs - 1) // bs]
+                chunk.mask = torch.arange(total).unsqueeze(0) <= (start + torch.arange(n)).unsqueeze(1)
+            meta.prefills.append(chunk)
+            row += n
+        return torch.tensor(token_ids), positions, meta, torch.tensor(sample_rows, dtype=torch.long), sample_reqs

@@ -1,0 +1,108 @@
+"""Sampler: logits of the rows that sample this step -> next tokens (and logprobs), batched.
+
+Order as in vLLM: raw logprobs (for `logprobs`), min_tokens masking, penalties, then greedy argmax or
+temperature -> top-k -> top-p -> min-p -> an exponential race. A seeded request draws its noise from
+its own generator, so its text does not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aserve.request import Request
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # raw log-softmax of the chosen token, when logprobs were asked
+    rank: int | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    """Repetition (prompt and output), frequency and presence (output) penalties, in place."""
+    vocab = logits.shape[-1]
+    sub = [reqs[i] for i in rows]
+    out_ids = _pad([r.output_token_ids for r in sub], vocab)
+    counts = torch.zeros(len(sub), vocab + 1).scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float))
+    counts = counts[:, :vocab]
+    prompt_ids = _pad([r.prompt_token_ids for r in sub], vocab)
+    seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool).scatter_(1, prompt_ids, True)[:, :vocab] | (counts > 0)
+    rep = torch.tensor([r.params.repetition_penalty for r in sub]).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub]).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in sub]).unsqueeze(1)
+    index = torch.tensor(rows)
+    x = logits[index]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * (counts > 0)
+    logits[index] = x
+
+
+def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """top-k, top-p and min-p on temperature-scaled logits [R, V], all rows at once."""
+    top_k = torch.tensor([r.params.top_k or logits.shape[-1] for r in reqs]).unsqueeze(1)
+    top_p = torch.tensor([r.params.top_p for r in reqs]).unsqueeze(1)
+    min_p = torch.tensor([r.params.min_p for r in reqs]).unsqueeze(1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1]).unsqueeze(0)
+    drop = ranks >= top_k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p  # keep the smallest prefix whose mass reaches top_p
+    drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+    logits = logits.float()
+    n = len(reqs)
+    want_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+
+    for i, r in enumerate(reqs):
+        p = r.params
+        if r.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+    penalized = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+    if penalized:
+        apply_penalties(logits, reqs, penalized)
+
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if random_rows:
+        sub = [reqs[i] for i in random_rows]
+        index = torch.tensor(random_rows)
+        x = logits[index] / torch.tensor([r.params.temperature for r in sub]).unsqueeze(1)
+        if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
+            x = _filter(x, sub)
+        probs = x.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for j, r in enumerate(sub):
+            if r.generator is not None:
+                noise[j].exponential_(generator=r.generator)
+        tokens[index] = (probs / noise).argmax(dim=-1)
+
+    token_list = tokens.tolist()
+    results = [SampleResult(t) for t in token_list]
+    if raw_logprobs is not None:
+        k = max(reqs[i].params.logprobs for i in want_logprobs)
+        top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+        chosen = torch.tensor([token_list[i] for i in want_logprobs])
+        chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        ranks = (raw_logprobs > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
+        for j, i in enumerate(want_logprobs):
+            res, kk = results[i], reqs[i].params.logprobs
+            res.logprob, res.rank = chosen_lp[j].item(), ranks[j].item()
+            res.top_logprobs = list(zip(top_ids[j, :kk].tolist(), top_vals[j, :kk].tolist())) if kk else []
+    assert len(results) == n
+    return results

@@ -1,0 +1,1 @@
+"""aserve's built-in scheduling policies, shipped as a plugin distribution of their own."""

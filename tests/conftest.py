@@ -1,0 +1,81 @@
+"""Tiny random models built with transformers' own config classes, and transformers as the reference."""
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from aserve.config import DEFAULT_MODEL_DIR
+
+VOCAB = 4096  # the embedded default model's tokenizer, reused by every tiny model
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              initializer_range=0.1, bos_token_id=0, eos_token_id=0)
+
+FAMILIES = {
+    "llama-gqa-tied": ("LlamaConfig", "LlamaForCausalLM",
+                       dict(tie_word_embeddings=True,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama-untied": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                          rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),
+}
+
+
+def build_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.float32)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
+
+
+def load_reference(path: Path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def reference_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own generate, one prompt at a time (no padding), stopping at eos like the engine."""
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 pad_token_id=0, eos_token_id=0)
+        outs.append(seq[0, len(ids):].tolist())
+    return outs
+
+
+def random_prompts(count: int, lengths=(3, 60), seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = prefix or []
+    return [prefix + [rng.randrange(1, VOCAB) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:
+    import json
+
+    c = json.loads((path / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return num_blocks * 2 * c["num_hidden_layers"] * block_size * c["num_key_value_heads"] * head_dim * dtype_bytes
