@@ -12,7 +12,7 @@ import torch
 
 from aserve.core.scheduler import SchedulerOutput
 from aserve.models.llama import LlamaForCausalLM
-from aserve.ops.attention import AttentionMetadata, PrefillChunk
+from aserve.ops.attention import AttentionMetadata, PrefillChunk, gather_index
 from aserve.request import Request
 from aserve.worker.sampler import SampleResult, sample
 
@@ -35,8 +35,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one KV block "
                              f"({per_block} bytes at block_size {block_size})")
         a = model.args
+        self.num_kv_heads = a.num_kv_heads
         # zeros (lazily mapped pages): unwritten slots are masked, but must not hold NaNs.
-        self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks, block_size, a.num_kv_heads, a.head_dim,
+        self.kv_cache = torch.zeros(a.num_layers, 2, a.num_kv_heads, self.num_blocks, block_size, a.head_dim,
                                     dtype=dtype)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
 
@@ -45,7 +46,7 @@ class ModelRunner:
         if sched.copies:
             src = torch.tensor([s for s, _ in sched.copies])
             dst = torch.tensor([d for _, d in sched.copies])
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
         if not sched.scheduled:
             return {}
         batch = [x for x in sched.scheduled if x[1] == 1] + [x for x in sched.scheduled if x[1] > 1]
@@ -84,15 +85,15 @@ class ModelRunner:
             context = starts_t[:num_decode] + 1
             num_blocks = int((context.max().item() + bs - 1) // bs)
             meta.num_decode_tokens = num_decode
-            meta.decode_block_tables = tables[:num_decode, :num_blocks]
-            meta.decode_mask = (torch.arange(num_blocks * bs).unsqueeze(0) < context.unsqueeze(1))[:, None, None, :]
+            meta.decode_rows = gather_index(tables[:num_decode, :num_blocks], self.num_kv_heads, self.num_blocks)
+            meta.decode_mask = (torch.arange(num_blocks * bs).unsqueeze(0) < context.unsqueeze(1))[None, :, None, :]
         row = num_decode
         for i in range(num_decode, len(batch)):
             start, n = starts[i], counts[i]
             chunk = PrefillChunk(row, row + n, start)
             if start:
                 total = start + n
-                chunk.block_table = tables[i, :(total + bs - 1) // bs]
+                chunk.rows = gather_index(tables[i, :(total + bs - 1) // bs], self.num_kv_heads, self.num_blocks)
                 chunk.mask = torch.arange(total).unsqueeze(0) <= (start + torch.arange(n)).unsqueeze(1)
             meta.prefills.append(chunk)
             row += n

@@ -1,7 +1,7 @@
 """Sampler: logits of the rows that sample this step -> next tokens (and logprobs), batched.
 
 Order as in vLLM: raw logprobs (for `logprobs`), min_tokens masking, penalties, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> an exponential race. A seeded request draws its noise from
+temperature -> top-k -> top-p -> min-p -> inverse-CDF sampling. A seeded request draws its uniform from
 its own generator, so its text does not depend on what else is in the batch.
 """
 from __future__ import annotations
@@ -77,20 +77,28 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
     if penalized:
         apply_penalties(logits, reqs, penalized)
 
-    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if len(random_rows) < n:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(n, dtype=torch.long)
     if random_rows:
         sub = [reqs[i] for i in random_rows]
         index = torch.tensor(random_rows)
-        x = logits[index] / torch.tensor([r.params.temperature for r in sub]).unsqueeze(1)
+        x = logits if len(random_rows) == n else logits[index]
+        temperatures = [r.params.temperature for r in sub]
+        if any(t != 1.0 for t in temperatures):
+            x = x / torch.tensor(temperatures).unsqueeze(1)
         if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
             x = _filter(x, sub)
-        probs = x.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        cdf = x.softmax(dim=-1).cumsum_(dim=-1)
+        uniform = torch.rand(len(sub), 1)
         for j, r in enumerate(sub):
             if r.generator is not None:
-                noise[j].exponential_(generator=r.generator)
-        tokens[index] = (probs / noise).argmax(dim=-1)
+                uniform[j] = torch.rand(1, generator=r.generator)
+        # inverse-CDF sampling: one uniform draw per row instead of one per vocabulary entry
+        picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        tokens[index] = picked.clamp_(max=logits.shape[-1] - 1)
 
     token_list = tokens.tolist()
     results = [SampleResult(t) for t in token_list]

@@ -1,0 +1,87 @@
+"""`aserve bench throughput`: offline throughput on random prompts of fixed lengths, as vLLM measures it.
+
+Random token ids, `ignore_eos` and fixed output lengths, so every engine does the same work. With
+`--compare-transformers` the same workload then runs through transformers' `generate` in this process,
+and the ratio is printed: a baseline measured in the same command, on the same machine state.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: the embedded model)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default="4GiB")
+    parser.add_argument("--compare-transformers", action="store_true",
+                        help="then run transformers' generate on the same workload (batched) and print the ratio")
+
+
+def random_prompts(num: int, length: int, vocab_size: int, avoid: set[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in avoid]
+    return [[rng.choice(allowed) for _ in range(length)] for _ in range(num)]
+
+
+def report(label: str, num: int, total_tokens: int, output_tokens: int, elapsed: float) -> float:
+    print(f"{label}Throughput: {num / elapsed:.2f} requests/s, {total_tokens / elapsed:.2f} total tokens/s, "
+          f"{output_tokens / elapsed:.2f} output tokens/s", flush=True)
+    return output_tokens / elapsed
+
+
+def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, dtype: str) -> float:
+    import torch
+    import transformers
+
+    torch_dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:1, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,
+                                       "attention_mask": torch.ones(1, 8, dtype=torch.long)})
+        start = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return report("transformers ", len(prompts), ids.numel() + generated, generated, elapsed)
+
+
+def main(args: argparse.Namespace) -> None:
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory)
+    engine = llm.engine
+    prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
+                             set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed)
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    total = sum(len(p) for p in prompts) + output_tokens
+    ours = report("", len(prompts), total, output_tokens, elapsed)
+    if args.compare_transformers:
+        del llm, engine
+        theirs = run_transformers(engine_model_dir(args.model), prompts, args.output_len, args.dtype)
+        print(f"output tokens/s ratio aserve/transformers = {ours / theirs:.2f}")
+        report("", len(prompts), total, output_tokens, elapsed)  # vLLM's format stays the last line
+
+
+def engine_model_dir(model: str | None) -> str:
+    from aserve.config import DEFAULT_MODEL_DIR
+
+    return model or str(DEFAULT_MODEL_DIR)
