@@ -1,7 +1,7 @@
 """SamplingParams: vLLM's names and meanings, so a vLLM script ports by changing the import."""
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -72,7 +72,5 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def clone(self, **changes) -> "SamplingParams":
-        new = copy.copy(self)
-        for k, v in changes.items():
-            setattr(new, k, v)
-        return new
+        """A copy with some fields changed, normalized and validated like a new one."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,74 @@
+"""BlockPool and KVCacheManager without a model: LRU eviction, prefix revival, copy-on-write."""
+from aserve.core.block_pool import BlockPool
+from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.request import Request, RequestStatus
+from aserve.sampling_params import SamplingParams
+
+
+def make(tokens, rid="r"):
+    return Request(rid, tokens, SamplingParams())
+
+
+def test_lru_free_list_evicts_least_recently_freed_first():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    pool.cache(a, b"ha", (1,))
+    pool.cache(b, b"hb", (2,))
+    pool.release(b)
+    pool.release(a)
+    pool.release(c)
+    assert pool.lookup(b"ha", (1,)) == a and pool.lookup(b"hb", (2,)) == b
+    assert pool.lookup(b"ha", (9,)) is None  # the collision guard compares token ids
+    assert pool.allocate() == b  # freed first, evicted first: its hash is forgotten
+    assert pool.lookup(b"hb", (2,)) is None and pool.lookup(b"ha", (1,)) == a
+    pool.acquire(a)  # revive a cached free block
+    assert pool.num_free == 1 and pool.ref_count(a) == 1
+
+
+def test_prefix_hits_share_blocks_and_last_token_is_recomputed():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = make(list(range(1, 13)), "a")  # 3 full blocks
+    assert kv.allocate_slots(first, 12)
+    first.num_computed_tokens = 12
+    kv.cache_full_blocks(first)
+    second = make(list(range(1, 13)) + [99], "b")
+    hits, num = kv.find_computed(second)
+    assert hits == first.block_table and num == 12
+    same = make(list(range(1, 13)), "c")
+    hits, num = kv.find_computed(same)
+    assert num == 8  # at least the last prompt token is always computed
+    assert kv.allocate_slots(second, 1, *kv.find_computed(second))
+    assert second.block_table[:3] == first.block_table and second.num_computed_tokens == 12
+    assert all(kv.pool.ref_count(b) == 2 for b in first.block_table)
+    kv.free(first)
+    kv.free(second)
+    kv.check_all_free()
+
+
+def test_copy_on_write_of_a_shared_partial_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent = make([1, 2, 3, 4, 5, 6], "p")
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    parent.status = RequestStatus.RUNNING
+    child = make([1, 2, 3, 4, 5, 6], "c")
+    child.fork_parent = parent
+    blocks, num = kv.find_computed(child)
+    assert blocks == parent.block_table and num == 5
+    assert kv.allocate_slots(child, 1, blocks, num)
+    assert child.block_table[0] == parent.block_table[0]  # the full block is shared
+    assert child.block_table[1] != parent.block_table[1]  # the partial one was copied before the write
+    assert kv.take_copies() == [(parent.block_table[1], child.block_table[1])]
+    assert kv.pool.ref_count(parent.block_table[0]) == 2 and kv.pool.ref_count(parent.block_table[1]) == 1
+    kv.free(child)
+    kv.free(parent)
+    kv.check_all_free()
+
+
+def test_allocation_fails_cleanly_when_blocks_run_out():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r = make(list(range(1, 10)))
+    assert not kv.allocate_slots(r, 9)
+    assert r.block_table == [] and kv.num_free_blocks == 2
+    assert kv.allocate_slots(r, 8)
+    assert kv.num_free_blocks == 0

@@ -1,0 +1,204 @@
+"""Engine behaviour: block accounting, aborts, sampling options, stop conditions and bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.request import RequestStatus
+from conftest import kv_memory_for_blocks, load_reference, random_prompts
+
+PROMPTS = random_prompts(12, lengths=(5, 50), seed=7)
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    return LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB")
+
+
+def token_prompts(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def drain(engine):
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return outs
+
+
+def test_blocks_all_free_after_finish_preempt_and_abort(model_dirs):
+    path = model_dirs["llama-gqa-tied"]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=kv_memory_for_blocks(path, 10))
+    engine = llm.engine
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, n=3, seed=1)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, sampled if i % 4 == 0 else GREEDY, request_id=f"r{i}")
+    aborted = set()
+    for step in range(40):
+        engine.step()
+        if step in (3, 9, 15, 22):  # abort a running one, a waiting one, a group mid-fork...
+            victim = next(r for r in (f"r{i}" for i in (0, 11, 4, 5, 8)) if r in engine.requests and r not in aborted)
+            final = engine.abort(victim)[0]
+            assert final.finished and all(o.finish_reason in ("abort", "stop", "length") for o in final.outputs)
+            aborted.add(victim)
+    drain(engine)
+    assert engine.scheduler.num_preemptions > 0
+    engine.check_idle()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24)
+    alone = llm.generate(token_prompts([PROMPTS[0]]), params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=30 - i) for i in range(16)]
+    batch = llm.generate(token_prompts(PROMPTS[1:] + PROMPTS[:5] + [PROMPTS[0]]), others + [params], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+    again = llm.generate(token_prompts([PROMPTS[0]]), params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    engine = llm.engine
+    prompt = PROMPTS[3] + PROMPTS[4]  # several full blocks
+    engine.add_request(prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8), request_id="fork")
+    samples = engine.requests["fork"]
+    while not all(s.status == RequestStatus.RUNNING for s in samples):
+        engine.step()
+    full = (len(prompt) - 1) // engine.kv.block_size
+    parent_blocks = samples[0].block_table[:full]
+    for child in samples[1:]:
+        assert child.block_table[:full] == parent_blocks
+    assert all(engine.kv.pool.ref_count(b) == 3 for b in parent_blocks)
+    outs = drain(engine)["fork"].outputs
+    assert [o.index for o in outs] == [0, 1, 2] and all(len(o.token_ids) == 8 for o in outs)
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # different seeds: different samples
+    engine.check_idle()
+
+
+def test_sampling_filters_that_reduce_to_greedy(llm):
+    greedy = [o.outputs[0].token_ids for o in llm.generate(token_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False)]
+    for params in (SamplingParams(temperature=1.0, top_k=1, max_tokens=20),
+                   SamplingParams(temperature=0.7, top_p=1e-6, max_tokens=20),
+                   SamplingParams(temperature=1.0, min_p=1.0, max_tokens=20)):
+        got = [o.outputs[0].token_ids for o in llm.generate(token_prompts(PROMPTS[:4]), params, use_tqdm=False)]
+        assert got == greedy, params
+
+
+def test_repetition_penalty_matches_transformers(llm, model_dirs):
+    params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.5)
+    ours = [o.outputs[0].token_ids for o in llm.generate(token_prompts(PROMPTS[:3]), params, use_tqdm=False)]
+    model = load_reference(model_dirs["llama-gqa-tied"])
+    for prompt, got in zip(PROMPTS[:3], ours):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, repetition_penalty=1.5,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
+                             eos_token_id=0)
+        assert got == ref[0, len(prompt):].tolist()
+
+
+def test_presence_and_frequency_penalties_change_greedy_choice(llm):
+    base = llm.generate(token_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False)
+    pen = llm.generate(token_prompts(PROMPTS[:4]), SamplingParams(temperature=0, max_tokens=20, frequency_penalty=2.0,
+                                                                  presence_penalty=2.0), use_tqdm=False)
+    for b, p in zip(base, pen):
+        # the penalized output repeats no more than the plain one
+        assert len(set(p.outputs[0].token_ids)) >= len(set(b.outputs[0].token_ids))
+    assert any(b.outputs[0].token_ids != p.outputs[0].token_ids for b, p in zip(base, pen))
+
+
+def test_stop_strings_spanning_tokens(llm):
+    prompt = PROMPTS[2]
+    full = llm.generate(token_prompts([prompt]), GREEDY, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    # a stop string that starts inside token 3's text and ends inside token 5's
+    boundary = len(pieces[4])
+    stop = full.text[boundary - 2:boundary + 2] if len(full.text) > boundary + 2 else full.text[-3:]
+    assert stop and stop in full.text
+    out = llm.generate(token_prompts([prompt]), GREEDY.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)]
+    kept = llm.generate(token_prompts([prompt]), GREEDY.clone(stop=stop, include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[:full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_min_tokens_and_lengths(llm):
+    prompt = PROMPTS[5]
+    full = llm.generate(token_prompts([prompt]), GREEDY, use_tqdm=False)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    first = full.token_ids[0]
+    out = llm.generate(token_prompts([prompt]), GREEDY.clone(stop_token_ids=[first]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop" and out.stop_reason == first
+    later = llm.generate(token_prompts([prompt]), GREEDY.clone(stop_token_ids=[first], min_tokens=3),
+                         use_tqdm=False)[0].outputs[0]
+    assert len(later.token_ids) >= 3 and first not in later.token_ids[:3]
+
+
+def test_generation_config_eos_ids_stop(model_dirs, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(model_dirs["llama-gqa-tied"], path)
+    probe = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    first = probe.generate(token_prompts([PROMPTS[6]]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids[0]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, first]}))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="8MiB")
+    out = llm.generate(token_prompts([PROMPTS[6]]), GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    ignored = llm.generate(token_prompts([PROMPTS[6]]), GREEDY.clone(ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(ignored.token_ids) == 20
+
+
+def test_text_prompts_and_input_order(llm):
+    prompts = ["def add(a, b):", "import sys", {"prompt": "class A:"}, [5, 6, 7]]
+    outs = llm.generate(prompts, [GREEDY.clone(max_tokens=m) for m in (3, 9, 5, 7)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 5, 7]
+    assert outs[0].prompt == "def add(a, b):" and outs[0].prompt_token_ids == llm.get_tokenizer().encode(prompts[0])
+    assert outs[3].prompt is None and outs[3].prompt_token_ids == [5, 6, 7]
+    text = outs[1].outputs[0].text
+    assert text == llm.get_tokenizer().decode(outs[1].outputs[0].token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [1, 2, 99999]}, "99999"),
+    ({"prompt_token_ids": [1] * 600}, "max_model_len"),
+])
+def test_bad_prompts_are_rejected_and_the_engine_keeps_serving(llm, bad, message):
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], GREEDY, request_id="good-before")
+    engine.step()
+    with pytest.raises(ValueError, match=message):
+        llm.generate([bad], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(bad["prompt_token_ids"], GREEDY)
+    outs = drain(engine)
+    expected = llm.generate(token_prompts([PROMPTS[0]]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert outs["good-before"].outputs[0].token_ids == expected
+    engine.check_idle()
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("n", 0, ">= 1"), ("temperature", -1, ">= 0"), ("top_p", 0, r"\(0, 1\]"), ("top_k", -5, "disabled"),
+    ("min_p", 1.5, r"\[0, 1\]"), ("max_tokens", 0, ">= 1"), ("presence_penalty", 3, r"\[-2, 2\]"),
+    ("repetition_penalty", 0, "> 0"), ("logprobs", 50, r"\[0, 20\]"),
+])
+def test_invalid_sampling_params_name_the_field(field, value, allowed):
+    with pytest.raises(ValueError, match=f"{field} must be .*{allowed}"):
+        SamplingParams(**{field: value})
+
+
+def test_requests_that_can_never_fit(model_dirs):
+    path = model_dirs["qwen2"]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=kv_memory_for_blocks(path, 4))
+    with pytest.raises(ValueError, match="whole cache has 4"):
+        llm.generate(token_prompts([PROMPTS[0]]), SamplingParams(max_tokens=80), use_tqdm=False)
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        llm.generate(token_prompts([PROMPTS[0]]), SamplingParams(max_tokens=510), use_tqdm=False)
+    assert llm.generate(token_prompts([PROMPTS[0][:10]]), SamplingParams(max_tokens=5), use_tqdm=False)
+    llm.engine.check_idle()

@@ -1,0 +1,120 @@
+"""Loading from local Hugging Face folders: sharded checkpoints, dtypes, and errors that name the culprit."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.config import parse_memory
+from aserve.models.loader import load_model
+from conftest import random_prompts
+
+PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(4, lengths=(5, 30), seed=11)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def copy_model(model_dirs, tmp_path, family="llama-untied"):
+    path = tmp_path / family
+    shutil.copytree(model_dirs[family], path)
+    return path
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_sharded_checkpoint_gives_the_same_output(model_dirs, tmp_path):
+    import transformers
+
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(model_dirs["qwen3"]).save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dirs["qwen3"] / name, sharded / name)
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    a = LLM(str(model_dirs["qwen3"]), dtype="float32", kv_cache_memory="8MiB").generate(PROMPTS, GREEDY, use_tqdm=False)
+    b = LLM(str(sharded), dtype="float32", kv_cache_memory="8MiB").generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+@pytest.mark.parametrize("dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16),
+                                             ("float16", torch.float16), ("float32", torch.float32)])
+def test_dtypes(model_dirs, dtype, expected):
+    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype=dtype, kv_cache_memory="8MiB")
+    assert llm.engine.dtype == expected and llm.engine.runner.kv_cache.dtype == expected
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+
+
+def test_missing_folder_and_files(model_dirs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    path = copy_model(model_dirs, tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(path)
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(path)
+
+
+def test_unsupported_architecture(model_dirs, tmp_path):
+    path = copy_model(model_dirs, tmp_path)
+    edit_config(path, architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(ValueError, match="config.json: architectures .*GPTNeoXForCausalLM.* not supported"):
+        load_model(path)
+
+
+def test_shape_mismatch_names_the_tensor(model_dirs, tmp_path):
+    path = copy_model(model_dirs, tmp_path)
+    edit_config(path, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.layers.0.mlp.(gate|up|down)_proj.weight' has shape \(64, 128\), the config implies \(64, 96\)|has shape \(128, 64\), the config implies \(96, 64\)"):
+        load_model(path)
+
+
+def test_missing_field_is_named(model_dirs, tmp_path):
+    path = copy_model(model_dirs, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    del config["hidden_size"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'hidden_size'"):
+        load_model(path)
+
+
+def test_missing_weights_are_named(model_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_model(model_dirs, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        load_model(path)
+
+
+def test_memory_sizes():
+    assert parse_memory("4GiB") == 4 * 1024 ** 3
+    assert parse_memory("512MiB") == 512 * 1024 ** 2
+    assert parse_memory("2GB") == 2 * 1000 ** 3
+    assert parse_memory("1.5G") == int(1.5 * 1024 ** 3)
+    assert parse_memory(12345) == 12345 and parse_memory("12345") == 12345
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_memory("lots")
+
+
+def test_kv_budget_sets_block_count(model_dirs):
+    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="1MiB", block_size=8)
+    per_block = 2 * 2 * 8 * 2 * 16 * 4  # K and V, 2 layers, 8 tokens, 2 kv heads, head_dim 16, fp32
+    assert llm.engine.kv.num_blocks == (1024 * 1024) // per_block
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory=100)
+
+
+def test_embedded_default_model_loads():
+    llm = LLM(kv_cache_memory="16MiB")
+    out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8 and isinstance(out.outputs[0].text, str)
