@@ -40,7 +40,7 @@ def generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aserve").setLevel(args.log_level.upper())
     try:
         if args.command == "bench":
             from aserve.bench import throughput

@@ -1,11 +1,18 @@
 """Engine options in one place, with the parsing that the CLI, LLM and AsyncLLM share."""
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+log = logging.getLogger("aserve")
+
+# vLLM engine arguments a ported script may pass that mean nothing here (with their harmless values).
+VLLM_ONLY_OPTIONS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpu_memory_utilization": None,
+                     "enforce_eager": None, "trust_remote_code": None, "disable_log_stats": None,
+                     "distributed_executor_backend": None, "disable_custom_all_reduce": None}
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -48,6 +55,10 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
         known = {f.name for f in fields(cls)}
+        for name in set(kwargs) & set(VLLM_ONLY_OPTIONS):
+            value = kwargs.pop(name)
+            if value != VLLM_ONLY_OPTIONS[name]:
+                log.warning("ignoring vLLM option %s=%r: it has no meaning in aserve", name, value)
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
