@@ -14,6 +14,7 @@ from aserve.core.scheduler import SchedulerOutput
 from aserve.models.llama import LlamaForCausalLM
 from aserve.ops.attention import AttentionMetadata, PrefillChunk, gather_index
 from aserve.request import Request
+from aserve.worker.host_memory import keep_large_allocations_in_heap
 from aserve.worker.sampler import SampleResult, sample
 
 log = logging.getLogger("aserve")
@@ -34,12 +35,18 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one KV block "
                              f"({per_block} bytes at block_size {block_size})")
+        if self.kv_device_is_cpu(model):
+            keep_large_allocations_in_heap()
         a = model.args
         self.num_kv_heads = a.num_kv_heads
         # zeros (lazily mapped pages): unwritten slots are masked, but must not hold NaNs.
         self.kv_cache = torch.zeros(a.num_layers, 2, a.num_kv_heads, self.num_blocks, block_size, a.head_dim,
                                     dtype=dtype)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
+
+    @staticmethod
+    def kv_device_is_cpu(model: LlamaForCausalLM) -> bool:
+        return next(model.parameters()).device.type == "cpu"
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[Request, SampleResult]:
