@@ -10,9 +10,10 @@ if os.environ.get("ASERVE_CONFIGURE_LOGGING", "1") != "0" and not logging.getLog
     logging.getLogger("aserve").setLevel(logging.INFO)
     logging.getLogger("aserve").propagate = False
 
+from aserve.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from aserve.llm import LLM  # noqa: E402
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from aserve.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

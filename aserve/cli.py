@@ -1,5 +1,6 @@
-"""The `aserve` command. Alone it runs a generation on the embedded default model (the server comes with
-the next issue); `aserve bench throughput ...` measures offline throughput."""
+"""The `aserve` command. Alone (or as `aserve serve ...`) it serves the OpenAI-compatible API on
+127.0.0.1:8000, by default on the embedded model; `aserve generate` runs an offline generation;
+`aserve bench throughput|serve ...` measure."""
 from __future__ import annotations
 
 import argparse
@@ -8,13 +9,18 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aserve.bench import throughput
+    from aserve.bench import serve as bench_serve, throughput
+    from aserve.server import launch
 
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser = argparse.ArgumentParser(prog="aserve", description=__doc__)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text offline (the default command)")
+    launch.add_arguments(sub.add_parser("serve", parents=[common],
+                                        help="serve the OpenAI-compatible API (the default command)"))
+
+    gen = sub.add_parser("generate", parents=[common], help="generate text offline on a model")
     gen.add_argument("--model", default=None)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -24,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    throughput.add_arguments(bench_sub.add_parser("throughput", help="offline throughput on random prompts"))
+    throughput.add_arguments(bench_sub.add_parser("throughput", parents=[common],
+                                                  help="offline throughput on random prompts"))
+    bench_serve.add_arguments(bench_sub.add_parser("serve", parents=[common],
+                                                   help="online serving benchmark against a running server"))
     return parser
 
 
@@ -38,18 +47,30 @@ def generate(args: argparse.Namespace) -> None:
         print(f"--- {out.prompt!r}\n{out.prompt}{out.outputs[0].text}\n")
 
 
+COMMANDS = ("serve", "generate", "bench")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["serve"] + argv  # `aserve --model X` is `aserve serve --model X`
     args = build_parser().parse_args(argv)
     logging.getLogger("aserve").setLevel(args.log_level.upper())
     try:
-        if args.command == "bench":
+        if args.command == "bench" and args.bench_command == "throughput":
             from aserve.bench import throughput
 
             throughput.main(args)
-        else:
-            if args.command is None:
-                args = build_parser().parse_args(["generate"])
+        elif args.command == "bench":
+            from aserve.bench import serve as bench_serve
+
+            bench_serve.main(args)
+        elif args.command == "generate":
             generate(args)
+        else:
+            from aserve.server import launch
+
+            launch.serve(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -67,7 +67,7 @@ class LLM:
         for (text, ids), sp, prio in zip(items, params, priorities):
             request_id = f"gen-{self._counter}"
             self._counter += 1
-            self.engine.add_request(ids, sp, request_id=request_id, prompt=text, priority=prio)
+            self.engine.add_request(ids, sp, request_id=request_id, prompt=text, priority=prio, output_kind="final")
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
 

@@ -38,6 +38,25 @@ class RequestOutput:
     finished: bool = False
     metrics: dict = field(default_factory=dict)
 
+    def merge(self, newer: "RequestOutput") -> None:
+        """Fold a later delta into this one (what a slow consumer's collector does instead of queueing)."""
+        by_index = {o.index: o for o in self.outputs}
+        for new in newer.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = newer.finished
+        self.metrics = newer.metrics or self.metrics
+
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
                 f"outputs={self.outputs}, finished={self.finished})")

@@ -81,7 +81,7 @@ class EngineCore:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, output_kind: str = "cumulative") -> str:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
@@ -99,7 +99,7 @@ class EngineCore:
             child.fork_parent = first
         first.pending_forks = samples[1:]
         self.requests[request_id] = samples
-        self.outputs.add_group(request_id, prompt, prompt_token_ids, samples)
+        self.outputs.add_group(request_id, prompt, prompt_token_ids, samples, output_kind)
         self.scheduler.add_request(first)
         return request_id
 
@@ -127,7 +127,7 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for each prompt that advanced (cumulative, as vLLM's offline API)."""
+        """Run one batch; return an output, in each request's output kind, for each prompt that advanced."""
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -149,11 +149,12 @@ class EngineCore:
                 touched.append(req.group_id)
         results = []
         for group_id in touched:
-            samples = self.requests[group_id]
-            if all(r.is_finished for r in samples):
+            if all(r.is_finished for r in self.requests[group_id]):
                 results.append(self._finish_group(group_id))
             else:
-                results.append(self.outputs.make_output(group_id))
+                output = self.outputs.make_output(group_id)
+                if output is not None:
+                    results.append(output)
         return results
 
     def _finish_group(self, group_id: str) -> RequestOutput:

@@ -1,5 +1,9 @@
 """OutputProcessor: incremental detokenization, stop strings, and RequestOutputs grouped per prompt.
 
+Outputs come in three kinds: "cumulative" (everything so far, vLLM's offline default), "delta" (only
+what is new since the last output, for streaming; text that could be the start of a stop string is held
+back until it is decided) and "final" (one cumulative output when the prompt's samples are all done).
+
 Detokenization uses `tokenizers.decoders.DecodeStream`, primed with the prompt so the first piece of
 output gets its spacing right and multi-byte characters split across tokens come out whole.
 """
@@ -24,6 +28,9 @@ class SequenceText:
         self.logprobs: list[dict[int, Logprob]] | None = [] if req.params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if req.params.logprobs is not None else None
         self._stream = self._new_stream()
+        self.sent_text = self.sent_tokens = 0  # what delta outputs have already carried
+        self.sent_finish = False
+        self.holdback = max((len(s) for s in req.params.stop), default=1) - 1
 
     def _new_stream(self):
         if self.backend is None:
@@ -54,15 +61,40 @@ class SequenceText:
         return None
 
 
+    def completion(self, cumulative: bool) -> CompletionOutput | None:
+        """This sample's output: everything so far, or only what is new (None if nothing is)."""
+        req = self.req
+        finish = req.status.value if req.is_finished else None
+        if cumulative:
+            return CompletionOutput(req.index, self.text, list(req.output_token_ids), self.cumulative_logprob,
+                                    list(self.logprobs) if self.logprobs is not None else None, finish,
+                                    req.stop_reason)
+        end = len(self.text) if finish else max(self.sent_text, len(self.text) - self.holdback)
+        tokens = req.output_token_ids[self.sent_tokens:]
+        if end == self.sent_text and not tokens and (self.sent_finish or not finish):
+            return None
+        out = CompletionOutput(req.index, self.text[self.sent_text:end], tokens, self.cumulative_logprob,
+                               self.logprobs[self.sent_tokens:] if self.logprobs is not None else None, finish,
+                               req.stop_reason)
+        self.sent_text, self.sent_tokens, self.sent_finish = end, len(req.output_token_ids), finish is not None
+        return out
+
+
+OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.groups: dict[str, tuple[str | None, list[int], list[Request]]] = {}
+        self.groups: dict[str, tuple[str | None, list[int], list[Request], str]] = {}
         self.texts: dict[Request, SequenceText] = {}
 
-    def add_group(self, group_id: str, prompt: str | None, prompt_token_ids: list[int], reqs: list[Request]) -> None:
-        self.groups[group_id] = (prompt, prompt_token_ids, reqs)
+    def add_group(self, group_id: str, prompt: str | None, prompt_token_ids: list[int], reqs: list[Request],
+                  output_kind: str = "cumulative") -> None:
+        if output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {output_kind!r}")
+        self.groups[group_id] = (prompt, prompt_token_ids, reqs, output_kind)
         for req in reqs:
             self.texts[req] = SequenceText(req, self.backend)
 
@@ -80,20 +112,19 @@ class OutputProcessor:
             return seq.find_stop(piece)
         return None
 
-    def make_output(self, group_id: str) -> RequestOutput:
-        prompt, prompt_token_ids, reqs = self.groups[group_id]
-        outputs = []
-        for req in reqs:
-            seq = self.texts[req]
-            outputs.append(CompletionOutput(
-                index=req.index, text=seq.text, token_ids=list(req.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason))
+    def make_output(self, group_id: str) -> RequestOutput | None:
+        """The group's output in its kind; None when a delta has nothing new or a final one is not due."""
+        prompt, prompt_token_ids, reqs, kind = self.groups[group_id]
         finished = all(req.is_finished for req in reqs)
+        if kind == "final" and not finished:
+            return None
+        outputs = [self.texts[req].completion(cumulative=kind != "delta") for req in reqs]
+        outputs = [o for o in outputs if o is not None]
+        if not outputs and not finished:
+            return None
         return RequestOutput(group_id, prompt, list(prompt_token_ids), outputs, finished)
 
     def release(self, group_id: str) -> None:
-        _, _, reqs = self.groups.pop(group_id)
+        _, _, reqs, _ = self.groups.pop(group_id)
         for req in reqs:
             self.texts.pop(req, None)

@@ -1,0 +1,161 @@
+"""`aserve bench serve`: an online benchmark against a running OpenAI-compatible server.
+
+Random token-id prompts of fixed lengths with `ignore_eos` (the workload of `aserve bench throughput`),
+sent at a Poisson rate (or all at once) as streaming completions; it reports throughput and
+TTFT / TPOT / ITL / end-to-end latency in the layout of vLLM's `bench serve`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from aserve.bench.throughput import random_prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="the served model name (default: the server's first model)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests/s (Poisson); inf = all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=os.environ.get("ASERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def _one(client, url, body, headers) -> RequestResult:
+    start = time.perf_counter()
+    last, result = start, RequestResult(ok=False, prompt_tokens=len(body["prompt"]))
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def pick(q):
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
+        card = (await client.get("/v1/models")).json()["data"][0]
+        model = args.model or card["id"]
+        prompts = random_prompts(args.num_prompts, args.input_len, card.get("vocab_size", 1000), {0}, args.seed)
+        rng = random.Random(args.seed)
+        gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
+
+        async def send(prompt):
+            async with gate:
+                body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
+                        "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+                return await _one(client, "/v1/completions", body, {})
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(send(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration)
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in ok)
+    total_in = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5], "duration_s": duration,
+        "total_input_tokens": total_in, "total_output_tokens": output,
+        "request_throughput": len(ok) / duration, "output_throughput": output / duration,
+        "total_token_throughput": (total_in + output) / duration,
+        "ttft_ms": {k: v * 1000 for k, v in _percentiles([r.ttft for r in ok]).items()},
+        "tpot_ms": {k: v * 1000 for k, v in _percentiles(tpot).items()},
+        "itl_ms": {k: v * 1000 for k, v in _percentiles([x for r in ok for x in r.itl]).items()},
+        "e2el_ms": {k: v * 1000 for k, v in _percentiles([r.e2e for r in ok]).items()},
+    }
+
+
+def print_report(s: dict) -> None:
+    def line(label, value):
+        print(f"{label:<40}{value:<10.2f}" if isinstance(value, float) else f"{label:<40}{value:<10}")
+    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
+    line("Successful requests:", s["successful_requests"])
+    line("Failed requests:", s["failed_requests"])
+    line("Benchmark duration (s):", s["duration_s"])
+    line("Total input tokens:", s["total_input_tokens"])
+    line("Total generated tokens:", s["total_output_tokens"])
+    line("Request throughput (req/s):", s["request_throughput"])
+    line("Output token throughput (tok/s):", s["output_throughput"])
+    line("Total Token throughput (tok/s):", s["total_token_throughput"])
+    for key, title, short in (("ttft_ms", "Time to First Token", "TTFT"),
+                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl_ms", "Inter-token Latency", "ITL"), ("e2el_ms", "End-to-end Latency", "E2EL")):
+        print("{s:{c}^50}".format(s=title, c="-"))
+        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
+            line(f"{name} {short} (ms):", s[key][stat])
+    print("=" * 50)
+    for error in s["errors"]:
+        print(f"error: {error}")
+
+
+def main(args: argparse.Namespace) -> None:
+    summary = asyncio.run(run(args))
+    print_report(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "api_key"}, **summary}, f, indent=2,
+                      default=str)
+

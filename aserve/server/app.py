@@ -1,0 +1,159 @@
+"""The HTTP app: routes, API-key guard, and the rule that no input produces a 500 or a traceback.
+
+The server knows AsyncLLM's public API and nothing of the engine's internals.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from typing import Awaitable, Callable
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+import aserve
+from aserve.config import DEFAULT_MODEL_DIR
+from aserve.engine.async_llm import AsyncLLM, EngineDeadError
+from aserve.server import openai, protocol as p
+from aserve.server.errors import APIError, error_response, from_exception
+from aserve.server.http import json_response, parse, until_disconnect
+from aserve.server.openai import ServerContext
+
+log = logging.getLogger("aserve")
+
+DEFAULT_MODEL_NAME = "aserve-default"
+OPEN_PATHS = ("/health", "/version", "/metrics", "/state")  # everything else needs the API key if one is set
+
+
+class APIKeyGuard:
+    """ASGI middleware: Bearer token on the API routes, compared in constant time."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            response = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                                      code="invalid_api_key")
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def api_route(ctx: ServerContext, handler: Callable[[ServerContext, Request], Awaitable[Response]]):
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(ctx, request)
+        except EngineDeadError as exc:
+            return error_response(503, f"the engine is not available: {exc}")
+        except Exception as exc:  # noqa: BLE001 - answer every input with JSON, never a traceback
+            try:
+                return from_exception(exc)
+            except Exception:
+                log.exception("unexpected error in %s", request.url.path)
+                return error_response(500, "internal error: the server could not process this request")
+    return endpoint
+
+
+async def health(ctx: ServerContext, request: Request) -> Response:
+    if ctx.engine.is_healthy:
+        return Response(status_code=200)
+    return error_response(503, f"the engine core is dead: {ctx.engine.dead_error!r}")
+
+
+async def version(ctx: ServerContext, request: Request) -> Response:
+    return json_response({"version": aserve.__version__})
+
+
+async def models(ctx: ServerContext, request: Request) -> Response:
+    core = ctx.engine.core
+    card = p.ModelCard(ctx.model_name, int(time.time()), core.max_model_len, core.vocab_size, root=ctx.engine.config.model)
+    return json_response(p.ModelList([card]))
+
+
+async def state(ctx: ServerContext, request: Request) -> Response:
+    return json_response(await ctx.engine.state())
+
+
+async def tokenize(ctx: ServerContext, request: Request) -> Response:
+    req = await parse(request, p.TokenizeRequest, ctx.max_body_bytes)
+    ctx.check_model(req.model)
+    tokenizer = ctx.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", "prompt")
+    if req.messages is not None:
+        ids = (await openai.chat_prompt(ctx, req.messages, req.add_generation_prompt)).token_ids
+    else:
+        ids = await ctx.engine.run_in_tokenizer_pool(
+            lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    return json_response({"count": len(ids), "max_model_len": ctx.engine.core.max_model_len, "tokens": ids})
+
+
+async def detokenize(ctx: ServerContext, request: Request) -> Response:
+    req = await parse(request, p.DetokenizeRequest, ctx.max_body_bytes)
+    ctx.check_model(req.model)
+    vocab = ctx.engine.core.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", "tokens")
+    return json_response({"prompt": ctx.engine.tokenizer.decode(req.tokens)})
+
+
+async def generate(ctx: ServerContext, request: Request) -> Response:
+    """vLLM's /generate: `{"text": [prompt + output, ...]}`; streamed as such objects, each followed by NUL."""
+    req = await parse(request, p.GenerateRequest, ctx.max_body_bytes)
+    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
+    prompts = await openai.prepare_prompts(ctx, req.prompt if isinstance(req.prompt, str) else [req.prompt])
+    openai.validate_all(ctx, prompts, params)
+    prompt = prompts[0]
+    prefix = prompt.text if prompt.text is not None else ctx.engine.tokenizer.decode(prompt.token_ids)
+    source = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+
+    if req.stream:
+        async def chunks():
+            async for out in ctx.engine.generate(source, params, None, req.priority, "cumulative"):
+                yield msgspec.json.encode({"text": [prefix + o.text for o in out.outputs]}) + b"\0"
+        return StreamingResponse(chunks(), media_type="application/json")
+    final = await until_disconnect(request, ctx.engine.infer(source, params, None, req.priority))
+    return json_response({"text": [prefix + o.text for o in final.outputs]})
+
+
+def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
+              max_body_bytes: int = 8 * 1024 * 1024, root_path: str = "") -> Starlette:
+    model_name = served_model_name or engine.config.served_model_name or (
+        DEFAULT_MODEL_NAME if engine.config.model == str(DEFAULT_MODEL_DIR) else engine.config.model)
+    aliases = frozenset({model_name, engine.config.model})
+    ctx = ServerContext(engine, model_name, aliases, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await engine.shutdown()
+
+    routes = [
+        Route("/health", api_route(ctx, health), methods=["GET"]),
+        Route("/version", api_route(ctx, version), methods=["GET"]),
+        Route("/state", api_route(ctx, state), methods=["GET"]),
+        Route("/v1/models", api_route(ctx, models), methods=["GET"]),
+        Route("/v1/completions", api_route(ctx, openai.completions), methods=["POST"]),
+        Route("/v1/chat/completions", api_route(ctx, openai.chat_completions), methods=["POST"]),
+        Route("/tokenize", api_route(ctx, tokenize), methods=["POST"]),
+        Route("/detokenize", api_route(ctx, detokenize), methods=["POST"]),
+        Route("/generate", api_route(ctx, generate), methods=["POST"]),
+    ]
+
+    async def not_found(request, exc):
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    app.root_path = root_path
+    app.add_middleware(APIKeyGuard, api_key=api_key)
+    return app

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible routes: /v1/completions and /v1/chat/completions, plain and streamed (SSE)."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from aserve.engine.async_llm import AsyncLLM
+from aserve.outputs import CompletionOutput, Logprob, RequestOutput
+from aserve.server import protocol as p
+from aserve.server.errors import APIError
+from aserve.server.http import SSE_DONE, json_response, merge_streams, parse, sse, until_disconnect
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncLLM
+    model_name: str
+    model_aliases: frozenset[str]
+    max_body_bytes: int
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_aliases:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+
+
+@dataclass
+class Prepared:
+    text: str | None
+    token_ids: list[int]
+
+
+async def prepare_prompts(ctx: ServerContext, raw) -> list[Prepared]:
+    """A completions prompt (string, strings, token ids, lists of token ids) as token-id prompts."""
+    if isinstance(raw, str):
+        raw = [raw]
+    if not raw:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(x, int) for x in raw):
+        raw = [raw]
+    if not all(isinstance(x, (str, list)) for x in raw):
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                            "token-id lists", "prompt")
+    tokenizer = ctx.engine.tokenizer
+    prompts = []
+    for item in raw:
+        if isinstance(item, str):
+            prompts.append(Prepared(item, await ctx.engine.run_in_tokenizer_pool(tokenizer.encode, item)))
+        else:
+            prompts.append(Prepared(None, list(item)))
+    return prompts
+
+
+def validate_all(ctx: ServerContext, prompts: list[Prepared], params) -> None:
+    for prompt in prompts:
+        try:
+            ctx.engine.core.validate(prompt.token_ids, params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else "max_tokens") from None
+
+
+def _usage(prompts: list[Prepared], outputs: list[RequestOutput]) -> p.Usage:
+    prompt_tokens = sum(len(x.token_ids) for x in prompts)
+    completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+    return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+def _decoded(entry: Logprob, token_id: int, tokenizer) -> str:
+    return entry.decoded_token if entry.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def completion_logprobs(o: CompletionOutput, offset: int, tokenizer) -> p.CompletionLogprobs:
+    result = p.CompletionLogprobs()
+    for token_id, entry in zip(o.token_ids, o.logprobs or []):
+        chosen = entry[token_id]
+        token = _decoded(chosen, token_id, tokenizer)
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob)
+        result.top_logprobs.append({_decoded(lp, tid, tokenizer): lp.logprob for tid, lp in entry.items()})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def chat_logprobs(o: CompletionOutput, top: int, tokenizer) -> p.ChoiceLogprobs:
+    content = []
+    for token_id, entry in zip(o.token_ids, o.logprobs or []):
+        chosen = entry[token_id]
+        token = _decoded(chosen, token_id, tokenizer)
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:top]
+        content.append(p.TokenLogprob(token, chosen.logprob, list(token.encode()),
+                                      [p.TopLogprob(_decoded(lp, tid, tokenizer), lp.logprob,
+                                                    list(_decoded(lp, tid, tokenizer).encode()))
+                                       for tid, lp in ranked if lp.rank is not None and lp.rank <= top]))
+    return p.ChoiceLogprobs(content)
+
+
+def _streams(ctx: ServerContext, prompts: list[Prepared], params, request_id: str, priority: int, kind: str):
+    return [ctx.engine.generate({"prompt": x.text, "prompt_token_ids": x.token_ids}, params,
+                                f"{request_id}-{i}", priority, kind) for i, x in enumerate(prompts)]
+
+
+async def _infer_all(ctx: ServerContext, request: Request, prompts, params, request_id, priority):
+    async def run():
+        finals = [None] * len(prompts)
+        async for i, out in merge_streams(_streams(ctx, prompts, params, request_id, priority, "final")):
+            finals[i] = out
+        return finals
+    return await until_disconnect(request, run())
+
+
+# -- /v1/completions -----------------------------------------------------------------------------
+
+async def completions(ctx: ServerContext, request: Request):
+    req = await parse(request, p.CompletionRequest, ctx.max_body_bytes)
+    ctx.check_model(req.model)
+    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
+    prompts = await prepare_prompts(ctx, req.prompt)
+    validate_all(ctx, prompts, params)
+    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    tokenizer = ctx.engine.tokenizer
+    prefix = [(x.text if x.text is not None else tokenizer.decode(x.token_ids)) if req.echo else "" for x in prompts]
+
+    if req.stream:
+        return StreamingResponse(_stream_completions(ctx, req, params, prompts, prefix, request_id, created),
+                                 media_type="text/event-stream")
+    finals = await _infer_all(ctx, request, prompts, params, request_id, req.priority)
+    choices = []
+    for i, out in enumerate(finals):
+        for o in out.outputs:
+            lp = completion_logprobs(o, len(prefix[i]), tokenizer) if req.logprobs is not None else None
+            choices.append(p.CompletionChoice(i * params.n + o.index, prefix[i] + o.text, lp, o.finish_reason,
+                                              o.stop_reason))
+    return json_response(p.CompletionResponse(request_id, created, ctx.model_name, choices, _usage(prompts, finals)))
+
+
+async def _stream_completions(ctx, req, params, prompts, prefix, request_id, created):
+    tokenizer = ctx.engine.tokenizer
+    offsets = {}
+    finals = [RequestOutput("", None, [], []) for _ in prompts]
+    async for i, out in merge_streams(_streams(ctx, prompts, params, request_id, req.priority, "delta")):
+        finals[i].merge(out)
+        choices = []
+        for o in out.outputs:
+            index = i * params.n + o.index
+            text = o.text
+            if index not in offsets:
+                text = prefix[i] + text
+                offsets[index] = 0
+            lp = completion_logprobs(o, offsets[index], tokenizer) if req.logprobs is not None else None
+            offsets[index] += len(text)
+            choices.append(p.CompletionChoice(index, text, lp, o.finish_reason, o.stop_reason))
+        if choices:
+            yield sse(p.CompletionResponse(request_id, created, ctx.model_name, choices))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse(p.CompletionResponse(request_id, created, ctx.model_name, [], _usage(prompts, finals)))
+    yield SSE_DONE
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------------
+
+def message_text(message: p.ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"content part of type {part.type!r} is not supported; only text parts are",
+                           "messages")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def render_chat(tokenizer, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> str:
+    if not messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    plain = [{"role": m.role, "content": message_text(m)} for m in messages]
+    for m in plain:
+        if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
+            raise APIError(400, f"unknown message role {m['role']!r}", "messages")
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template that rejects the conversation (e.g. role order)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in plain)  # a plain fallback template
+    return text + ("assistant:" if add_generation_prompt else "")
+
+
+async def chat_prompt(ctx: ServerContext, messages, add_generation_prompt: bool = True) -> Prepared:
+    tokenizer = ctx.engine.tokenizer
+    text = await ctx.engine.run_in_tokenizer_pool(render_chat, tokenizer, messages, add_generation_prompt)
+    ids = await ctx.engine.run_in_tokenizer_pool(lambda: tokenizer.encode(text, add_special_tokens=False))
+    return Prepared(text, ids)
+
+
+async def chat_completions(ctx: ServerContext, request: Request):
+    req = await parse(request, p.ChatCompletionRequest, ctx.max_body_bytes)
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
+    params = req.sampling_params(max_tokens, logprobs, default_max_tokens=None)
+    validate_all(ctx, [prompt], params)
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    tokenizer = ctx.engine.tokenizer
+    top = req.top_logprobs or 0
+
+    if req.stream:
+        return StreamingResponse(_stream_chat(ctx, req, params, prompt, request_id, created, top),
+                                 media_type="text/event-stream")
+    final = (await _infer_all(ctx, request, [prompt], params, request_id, req.priority))[0]
+    choices = [p.ChatChoice(o.index, p.AssistantMessage(content=o.text),
+                            chat_logprobs(o, top, tokenizer) if req.logprobs else None, o.finish_reason, o.stop_reason)
+               for o in final.outputs]
+    return json_response(p.ChatCompletionResponse(request_id, created, ctx.model_name, choices,
+                                                  _usage([prompt], [final])))
+
+
+async def _stream_chat(ctx, req, params, prompt, request_id, created, top):
+    tokenizer = ctx.engine.tokenizer
+    final = RequestOutput("", None, [], [])
+    first = p.ChatCompletionChunk(request_id, created, ctx.model_name,
+                                  [p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content=""))
+                                   for i in range(params.n)])
+    yield sse(first)
+    async for _, out in merge_streams(_streams(ctx, [prompt], params, request_id, req.priority, "delta")):
+        final.merge(out)
+        choices = [p.ChatChunkChoice(o.index, p.DeltaMessage(content=o.text),
+                                     chat_logprobs(o, top, tokenizer) if req.logprobs else None,
+                                     o.finish_reason, o.stop_reason) for o in out.outputs]
+        if choices:
+            yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, choices))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, [], _usage([prompt], [final])))
+    yield SSE_DONE
