@@ -60,7 +60,7 @@ def validate_all(ctx: ServerContext, prompts: list[Prepared], params) -> None:
         try:
             ctx.engine.core.validate(prompt.token_ids, params)
         except ValueError as exc:
-            raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else "max_tokens") from None
+            raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else "prompt") from None
 
 
 def _usage(prompts: list[Prepared], outputs: list[RequestOutput]) -> p.Usage:

@@ -1,0 +1,277 @@
+"""The OpenAI-compatible server, driven by the real openai client (sync and async) over 127.0.0.1."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import statistics
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_util import RunningServer
+
+KEY = "test-key-123"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    srv = RunningServer("--model", str(model_dirs["llama-gqa-tied"]), "--served-model-name", MODEL,
+                        "--dtype", "float32", "--kv-cache-memory", "64MiB", "--api-key", KEY,
+                        "--max-request-body", "200000", "--max-num-seqs", "32")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def state(server):
+    return httpx.get(f"{server.url}/state", timeout=10).json()
+
+
+def wait_idle(server, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = state(server)
+        if s["num_free_blocks"] == s["num_blocks"] and s["num_live_requests"] == 0 and s["num_collectors"] == 0:
+            return s
+        time.sleep(0.1)
+    raise AssertionError(f"server did not return to idle: {state(server)}")
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_completion_stream_equals_plain_text(client):
+    kwargs = dict(model=MODEL, prompt="def main():", max_tokens=24, temperature=0)
+    plain = client.completions.create(**kwargs)
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 24
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_chat_stream_equals_plain_text(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert plain.choices[0].message.role == "assistant" and plain.usage.completion_tokens > 0
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == plain.choices[0].message.content
+    parts = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, messages=[
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_n_samples_with_and_without_streaming(client):
+    out = client.completions.create(model=MODEL, prompt="import", max_tokens=10, n=3, temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2] and out.usage.completion_tokens == 30
+    texts = {}
+    for chunk in client.completions.create(model=MODEL, prompt="import", max_tokens=10, n=3, temperature=1.0,
+                                           seed=3, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in out.choices}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3,
+                                          max_tokens=6)
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+
+
+def test_stop_max_tokens_logprobs_and_token_prompts(client):
+    base = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    assert base.usage.prompt_tokens == 4
+    stop = text[5:8]
+    stopped = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=16, temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[:text.index(stop)]
+    streamed = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=16, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text[:text.index(stop)]
+    lp = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=5, temperature=0,
+                                   logprobs=2)
+    assert len(lp.choices) == 2 and lp.choices[0].text == text[:len(lp.choices[0].text)]
+    for choice in lp.choices:
+        assert len(choice.logprobs.token_logprobs) == 5 and all(x <= 0 for x in choice.logprobs.token_logprobs)
+        assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    echo = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("abc")
+
+
+def test_wrong_api_key_is_rejected(server):
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # health stays open
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 999999]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi " * 600}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 12}, 400, "max_tokens"),
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL}, 400, None),
+])
+def test_bad_requests_get_clear_errors(server, client, body, status, param):
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_prompt_too_long_names_both_lengths(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": list(range(1, 600)), "max_tokens": 4},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and "599" in r.json()["error"]["message"] and "512" in r.json()["error"]["message"]
+
+
+def test_malformed_bodies(server, client):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for content in (b"{bad json", b"", b"[]", b"\xff\xfe", b'{"prompt": null}'):
+        r = httpx.post(f"{server.url}/v1/completions", content=content, headers=auth)
+        assert r.status_code == 400, (content, r.text)
+        assert "error" in r.json()
+    big = httpx.post(f"{server.url}/v1/completions", content=b"x" * 300_000, headers=auth)
+    assert big.status_code == 413
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]},
+                      headers=auth)
+    assert chat.status_code == 400
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_tokenize_and_detokenize(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "def main():"}, headers=auth).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}, headers=auth).json()["prompt"]
+    assert text == "def main():"
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth)
+    assert chat.status_code == 200 and chat.json()["count"] > 1
+
+
+def test_generate_route_streams_nul_delimited_json(server, client):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "def main():", "max_tokens": 12, "temperature": 0, "n": 2}
+    plain = httpx.post(f"{server.url}/generate", json=body, headers=auth).json()
+    assert len(plain["text"]) == 2 and all(t.startswith("def main():") for t in plain["text"])
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, headers=auth) as r:
+        buffer = b""
+        for data in r.iter_bytes():
+            buffer += data
+            *complete, buffer = buffer.split(b"\0")
+            chunks.extend(json.loads(c) for c in complete if c)
+    assert buffer == b"" and len(chunks) >= 2
+    assert chunks[-1]["text"] == plain["text"]  # cumulative, like vLLM's api_server
+
+
+async def _give_up_after(url, seconds):
+    async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        try:
+            async with asyncio.timeout(seconds):
+                async with client.stream("POST", f"{url}/v1/completions", json={
+                        "prompt": "a", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+        except TimeoutError:
+            return True
+    return False
+
+
+def test_cancelled_streams_free_everything(server, client):
+    async def storm():
+        return await asyncio.gather(*[_give_up_after(server.url, 0.5) for _ in range(50)])
+    gave_up = asyncio.run(storm())
+    assert sum(gave_up) >= 40  # the clients really left mid-stream
+    start = time.monotonic()
+    out = client.completions.create(model=MODEL, prompt="after", max_tokens=4)
+    assert out.usage.completion_tokens == 4 and time.monotonic() - start < 5
+    wait_idle(server)
+
+
+def test_health_answers_fast_and_short_requests_overlap_long_ones(server, client):
+    finished = {}
+
+    def long(i):
+        client.completions.create(model=MODEL, prompt=f"long request number {i}", max_tokens=480,
+                                  extra_body={"ignore_eos": True})
+        finished[i] = time.monotonic()
+
+    threads = [threading.Thread(target=long, args=(i,)) for i in range(24)]  # a big batch, below --max-num-seqs
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    short_start = time.monotonic()
+    stream = client.completions.create(model=MODEL, prompt="short", max_tokens=3, stream=True)
+    next(iter(stream))
+    first_token = time.monotonic()
+    latencies = []
+    with httpx.Client() as probe:
+        for _ in range(100):
+            t0 = time.perf_counter()
+            assert probe.get(f"{server.url}/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+    probes_done = time.monotonic()
+    for t in threads:
+        t.join()
+    p99 = statistics.quantiles(latencies, n=100)[98]
+    print(f"health p99 {p99 * 1000:.1f} ms; short request's first token after {first_token - short_start:.3f} s; "
+          f"long ones done after {max(finished.values()) - short_start:.2f} s")
+    assert len(finished) == 24 and probes_done < min(finished.values()), "the probes did not run under load"
+    assert p99 < 0.05, f"health p99 {p99 * 1000:.1f} ms"
+    assert first_token < min(finished.values()) and first_token - short_start < 2.0
+    wait_idle(server)
+
+
+def test_async_client_concurrent_requests(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        outs = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8,
+                                                                temperature=0) for i in range(12)])
+        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=5, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+        return outs, text
+    outs, text = asyncio.run(main())
+    assert all(o.usage.completion_tokens == 8 for o in outs) and isinstance(text, str)
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero(model_dirs):
+    srv = RunningServer("--model", str(model_dirs["qwen2"]), "--dtype", "float32", "--kv-cache-memory", "16MiB")
+    result = {}
+
+    def in_flight():
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True},
+                       timeout=60)
+        result["status"], result["tokens"] = r.status_code, r.json()["usage"]["completion_tokens"]
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(0.3)
+    code = srv.stop(signal.SIGTERM)
+    t.join()
+    assert code == 0 and result == {"status": 200, "tokens": 200}
