@@ -10,7 +10,8 @@ if os.environ.get("ASERVE_CONFIGURE_LOGGING", "1") != "0" and not logging.getLog
     logging.getLogger("aserve").setLevel(logging.INFO)
     logging.getLogger("aserve").propagate = False
 
-from aserve.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
+from aserve.engine.async_llm import AsyncLLM  # noqa: E402
+from aserve.engine.core_process import EngineDeadError  # noqa: E402
 from aserve.llm import LLM  # noqa: E402
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from aserve.sampling_params import SamplingParams  # noqa: E402

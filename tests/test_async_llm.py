@@ -99,25 +99,26 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(engine_factory):
 def test_a_dying_core_fails_every_caller(engine_factory):
     async def main():
         engine = engine_factory()
-        calls = 0
-        real_step = engine.core.step
+        streams = [engine.generate(f"doomed {i}", SamplingParams(max_tokens=400, ignore_eos=True)) for i in range(4)]
+        for stream in streams:
+            await anext(stream)
+        engine.core.proc.kill()  # the engine process dies (an OOM kill, a segfault in a kernel...)
 
-        def broken_step():
-            nonlocal calls
-            calls += 1
-            if calls == 3:
-                raise RuntimeError("simulated engine failure")
-            return real_step()
-
-        engine.core.step = broken_step
-        waiting = [asyncio.create_task(engine.infer(f"doomed {i}", SamplingParams(max_tokens=50))) for i in range(4)]
-        results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 10)
-        assert all(isinstance(r, EngineDeadError) for r in results)
+        async def drain(stream):
+            async for _ in stream:
+                pass
+        results = await asyncio.wait_for(asyncio.gather(*map(drain, streams), return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
         assert not engine.is_healthy
         with pytest.raises(EngineDeadError):
             await engine.infer("after death")
         await engine.shutdown()
     asyncio.run(main())
+
+
+def test_start_up_errors_reach_the_caller(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        AsyncLLM(str(tmp_path / "missing"))
 
 
 def test_readme_async_snippet_runs():

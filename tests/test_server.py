@@ -275,3 +275,22 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(model_dirs):
     code = srv.stop(signal.SIGTERM)
     t.join()
     assert code == 0 and result == {"status": 200, "tokens": 200}
+
+
+def test_bench_serve_reports_in_vllm_layout(server, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, "-m", "aserve.cli", "bench", "serve", "--base-url", server.url,
+                           "--api-key", KEY, "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
+                           "--request-rate", "50", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for label in ("Successful requests:", "Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 TPOT (ms):",
+                  "Median ITL (ms):", "P90 E2EL (ms):"):
+        assert label in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["successful_requests"] == 8 and result["failed_requests"] == 0
+    assert result["total_output_tokens"] == 64 and result["total_input_tokens"] == 128
+    assert result["ttft_ms"]["p99"] >= result["ttft_ms"]["median"] > 0 and "api_key" not in result["args"]
+    wait_idle(server)

@@ -56,7 +56,7 @@ async def _one(client, url, body, headers) -> RequestResult:
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices"):  # as vLLM counts: every chunk, even one whose text is still empty
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:

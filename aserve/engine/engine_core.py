@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,38 @@ from aserve.sampling_params import SamplingParams
 from aserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("aserve")
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What is fixed once the engine is up: enough to reject a request without asking the core."""
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError for a request the engine could never serve; return its max_tokens."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is out of range: the vocabulary has {self.vocab_size} "
+                             f"tokens (ids 0..{self.vocab_size - 1})")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}: "
+                             f"it must be shorter, to leave room for at least one output token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len}); lower max_tokens or shorten the prompt")
+        blocks = -(-(num_prompt + max_tokens) // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {blocks} KV "
+                             f"blocks, but the whole cache has {self.num_blocks}; raise kv_cache_memory")
+        return max_tokens
 
 
 class EngineCore:
@@ -57,27 +90,13 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------------
 
+    @property
+    def facts(self) -> "EngineFacts":
+        return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
+                           self.eos_token_ids)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError for a request the engine could never serve; return its max_tokens."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is out of range: the vocabulary has {self.vocab_size} "
-                             f"tokens (ids 0..{self.vocab_size - 1})")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}: "
-                             f"it must be shorter, to leave room for at least one output token")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len}); lower max_tokens or shorten the prompt")
-        blocks = self.kv.blocks_needed(num_prompt + max_tokens)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {blocks} KV "
-                             f"blocks, but the whole cache has {self.kv.num_blocks}; raise kv_cache_memory")
-        return max_tokens
+        return self.facts.validate(prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
@@ -162,6 +181,12 @@ class EngineCore:
         self.outputs.release(group_id)
         del self.requests[group_id]
         return output
+
+    def state(self) -> dict:
+        """Free and used blocks, scheduler queues and live requests: what proves an idle engine is clean."""
+        return {"num_blocks": self.kv.num_blocks, "num_free_blocks": self.kv.num_free_blocks,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_live_requests": len(self.requests)}
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""

@@ -136,6 +136,8 @@ def _optional_json(path: Path) -> dict:
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:

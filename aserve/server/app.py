@@ -74,8 +74,8 @@ async def version(ctx: ServerContext, request: Request) -> Response:
 
 
 async def models(ctx: ServerContext, request: Request) -> Response:
-    core = ctx.engine.core
-    card = p.ModelCard(ctx.model_name, int(time.time()), core.max_model_len, core.vocab_size, root=ctx.engine.config.model)
+    engine = ctx.engine
+    card = p.ModelCard(ctx.model_name, int(time.time()), engine.max_model_len, engine.vocab_size, root=engine.config.model)
     return json_response(p.ModelList([card]))
 
 
@@ -94,13 +94,13 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
     else:
         ids = await ctx.engine.run_in_tokenizer_pool(
             lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    return json_response({"count": len(ids), "max_model_len": ctx.engine.core.max_model_len, "tokens": ids})
+    return json_response({"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids})
 
 
 async def detokenize(ctx: ServerContext, request: Request) -> Response:
     req = await parse(request, p.DetokenizeRequest, ctx.max_body_bytes)
     ctx.check_model(req.model)
-    vocab = ctx.engine.core.vocab_size
+    vocab = ctx.engine.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", "tokens")

@@ -58,7 +58,7 @@ async def prepare_prompts(ctx: ServerContext, raw) -> list[Prepared]:
 def validate_all(ctx: ServerContext, prompts: list[Prepared], params) -> None:
     for prompt in prompts:
         try:
-            ctx.engine.core.validate(prompt.token_ids, params)
+            ctx.engine.validate(prompt.token_ids, params)
         except ValueError as exc:
             raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else "prompt") from None
 
