@@ -128,3 +128,15 @@ def test_readme_async_snippet_runs():
     proc = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "RequestOutput" in proc.stdout and "text=" in proc.stdout
+
+
+def test_chat_fallback_template_without_one():
+    from aserve.server.openai import render_chat
+    from aserve.server.protocol import ChatMessage
+
+    class NoTemplate:
+        chat_template = None
+
+    text = render_chat(NoTemplate(), [ChatMessage(role="system", content="be kind"), ChatMessage(role="user",
+                                                                                                   content="hi")])
+    assert text == "system: be kind\nuser: hi\nassistant:"

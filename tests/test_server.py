@@ -294,3 +294,31 @@ def test_bench_serve_reports_in_vllm_layout(server, tmp_path):
     assert result["total_output_tokens"] == 64 and result["total_input_tokens"] == 128
     assert result["ttft_ms"]["p99"] >= result["ttft_ms"]["median"] > 0 and "api_key" not in result["args"]
     wait_idle(server)
+
+
+def test_dead_engine_turns_health_503(model_dirs):
+    import os
+
+    srv = RunningServer("--model", str(model_dirs["qwen3"]), "--dtype", "float32", "--kv-cache-memory", "16MiB")
+    try:
+        child = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_core_child_of(int(p), srv.proc.pid)]
+        assert len(child) == 1
+        os.kill(child[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{srv.url}/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        health = httpx.get(f"{srv.url}/health")
+        assert health.status_code == 503 and "dead" in health.json()["error"]["message"]
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    finally:
+        srv.stop()
+
+
+def _is_core_child_of(pid: int, parent: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        cmdline = open(f"/proc/{pid}/cmdline").read()
+    except OSError:
+        return False
+    return int(stat[1]) == parent and "aserve.engine.core_child" in cmdline
