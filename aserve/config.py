@@ -39,6 +39,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     policy: str | object = "fcfs"
+    policy_options: dict | None = None  # keyword arguments for the policy's constructor
+    swap_space: float | str = 4  # GiB of host memory for swapped-out KV blocks (a number) or a size string
     seed: int = 0
     served_model_name: str | None = None
 
@@ -46,6 +48,10 @@ class EngineConfig:
         if self.model is None:
             self.model = str(DEFAULT_MODEL_DIR)
         self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        self.swap_space = (int(self.swap_space * 1024 ** 3) if isinstance(self.swap_space, (int, float))
+                           else parse_memory(self.swap_space))
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

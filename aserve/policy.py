@@ -14,7 +14,7 @@ import importlib.util
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from aserve.request import Request
 
@@ -64,8 +64,41 @@ class FCFSQueue:
         return iter(self._q)
 
 
+class KeyedQueue:
+    """Waiting requests served smallest key first; the key is computed when asked, so it may change with
+    time (aging). Preempted requests simply go back in: their key puts them where they belong."""
+
+    def __init__(self, key: Callable[[Request], tuple]):
+        self.key = key
+        self._items: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self._items.append(req)
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return min(self._items, key=self.key)
+
+    def pop(self) -> Request:
+        req = self.peek()
+        self._items.remove(req)
+        return req
+
+    def remove(self, req: Request) -> None:
+        self._items.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted(self._items, key=self.key))
+
+
 class Policy:
-    """Base class of scheduling policies; override what you decide differently."""
+    """Base class of scheduling policies; override what you decide differently.
+
+    A policy is constructed with the keyword options given as `policy_options` (`--policy-option K=V`)."""
 
     name: str = "base"
     description: str = ""
@@ -113,7 +146,7 @@ def _load_class(spec: str):
         raise PolicyError(f"policy {spec!r}: {target} has no attribute {cls_name!r}") from None
 
 
-def load_policy(spec: str | Policy | type) -> Policy:
+def load_policy(spec: str | Policy | type, options: dict | None = None) -> Policy:
     """A policy from an installed name, 'module:Class', 'path/to/file.py:Class', a class or an instance."""
     if isinstance(spec, Policy):
         return spec
@@ -135,10 +168,30 @@ def load_policy(spec: str | Policy | type) -> Policy:
         except Exception as exc:  # a broken plugin: name it and its cause, not a traceback soup
             raise PolicyError(f"policy {spec!r} failed to load: {type(exc).__name__}: {exc}") from exc
     try:
-        policy = cls()
+        policy = cls(**(options or {}))
     except Exception as exc:
         raise PolicyError(f"policy {label!r} failed to construct: {type(exc).__name__}: {exc}") from exc
-    missing = [m for m in ("waiting_queue", "select_victim", "preemption_mode") if not callable(getattr(policy, m, None))]
+    required = ("waiting_queue", "select_victim", "preemption_mode", "should_preempt_for", "on_event")
+    missing = [m for m in required if not callable(getattr(policy, m, None))]
     if missing:
         raise PolicyError(f"policy {label!r} does not implement {', '.join(missing)}")
+    queue = policy.waiting_queue()
+    missing = [m for m in ("add", "pop", "peek", "prepend", "remove", "__len__", "__iter__") if not hasattr(queue, m)]
+    if missing:
+        raise PolicyError(f"policy {label!r}: its waiting queue lacks {', '.join(missing)}")
+    if not getattr(policy, "name", None) or policy.name == "base":
+        policy.name = label if isinstance(label, str) else type(policy).__name__
     return policy
+
+
+def describe_installed() -> list[tuple[str, str]]:
+    """(name, one-line description) of every installed policy; a broken one says why instead."""
+    rows = []
+    for name, ep in sorted(installed_policies().items()):
+        try:
+            cls = ep.load()
+            doc = getattr(cls, "description", "") or (cls.__doc__ or "").strip().splitlines()[0]
+        except Exception as exc:  # noqa: BLE001 - listing must survive a broken plugin
+            doc = f"(broken: {type(exc).__name__}: {exc})"
+        rows.append((name, doc))
+    return rows

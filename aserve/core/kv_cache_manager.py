@@ -3,6 +3,8 @@
 Prefix caching keys each full block by a chained sha256 (parent digest + its token ids); sharing among the
 samples of one prompt (n > 1) reuses the first sample's blocks. A shared block is copied before it is
 written: the copy is queued in `pending_copies` for the model runner to perform before the next forward.
+It also owns the host swap pool: `swap_out` moves a request's blocks to host blocks and `swap_in` brings
+them back, each returning the block pairs the runner copies.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks)  # no prefix index: a host block belongs to one request
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block pairs, copy-on-write
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were found
@@ -136,9 +140,57 @@ class KVCacheManager:
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0
 
+    # -- the host swap pool -----------------------------------------------------------------------
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free
+
+    def can_swap_out(self, req: Request) -> bool:
+        return 0 < len(req.block_table) <= self.host_pool.num_free
+
+    def swap_out(self, req: Request) -> list[tuple[int, int]]:
+        """Give the request's device blocks back, its K/V to be kept in host blocks: (device, host) pairs.
+
+        A copy-on-write still pending for one of its blocks has not happened yet, so that block's
+        content is read from the copy's source."""
+        pending = {dst: src for src, dst in self.pending_copies}
+        pairs = []
+        for block_id in req.block_table:
+            pairs.append((pending.get(block_id, block_id), self.host_pool.allocate()))
+        host_table = [h for _, h in pairs]
+        num_computed = req.num_computed_tokens
+        self.free(req)  # releases device blocks (cached ones stay revivable) and drops pending copies
+        req.host_block_table = host_table
+        req.num_computed_tokens = num_computed
+        return pairs
+
+    def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        needed = max(len(req.host_block_table), self.blocks_needed(req.num_computed_tokens + num_new_tokens))
+        return needed <= self.pool.num_free
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request's blocks back to the device: (host, device) pairs."""
+        pairs = [(h, self.pool.allocate()) for h in req.host_block_table]
+        for host_block in req.host_block_table:
+            self.host_pool.release(host_block)
+        req.block_table = [d for _, d in pairs]
+        req.host_block_table = []
+        return pairs
+
+    def free_host(self, req: Request) -> None:
+        for host_block in req.host_block_table:
+            self.host_pool.release(host_block)
+        req.host_block_table = []
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
     def check_all_free(self) -> None:
         self.pool.check_all_free()
+        self.host_pool.check_all_free()

@@ -1,8 +1,11 @@
 """Scheduler: the mechanism of continuous batching; the policy makes its decisions.
 
 Each step hands a token budget first to running requests (a decode token or the next prefill chunk),
-then to waiting ones, so prefill and decode mix in one batch. When blocks run out it asks the policy
-whom to preempt. There are no prefill or decode phases: a request is simply behind by some tokens.
+then to swapped-out ones (copied back before anyone new is admitted), then to waiting ones, so prefill
+and decode mix in one batch. When blocks run out it asks the policy whom to preempt and how (recompute
+or swap, falling back to recompute when the host pool is full), and lets the policy displace a running
+request for a more urgent waiting one. There are no prefill or decode phases: a request is simply
+behind by some tokens.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from aserve.request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), batch order
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block pairs, before the forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), copied first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), copied next
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -25,15 +30,20 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self.scheduled or self.swap_out)
 
 
 @dataclass
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
+    num_swapped: int = 0
     kv_cache_usage: float = 0.0
-    num_preemptions: int = 0  # since start
+    host_cache_usage: float = 0.0
+    preemptions: dict[str, int] = field(default_factory=dict)  # by mode, since start
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    recomputed_tokens: int = 0  # tokens whose K/V were dropped by recompute preemption
     prefix_queries: int = 0
     prefix_hits: int = 0
 
@@ -48,7 +58,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting = policy.waiting_queue()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.swapped: list[Request] = []  # in the order they were swapped out
+        self.preemptions = {mode.value: 0 for mode in PreemptionMode}
+        self.blocks_swapped_out = self.blocks_swapped_in = self.recomputed_tokens = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     # -- requests in and out ----------------------------------------------------------------------
 
@@ -56,7 +72,7 @@ class Scheduler:
         self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running or self.swapped) or len(self.waiting) > 0
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request wherever it is and give back its blocks (and those of samples not yet forked)."""
@@ -64,6 +80,9 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.kv.free_host(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
@@ -71,11 +90,15 @@ class Scheduler:
         self.policy.on_event(req, "finished")
 
     def kv_view(self) -> KVView:
-        return KVView(self.kv.num_free_blocks, self.kv.num_blocks, 0, 0, self.kv.block_size)
+        kv = self.kv
+        return KVView(kv.num_free_blocks, kv.num_blocks, kv.num_free_host_blocks, kv.num_host_blocks, kv.block_size)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions,
-                              self.kv.prefix_queries, self.kv.prefix_hits)
+        kv = self.kv
+        host_usage = 1.0 - kv.num_free_host_blocks / kv.num_host_blocks if kv.num_host_blocks else 0.0
+        return SchedulerStats(len(self.running), len(self.waiting), len(self.swapped), kv.usage, host_usage,
+                              dict(self.preemptions), self.blocks_swapped_out, self.blocks_swapped_in,
+                              self.recomputed_tokens, kv.prefix_queries, kv.prefix_hits)
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -93,44 +116,76 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.policy.select_victim(self.running, req) or req
                 budget += scheduled.pop(victim, 0)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 scheduled[req] = num_new
                 budget -= num_new
 
-        if not out.preempted:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_swap_in(req, num_new):
+                break
+            self.swapped.pop(0)
+            pairs = self.kv.swap_in(req)
+            out.swap_in.extend(pairs)
+            self.blocks_swapped_in += len(pairs)
+            if not self.kv.allocate_slots(req, num_new):
+                raise RuntimeError("a swapped-in request found no room it was promised")
+            self._run(req, num_new, scheduled, "swapped_in")
+            budget -= num_new
+
+        if not out.preempted and not self.swapped:  # swapped requests come back before anyone new
+            while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
-                computed, num_computed = self.kv.find_computed(req)
-                num_new = min(req.num_tokens - num_computed, budget)
-                if not self.kv.allocate_slots(req, num_new, computed, num_computed):
+                if len(self.running) < self.max_num_seqs:
+                    computed, num_computed = self.kv.find_computed(req)
+                    num_new = min(req.num_tokens - num_computed, budget)
+                    if self.kv.allocate_slots(req, num_new, computed, num_computed):
+                        self.waiting.pop()
+                        self._run(req, num_new, scheduled, "admitted")
+                        budget -= num_new
+                        continue
+                victim = self.policy.should_preempt_for(req, self.running)
+                if victim is None or victim is req or victim not in self.running:
                     break
-                self.waiting.pop()
-                req.status = RequestStatus.RUNNING
-                if req.scheduled_time is None:
-                    req.scheduled_time = time.monotonic()
-                self.running.append(req)
-                scheduled[req] = num_new
-                budget -= num_new
-                self.policy.on_event(req, "admitted")
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim, out)
 
         out.scheduled = list(scheduled.items())
         out.copies = self.kv.take_copies()
         return out
 
-    def _preempt(self, victim: Request) -> None:
+    def _run(self, req: Request, num_new: int, scheduled: dict[Request, int], event: str) -> None:
+        req.status = RequestStatus.RUNNING
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
+        self.running.append(req)
+        scheduled[req] = num_new
+        self.policy.on_event(req, event)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Swap the victim out if the policy asks and the host pool has room; else drop its K/V to recompute."""
         mode = self.policy.preemption_mode(victim, self.kv_view())
-        if mode != PreemptionMode.RECOMPUTE:
-            raise NotImplementedError(f"preemption mode {mode} is not supported by this engine yet")
         self.running.remove(victim)
+        victim.num_preemptions += 1
+        out.preempted.append(victim)
+        if mode == PreemptionMode.SWAP and self.kv.can_swap_out(victim):
+            pairs = self.kv.swap_out(victim)
+            out.swap_out.extend(pairs)
+            self.blocks_swapped_out += len(pairs)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            self.preemptions[PreemptionMode.SWAP.value] += 1
+            self.policy.on_event(victim, "swapped")
+            return
+        self.recomputed_tokens += victim.num_computed_tokens
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.prepend(victim)
+        self.preemptions[PreemptionMode.RECOMPUTE.value] += 1
         self.policy.on_event(victim, "preempted")
 
     def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:

@@ -73,9 +73,11 @@ class EngineCore:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.policy = load_policy(config.policy)
+        self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
+                                  config.swap_space)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.runner.num_host_blocks)
+        self.policy = load_policy(config.policy, config.policy_options)
         self.scheduler = Scheduler(self.kv, self.policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
@@ -83,10 +85,10 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
         tokens = self.runner.num_blocks * config.block_size
         log.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens, "
-                 "max concurrency %.2fx at max_model_len %d; policy %s", config.model,
+                 "max concurrency %.2fx at max_model_len %d; host swap pool: %d blocks; policy %s", config.model,
                  type(loaded.model).__name__, str(self.dtype).replace("torch.", ""), time.monotonic() - t0,
                  self.runner.num_blocks, config.block_size, tokens, tokens / self.max_model_len,
-                 self.max_model_len, self.policy.name)
+                 self.max_model_len, self.runner.num_host_blocks, self.policy.name)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -184,9 +186,11 @@ class EngineCore:
 
     def state(self) -> dict:
         """Free and used blocks, scheduler queues and live requests: what proves an idle engine is clean."""
-        return {"num_blocks": self.kv.num_blocks, "num_free_blocks": self.kv.num_free_blocks,
-                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_live_requests": len(self.requests)}
+        kv, scheduler = self.kv, self.scheduler
+        return {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
+                "num_host_blocks": kv.num_host_blocks, "num_free_host_blocks": kv.num_free_host_blocks,
+                "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+                "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests)}
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""

@@ -1,4 +1,4 @@
-"""Keep large CPU allocations in glibc's heap instead of fresh mmaps.
+"""Host memory: lazily zeroed cache tensors, and large per-step allocations kept in glibc's heap.
 
 Each decode step allocates and frees tensors of several MB (gathered K/V, logits). By default glibc serves
 those with mmap and returns them with munmap, so every step pays page faults on memory it just had; on
@@ -10,6 +10,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
+
+import torch
 
 log = logging.getLogger("aserve")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -27,3 +31,14 @@ def keep_large_allocations_in_heap(mmap_threshold: int = 1 << 30, trim_threshold
     if not ok:
         log.debug("mallopt refused the thresholds; large allocations stay mmapped")
     return ok
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor backed by an anonymous mapping: pages are zeroed by the kernel on first
+    touch, so a 4 GiB KV budget costs neither time nor resident memory until blocks are used.
+    (torch.zeros writes every byte up front.)"""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

@@ -14,7 +14,7 @@ from aserve.core.scheduler import SchedulerOutput
 from aserve.models.llama import LlamaForCausalLM
 from aserve.ops.attention import AttentionMetadata, PrefillChunk, gather_index
 from aserve.request import Request
-from aserve.worker.host_memory import keep_large_allocations_in_heap
+from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
 from aserve.worker.sampler import SampleResult, sample
 
 log = logging.getLogger("aserve")
@@ -26,7 +26,8 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int):
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int,
+                 swap_space: int = 0):
         self.model = model
         self.dtype = dtype
         self.block_size = block_size
@@ -39,21 +40,44 @@ class ModelRunner:
             keep_large_allocations_in_heap()
         a = model.args
         self.num_kv_heads = a.num_kv_heads
-        # zeros (lazily mapped pages): unwritten slots are masked, but must not hold NaNs.
-        self.kv_cache = torch.zeros(a.num_layers, 2, a.num_kv_heads, self.num_blocks, block_size, a.head_dim,
-                                    dtype=dtype)
+        # zeros: unwritten slots are masked, but must not hold NaNs (0 * NaN is NaN in the value product).
+        shape = (a.num_layers, 2, a.num_kv_heads, self.num_blocks, block_size, a.head_dim)
+        self.kv_cache = lazy_zeros(shape, dtype) if self.kv_device_is_cpu(model) else torch.zeros(shape, dtype=dtype)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
+        # The host swap pool: pinned memory for non-blocking copies on CUDA, a separate host tensor on the CPU.
+        self.num_host_blocks = swap_space // per_block
+        device = self.kv_cache.device
+        host_shape = (a.num_layers, 2, a.num_kv_heads, self.num_host_blocks, block_size, a.head_dim)
+        self.host_cache = (torch.zeros(host_shape, dtype=dtype, pin_memory=True) if device.type == "cuda"
+                           else lazy_zeros(host_shape, dtype))
 
     @staticmethod
     def kv_device_is_cpu(model: LlamaForCausalLM) -> bool:
         return next(model.parameters()).device.type == "cpu"
 
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        device, host = _index(pairs)
+        self.host_cache[:, :, :, host] = self.kv_cache[:, :, :, device.to(self.kv_cache.device)].to(
+            "cpu", non_blocking=True)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        host, device = _index(pairs)
+        device = device.to(self.kv_cache.device)
+        self.kv_cache[:, :, :, device] = self.host_cache[:, :, :, host].to(self.kv_cache.device, non_blocking=True)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src, dst = (t.to(self.kv_cache.device) for t in _index(pairs))
+        self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[Request, SampleResult]:
+        # Order matters: save swapped-out blocks before anyone reuses them, then restore, then copy-on-write.
+        if sched.swap_out:
+            self.swap_out(sched.swap_out)
+        if sched.swap_in:
+            self.swap_in(sched.swap_in)
         if sched.copies:
-            src = torch.tensor([s for s, _ in sched.copies])
-            dst = torch.tensor([d for _, d in sched.copies])
-            self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
+            self.copy_blocks(sched.copies)
         if not sched.scheduled:
             return {}
         batch = [x for x in sched.scheduled if x[1] == 1] + [x for x in sched.scheduled if x[1] > 1]
@@ -105,3 +129,7 @@ class ModelRunner:
             meta.prefills.append(chunk)
             row += n
         return torch.tensor(token_ids), positions, meta, torch.tensor(sample_rows, dtype=torch.long), sample_reqs
+
+
+def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([a for a, _ in pairs]), torch.tensor([b for _, b in pairs])
