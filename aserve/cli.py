@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--seed", type=int, default=0)
 
+    sub.add_parser("policies", parents=[common], help="list the installed scheduling policies")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     throughput.add_arguments(bench_sub.add_parser("throughput", parents=[common],
@@ -47,7 +49,18 @@ def generate(args: argparse.Namespace) -> None:
         print(f"--- {out.prompt!r}\n{out.prompt}{out.outputs[0].text}\n")
 
 
-COMMANDS = ("serve", "generate", "bench")
+def list_policies() -> None:
+    from aserve.policy import describe_installed
+
+    rows = describe_installed()
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, description in rows:
+        print(f"{name:<{width}}  {description}")
+    if not rows:
+        print("no policies installed: pip install -e ./policies")
+
+
+COMMANDS = ("serve", "generate", "bench", "policies")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_serve.main(args)
         elif args.command == "generate":
             generate(args)
+        elif args.command == "policies":
+            list_policies()
         else:
             from aserve.server import launch
 

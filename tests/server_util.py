@@ -16,12 +16,12 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, *args: str, startup_timeout: float = 60.0):
+    def __init__(self, *args: str, startup_timeout: float = 60.0, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "aserve.cli", "serve", "--host", "127.0.0.1",
                                       "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

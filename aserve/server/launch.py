@@ -26,11 +26,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--policy", default="fcfs", help="scheduling policy: an installed name, module:Class or "
                                                          "path/to/file.py:Class")
+    parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option for the policy's constructor, e.g. aging=0.5 (repeatable)")
+    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-request-body", type=int, default=8 * 1024 * 1024, help="bytes; larger bodies get 413")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
     parser.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves us under")
+
+
+def parse_options(items: list[str]) -> dict:
+    """KEY=VALUE strings to a dict; values that read as numbers become numbers."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--policy-option wants KEY=VALUE, got {item!r}")
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                continue
+        options[key] = value
+    return options
 
 
 def _exit_cleanly(signum, frame):
@@ -46,7 +66,8 @@ def serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-                      policy=args.policy, seed=args.seed, served_model_name=args.served_model_name)
+                      policy=args.policy, policy_options=parse_options(args.policy_option), swap_space=args.swap_space,
+                      seed=args.seed, served_model_name=args.served_model_name)
     app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False, root_path=args.root_path)

@@ -1,0 +1,217 @@
+"""Scheduling policies: correctness under memory pressure, real swapping, priority order, and loading."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.policy import PolicyError, load_policy
+from conftest import kv_memory_for_blocks, random_prompts
+
+PROMPTS = random_prompts(10, lengths=(5, 60), seed=31)
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+FAMILY = "llama-untied"
+
+
+def run(path, policy, priorities=None, **options):
+    llm = LLM(str(path), dtype="float32", policy=policy, **options)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False, priority=priorities)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def unpressured(model_dirs):
+    return run(model_dirs[FAMILY], "fcfs", kv_cache_memory="32MiB")[1]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap", "priority"])
+def test_outputs_under_memory_pressure_equal_an_unpressured_run(model_dirs, unpressured, policy):
+    path = model_dirs[FAMILY]
+    priorities = [i % 3 for i in range(len(PROMPTS))]
+    llm, got = run(path, policy, priorities, kv_cache_memory=kv_memory_for_blocks(path, 8),
+                   swap_space=str(kv_memory_for_blocks(path, 12)))
+    stats = llm.engine.scheduler.stats()
+    assert sum(stats.preemptions.values()) > 0
+    if policy == "fcfs-swap":
+        assert stats.preemptions["swap"] > 0
+    assert got == unpressured
+    llm.engine.check_idle()  # every device and host block free, no live requests
+    assert llm.engine.kv.num_free_host_blocks == llm.engine.kv.num_host_blocks == 12
+
+
+def test_fcfs_swap_really_swaps_and_restores_the_same_bytes(model_dirs, unpressured):
+    path = model_dirs[FAMILY]
+    llm = LLM(str(path), dtype="float32", policy="fcfs-swap", kv_cache_memory=kv_memory_for_blocks(path, 8),
+              swap_space=str(kv_memory_for_blocks(path, 40)))
+    runner, scheduler = llm.engine.runner, llm.engine.scheduler
+    saved, checked = {}, []
+    real_out, real_in = runner.swap_out, runner.swap_in
+
+    def swap_out(pairs):
+        before = {h: runner.kv_cache[:, :, :, d].clone() for d, h in pairs}
+        real_out(pairs)
+        for h, content in before.items():
+            assert torch.equal(runner.host_cache[:, :, :, h], content)
+            saved[h] = content
+
+    def swap_in(pairs):
+        real_in(pairs)
+        for h, d in pairs:
+            assert torch.equal(runner.kv_cache[:, :, :, d], saved.pop(h))
+            checked.append(h)
+
+    runner.swap_out, runner.swap_in = swap_out, swap_in
+    resumed = []
+    real_schedule = scheduler.schedule
+
+    def schedule():
+        out = real_schedule()
+        if out.swap_in:
+            swapped_back = {r for r, _ in out.scheduled if r.num_output_tokens > 0 and r.num_preemptions}
+            resumed.extend(n for r, n in out.scheduled if r in swapped_back)
+        return out
+
+    scheduler.schedule = schedule
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    stats = scheduler.stats()
+    assert stats.preemptions["swap"] > 0 and stats.preemptions["recompute"] == 0
+    assert stats.blocks_swapped_out == stats.blocks_swapped_in == len(checked) > 0
+    assert stats.recomputed_tokens == 0  # resumed requests did not recompute their prompts
+    assert resumed and all(n == 1 for n in resumed)  # they continue with a single decode token
+    assert [o.outputs[0].token_ids for o in outs] == unpressured
+    llm.engine.check_idle()
+
+
+def test_fcfs_swap_falls_back_to_recompute_when_the_host_pool_is_full(model_dirs, unpressured):
+    path = model_dirs[FAMILY]
+    llm, got = run(path, "fcfs-swap", kv_cache_memory=kv_memory_for_blocks(path, 8),
+                   swap_space=str(kv_memory_for_blocks(path, 2)))
+    stats = llm.engine.scheduler.stats()
+    assert stats.preemptions["recompute"] > 0 and stats.recomputed_tokens > 0
+    assert got == unpressured
+    llm.engine.check_idle()
+
+
+def test_priority_serves_urgent_requests_first_on_a_saturated_engine(model_dirs):
+    llm = LLM(str(model_dirs[FAMILY]), dtype="float32", policy="priority", kv_cache_memory="32MiB", max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(PROMPTS[i], params, request_id=f"low{i}", priority=10)
+    for _ in range(3):
+        engine.step()  # four low-priority requests run, four wait
+    for i in range(2):
+        engine.add_request(PROMPTS[i], params, request_id=f"urgent{i}", priority=0)
+    reqs = {rid: samples[0] for rid, samples in engine.requests.items()}
+    while engine.has_unfinished():
+        engine.step()
+    urgent = [reqs[f"urgent{i}"].first_token_time for i in range(2)]
+    waiting_low = [reqs[f"low{i}"].first_token_time for i in range(4, 8)]
+    assert max(urgent) < min(waiting_low)  # arrived later, served first
+    assert engine.scheduler.preemptions["recompute"] > 0  # urgent ones displaced running low ones
+    engine.check_idle()
+
+
+def test_priority_aging_lets_old_requests_through():
+    from aserve.request import Request
+    from aserve_policies.priority import PriorityPolicy
+
+    policy = PriorityPolicy(aging=10.0)
+    old = Request("old", [1], SamplingParams(), priority=5, arrival_time=0.0)
+    new = Request("new", [1], SamplingParams(), priority=0, arrival_time=1e12)
+    queue = policy.waiting_queue()
+    queue.add(new)
+    queue.add(old)
+    assert queue.peek() is old  # waited long enough to outrank a fresh urgent one
+    assert PriorityPolicy().waiting_queue().__class__ is queue.__class__
+
+
+def test_loading_by_name_module_and_file(tmp_path):
+    assert load_policy("fcfs").name == "fcfs"
+    assert load_policy("aserve_policies.priority:PriorityPolicy").name == "priority"
+    plugin = tmp_path / "mine.py"
+    plugin.write_text(textwrap.dedent("""
+        from aserve.policy import Policy
+        class Newest(Policy):
+            description = "newest first"
+            def select_victim(self, running, needing):
+                return running[0]
+    """))
+    assert load_policy(f"{plugin}:Newest").name == f"{plugin}:Newest"
+    with pytest.raises(PolicyError, match="unknown policy 'nope'; installed policies: .*fcfs.*fcfs-swap.*priority"):
+        load_policy("nope")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(PolicyError, match=r"policy '.*broken.py:X' failed to load: ModuleNotFoundError"):
+        load_policy(f"{broken}:X")
+    half = tmp_path / "half.py"
+    half.write_text("class Half:\n    def select_victim(self, running, needing):\n        return None\n")
+    with pytest.raises(PolicyError, match="does not implement waiting_queue, preemption_mode"):
+        load_policy(f"{half}:Half")
+    with pytest.raises(PolicyError, match="failed to construct: TypeError"):
+        load_policy("priority", {"no_such_option": 1})
+
+
+def test_aserve_policies_lists_what_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "aserve.cli", "policies"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("fcfs", "fcfs-swap", "priority"):
+        assert any(line.split()[0] == name for line in proc.stdout.splitlines() if line.strip())
+
+
+EXAMPLE = __import__("pathlib").Path(__file__).parent.parent / "examples" / "shortest_prompt_first"
+
+
+@pytest.fixture(scope="module")
+def example_plugin(tmp_path_factory):
+    """The example plugin, pip-installed into a folder of its own (the test environment stays untouched)."""
+    target = tmp_path_factory.mktemp("plugin")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(EXAMPLE)], check=True, timeout=300)
+    return target
+
+
+def test_example_plugin_installs_and_schedules_shortest_first(example_plugin, model_dirs, monkeypatch):
+    monkeypatch.syspath_prepend(str(example_plugin))
+    llm = LLM(str(model_dirs[FAMILY]), dtype="float32", policy="shortest-prompt-first", kv_cache_memory="32MiB",
+              max_num_seqs=1)
+    engine = llm.engine
+    lengths = [50, 5, 30, 10]
+    for i, n in enumerate(lengths):
+        engine.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=2), request_id=f"r{n}")
+    reqs = {rid: samples[0] for rid, samples in engine.requests.items()}
+    while engine.has_unfinished():
+        engine.step()
+    order = sorted(reqs, key=lambda rid: reqs[rid].first_token_time)
+    assert order == ["r5", "r10", "r30", "r50"]  # arrived as 50, 5, 30, 10: served shortest first
+    engine.check_idle()
+
+
+def test_servers_run_with_the_example_plugin_and_with_fcfs_swap(example_plugin, model_dirs):
+    import os
+
+    import httpx
+
+    from server_util import RunningServer
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(example_plugin), os.environ.get("PYTHONPATH", "")])}
+    listing = subprocess.run([sys.executable, "-m", "aserve.cli", "policies"], capture_output=True, text=True,
+                             env=env, timeout=60)
+    assert "shortest-prompt-first" in listing.stdout
+    for policy in ("shortest-prompt-first", "fcfs-swap"):
+        srv = RunningServer("--model", str(model_dirs["qwen2"]), "--dtype", "float32", "--kv-cache-memory", "48KiB",
+                            "--swap-space", "0.001", "--policy", policy, env=env)  # 6 device blocks: pressure
+        try:
+            body = {"prompt": "serve me", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "priority": 1}
+            import concurrent.futures
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(lambda _: httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60),
+                                        range(8)))
+            assert all(a.status_code == 200 for a in answers)
+            assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+        finally:
+            assert srv.stop() == 0
