@@ -9,7 +9,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aserve.bench import serve as bench_serve, throughput
+    from aserve.bench import policies as bench_policies, serve as bench_serve, throughput
     from aserve.server import launch
 
     common = argparse.ArgumentParser(add_help=False)
@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   help="offline throughput on random prompts"))
     bench_serve.add_arguments(bench_sub.add_parser("serve", parents=[common],
                                                    help="online serving benchmark against a running server"))
+    bench_policies.add_arguments(bench_sub.add_parser("policies", parents=[common],
+                                                      help="replay one workload against several policies"))
     return parser
 
 
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
             from aserve.bench import throughput
 
             throughput.main(args)
+        elif args.command == "bench" and args.bench_command == "policies":
+            from aserve.bench import policies as bench_policies
+
+            bench_policies.main(args)
         elif args.command == "bench":
             from aserve.bench import serve as bench_serve
 

@@ -215,3 +215,25 @@ def test_servers_run_with_the_example_plugin_and_with_fcfs_swap(example_plugin, 
             assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
         finally:
             assert srv.stop() == 0
+
+
+def test_bench_policies_compares_policies_on_one_trace(model_dirs, tmp_path):
+    import json
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival": i * 0.001, "prompt_len": 20 + 7 * (i % 5), "output_len": 24,
+                                           "priority": 0 if i % 4 == 0 else 1}) for i in range(16)))
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "aserve.cli", "bench", "policies", "--model",
+                           str(model_dirs[FAMILY]), "--dtype", "float32", "--trace", str(trace), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("policy"))
+    for column in ("out tok/s", "TTFT p50/p99 prio 0", "TTFT p50/p99 prio 1", "preempt recompute/swap",
+                   "blocks out/in", "recomputed tok"):
+        assert column in header
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"fcfs", "fcfs-swap", "priority"}
+    assert results["fcfs-swap"]["blocks_swapped_out"] > 0 and results["fcfs"]["recomputed_tokens"] > 0
+    assert all(sum(r["preemptions"].values()) > 0 for r in results.values())  # the cache really was too small
+    assert results["priority"]["ttft_s"]["0"]["p50"] <= results["fcfs"]["ttft_s"]["0"]["p50"] * 1.5
