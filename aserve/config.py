@@ -7,11 +7,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+DEFAULT_MODEL_NAME = "aserve-default"
 log = logging.getLogger("aserve")
 
 # vLLM engine arguments a ported script may pass that mean nothing here (with their harmless values).
 VLLM_ONLY_OPTIONS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpu_memory_utilization": None,
-                     "enforce_eager": None, "trust_remote_code": None, "disable_log_stats": None,
+                     "enforce_eager": None, "trust_remote_code": None,
                      "distributed_executor_backend": None, "disable_custom_all_reduce": None}
 
 
@@ -43,6 +44,7 @@ class EngineConfig:
     swap_space: float | str = 4  # GiB of host memory for swapped-out KV blocks (a number) or a size string
     seed: int = 0
     served_model_name: str | None = None
+    disable_log_stats: bool | None = None  # the periodic stats line; None = off offline, on when serving
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -57,6 +59,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32, got {self.dtype!r}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients and metrics use: --served-model-name, else the model folder as given."""
+        if self.served_model_name:
+            return self.served_model_name
+        return DEFAULT_MODEL_NAME if self.model == str(DEFAULT_MODEL_DIR) else self.model
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore
+from aserve.metrics.loggers import StatLoggers
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 
@@ -18,8 +19,21 @@ class LLM:
     """`LLM(model=None)` loads the embedded default model; options are those of EngineConfig."""
 
     def __init__(self, model: str | None = None, **options):
-        self.engine = EngineCore(EngineConfig.from_kwargs(model, **options))
+        config = EngineConfig.from_kwargs(model, **options)
+        self.engine = EngineCore(config)
+        facts = self.engine.facts
+        self.stats = StatLoggers(config.model_name, facts, facts.policy_name, facts.priority_classes,
+                                 log_stats=config.disable_log_stats is False)
         self._counter = 0
+
+    def get_metrics(self) -> list[tuple[str, dict, float]]:
+        """The Prometheus samples a server would export: (name, labels, value) for each."""
+        return self.stats.prometheus.samples()
+
+    def _step(self):
+        outputs = self.engine.step()
+        self.stats.record(self.engine.take_stats())
+        return outputs
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -77,7 +91,7 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, in_tokens, out_tokens = time.perf_counter(), 0, 0
         while len(done) < len(wanted) and self.engine.has_unfinished():
-            for output in self.engine.step():
+            for output in self._step():
                 if output.finished and output.request_id in wanted:
                     done[output.request_id] = output
                     in_tokens += len(output.prompt_token_ids)

@@ -102,6 +102,7 @@ class Policy:
 
     name: str = "base"
     description: str = ""
+    priority_classes: bool = False  # True: latency metrics are labelled with each request's priority
 
     def waiting_queue(self) -> FCFSQueue:
         return FCFSQueue()

@@ -60,7 +60,9 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else now
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.prev_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

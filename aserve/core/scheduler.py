@@ -61,6 +61,7 @@ class Scheduler:
         self.swapped: list[Request] = []  # in the order they were swapped out
         self.preemptions = {mode.value: 0 for mode in PreemptionMode}
         self.blocks_swapped_out = self.blocks_swapped_in = self.recomputed_tokens = 0
+        self.finished_since_stats: list[Request] = []  # drained by the engine's stats hand-out
 
     @property
     def num_preemptions(self) -> int:
@@ -87,6 +88,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
+        req.finished_time = time.monotonic()
+        self.finished_since_stats.append(req)
         self.policy.on_event(req, "finished")
 
     def kv_view(self) -> KVView:
@@ -203,7 +206,7 @@ class Scheduler:
             req.append_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.last_token_time = now
+            req.prev_token_time, req.last_token_time = req.last_token_time, now
             if req.pending_forks:  # its prompt is in the cache now: the other samples can share it
                 for child in reversed(req.pending_forks):
                     self.waiting.prepend(child)

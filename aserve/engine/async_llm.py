@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aserve.config import EngineConfig
 from aserve.engine.core_process import CoreProcess, EngineDeadError
+from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
@@ -25,15 +26,17 @@ log = logging.getLogger("aserve")
 
 
 class RequestCollector:
-    """One request's pending output: deltas merge into a single slot until the consumer takes it."""
+    """One request's pending output: deltas merge into a single slot until the consumer takes it
+    (cumulative and final outputs simply replace what is there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, merge: bool = True) -> None:
+        self._merge = merge
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
-        if self._output is None:
+        if self._output is None or not self._merge:
             self._output = output
         else:
             self._output.merge(output)
@@ -64,8 +67,17 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aserve-tokenizer")
         self.dead_error: BaseException | None = None
-        self.core = CoreProcess(self.config, self._from_core, self._core_died)
+        self.core = CoreProcess(self.config, self._from_core, self._core_died, self._record_stats)
         self.facts = self.core.facts
+        self.stats = StatLoggers(self.config.model_name, self.facts, self.facts.policy_name,
+                                 self.facts.priority_classes, log_stats=self.config.disable_log_stats is not True)
+
+    def _record_stats(self, stats) -> None:  # on the reader thread; the collectors are thread-safe
+        self.stats.record(stats)
+
+    def get_metrics(self) -> list[tuple[str, dict, float]]:
+        """The Prometheus samples /metrics exports: (name, labels, value) for each."""
+        return self.stats.prometheus.samples()
 
     @property
     def max_model_len(self) -> int:
@@ -160,7 +172,7 @@ class AsyncLLM:
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(ids, params)
-        collector = self._collectors[request_id] = RequestCollector()
+        collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
         finished = False
         try:
             await asyncio.wrap_future(self.core.call(

@@ -8,7 +8,7 @@ multiprocessing), so user scripts without a `__main__` guard are never re-import
 Protocol over one socket pair (multiprocessing Connection framing, pickled tuples):
     parent -> child: EngineConfig first; then (call_id, command, args) or None to stop
     child -> parent: ("ready", EngineFacts) | ("failed", exception type, message) first; then
-                     ("outputs", [RequestOutput]) after steps, ("result" | "error", call_id, value)
+                     ("step", [RequestOutput], IterationStats | None) after steps, ("result" | "error", call_id, value)
 """
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped; no request can be served until the process restarts."""
 
 
+def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Complete a call's future unless its caller gave up on it (a cancelled await cancels the future)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 def _remote_error(name: str, message: str) -> Exception:
     return ERRORS.get(name, RuntimeError)(message)
 
@@ -38,8 +48,10 @@ def _remote_error(name: str, message: str) -> Exception:
 class CoreProcess:
     """Parent side: starts the child, sends commands, and hands its outputs to `on_outputs` (on a reader thread)."""
 
-    def __init__(self, config, on_outputs: Callable[[list], None], on_death: Callable[[BaseException], None]):
+    def __init__(self, config, on_outputs: Callable[[list], None], on_death: Callable[[BaseException], None],
+                 on_stats: Callable[[object], None]):
         self.on_outputs = on_outputs
+        self.on_stats = on_stats
         self.on_death = on_death
         parent_sock, child_sock = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-m", "aserve.engine.core_child", str(child_sock.fileno())],
@@ -82,12 +94,19 @@ class CoreProcess:
         try:
             while True:
                 kind, *rest = self.conn.recv()
-                if kind == "outputs":
-                    self.on_outputs(rest[0])
+                if kind == "step":
+                    outputs, stats = rest
+                    try:
+                        if outputs:
+                            self.on_outputs(outputs)
+                        if stats is not None:
+                            self.on_stats(stats)
+                    except Exception:  # a front-end bug must not stop the outputs of everyone else
+                        log.exception("handling the engine core's outputs failed")
                 elif kind == "result":
-                    self._calls.pop(rest[0]).set_result(rest[1])
+                    _settle(self._calls.pop(rest[0]), result=rest[1])
                 elif kind == "error":
-                    self._calls.pop(rest[0]).set_exception(_remote_error(*rest[1]))
+                    _settle(self._calls.pop(rest[0]), error=_remote_error(*rest[1]))
                 elif kind == "died":
                     raise EngineDeadError(rest[0])
         except (EOFError, OSError, EngineDeadError) as exc:
@@ -95,7 +114,7 @@ class CoreProcess:
             self.error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
                 f"the engine process ended (status {code})")
             for future in self._calls.values():
-                future.set_exception(self.error)
+                _settle(future, error=self.error)
             self._calls.clear()
             self.on_death(self.error)
 
@@ -145,10 +164,10 @@ def serve_core(conn: Connection) -> None:
                     conn.send(("result", call_id, commands[name](*args)))
                 except Exception as exc:  # the request's fault, not the core's
                     conn.send(("error", call_id, (type(exc).__name__, str(exc))))
-            if core.has_unfinished():
-                outputs = core.step()
-                if outputs:
-                    conn.send(("outputs", outputs))
+            outputs = core.step() if core.has_unfinished() else []
+            stats = core.take_stats()
+            if outputs or stats:
+                conn.send(("step", outputs, stats if stats else None))
     except (EOFError, BrokenPipeError):
         return  # the parent is gone
     except BaseException as exc:

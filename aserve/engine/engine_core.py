@@ -16,6 +16,7 @@ from aserve.config import EngineConfig
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler
 from aserve.engine.output_processor import OutputProcessor
+from aserve.metrics.stats import FinishedRequestStats, IterationStats
 from aserve.models.loader import load_model, load_tokenizer
 from aserve.outputs import RequestOutput
 from aserve.policy import load_policy
@@ -34,6 +35,9 @@ class EngineFacts:
     num_blocks: int
     block_size: int
     eos_token_ids: frozenset[int]
+    num_host_blocks: int = 0
+    policy_name: str = ""
+    priority_classes: bool = False
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError for a request the engine could never serve; return its max_tokens."""
@@ -82,6 +86,7 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._stats = IterationStats()
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
         tokens = self.runner.num_blocks * config.block_size
         log.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens, "
@@ -95,7 +100,8 @@ class EngineCore:
     @property
     def facts(self) -> "EngineFacts":
         return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
-                           self.eos_token_ids)
+                           self.eos_token_ids, self.kv.num_host_blocks, self.policy.name,
+                           bool(getattr(self.policy, "priority_classes", False)))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         return self.facts.validate(prompt_token_ids, params)
@@ -155,10 +161,14 @@ class EngineCore:
         sampled = self.runner.execute(sched)
         tokens = {req: result.token_id for req, result in sampled.items()}
         self.scheduler.update(sched, tokens)
+        stats = self._stats
+        stats.num_steps += 1
+        stats.iteration_tokens.append(sched.num_batched_tokens)
         touched = []
         for req, result in sampled.items():
             if req.status == RequestStatus.FINISHED_ABORTED:
                 continue
+            stats.record_token(req)
             stop = self.outputs.on_token(req, result)
             if stop is not None:
                 req.stop_reason = stop
@@ -183,6 +193,14 @@ class EngineCore:
         self.outputs.release(group_id)
         del self.requests[group_id]
         return output
+
+    def take_stats(self) -> IterationStats:
+        """What happened since the last call, with a fresh snapshot of the scheduler (for the loggers)."""
+        stats, self._stats = self._stats, IterationStats()
+        stats.finished = [FinishedRequestStats.of(r) for r in self.scheduler.finished_since_stats]
+        self.scheduler.finished_since_stats = []
+        stats.scheduler = self.scheduler.stats()
+        return stats
 
     def state(self) -> dict:
         """Free and used blocks, scheduler queues and live requests: what proves an idle engine is clean."""

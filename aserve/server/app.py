@@ -16,8 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 import aserve
-from aserve.config import DEFAULT_MODEL_DIR
 from aserve.engine.async_llm import AsyncLLM, EngineDeadError
 from aserve.server import openai, protocol as p
 from aserve.server.errors import APIError, error_response, from_exception
@@ -26,7 +27,6 @@ from aserve.server.openai import ServerContext
 
 log = logging.getLogger("aserve")
 
-DEFAULT_MODEL_NAME = "aserve-default"
 OPEN_PATHS = ("/health", "/version", "/metrics", "/state")  # everything else needs the API key if one is set
 
 
@@ -79,6 +79,10 @@ async def models(ctx: ServerContext, request: Request) -> Response:
     return json_response(p.ModelList([card]))
 
 
+async def metrics(ctx: ServerContext, request: Request) -> Response:
+    return Response(generate_latest(ctx.engine.stats.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+
+
 async def state(ctx: ServerContext, request: Request) -> Response:
     return json_response(await ctx.engine.state())
 
@@ -128,8 +132,7 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
 
 def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = 8 * 1024 * 1024, root_path: str = "") -> Starlette:
-    model_name = served_model_name or engine.config.served_model_name or (
-        DEFAULT_MODEL_NAME if engine.config.model == str(DEFAULT_MODEL_DIR) else engine.config.model)
+    model_name = served_model_name or engine.config.model_name
     aliases = frozenset({model_name, engine.config.model})
     ctx = ServerContext(engine, model_name, aliases, max_body_bytes)
 
@@ -142,6 +145,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/health", api_route(ctx, health), methods=["GET"]),
         Route("/version", api_route(ctx, version), methods=["GET"]),
         Route("/state", api_route(ctx, state), methods=["GET"]),
+        Route("/metrics", api_route(ctx, metrics), methods=["GET"]),
         Route("/v1/models", api_route(ctx, models), methods=["GET"]),
         Route("/v1/completions", api_route(ctx, openai.completions), methods=["POST"]),
         Route("/v1/chat/completions", api_route(ctx, openai.chat_completions), methods=["POST"]),

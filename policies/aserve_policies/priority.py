@@ -12,6 +12,7 @@ from aserve.policy import KeyedQueue, Policy, PreemptionMode
 class PriorityPolicy(Policy):
     name = "priority"
     description = "lower priority value first, then arrival; preempts the least urgent; optional aging"
+    priority_classes = True
 
     def __init__(self, aging: float = 0.0, mode: str = "recompute"):
         self.aging = float(aging)

@@ -1,0 +1,185 @@
+"""Stat loggers: Prometheus collectors named like vLLM's (prefix `aserve:`, label `model_name`), and a
+periodic log line. Both are fed the IterationStats the engine core hands out after its steps."""
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from aserve.metrics.stats import IterationStats
+
+log = logging.getLogger("aserve")
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0]
+ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    """The engine's metrics in a registry of their own (several engines may share a process)."""
+
+    def __init__(self, model_name: str, *, max_model_len: int, policy: str, block_size: int, num_blocks: int,
+                 num_host_blocks: int, priority_classes: bool = False, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        self.priority_classes = priority_classes
+        base = ["model_name"]
+        latency_labels = base + (["priority"] if priority_classes else [])
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"aserve:{name}", doc, base, registry=r).labels(**self.labels)
+
+        def counter(name, doc, extra=()):
+            return Counter(f"aserve:{name}", doc, base + list(extra), registry=r)
+
+        def histogram(name, doc, buckets, labels=base):
+            return Histogram(f"aserve:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be admitted.")
+        self.swapped = gauge("num_requests_swapped", "Requests whose KV blocks are in the host swap pool.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (1 = full).")
+        self.cpu_usage = gauge("cpu_cache_usage_perc", "Fraction of host swap-pool blocks in use (1 = full).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        self.preemptions = counter("num_preemptions", "Preemptions by mode (recompute or swap).", ["mode"])
+        self.swapped_blocks = counter("swapped_blocks", "KV blocks copied to (out) or from (in) the host pool.",
+                                      ["direction"])
+        self.recomputed = counter("recomputed_tokens", "Computed tokens dropped by recompute preemption.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS, latency_labels)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             ITL_BUCKETS, latency_labels)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS, latency_labels)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS,
+                               latency_labels)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS,
+                                 latency_labels)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS,
+                                latency_labels)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests.",
+                                    buckets_1_2_5(max_model_len))
+        self.generation_len = histogram("request_generation_tokens", "Output length of finished requests.",
+                                        buckets_1_2_5(max_model_len))
+        self.iteration = histogram("iteration_tokens_total", "Tokens batched per engine step.", ITERATION_BUCKETS)
+        info = Info("aserve:policy", "The scheduling policy and the KV cache it manages.", base, registry=r)
+        info.labels(**self.labels).info({"policy": policy, "block_size": str(block_size),
+                                         "num_device_blocks": str(num_blocks),
+                                         "num_host_blocks": str(num_host_blocks)})
+        # the scheduler's counters are totals since start: remember what was already counted
+        self._seen = {"recompute": 0, "swap": 0, "out": 0, "in": 0, "recomputed": 0, "queries": 0, "hits": 0}
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(**self.labels, finished_reason=reason)
+        for mode in ("recompute", "swap"):
+            self.preemptions.labels(**self.labels, mode=mode)
+        for direction in ("in", "out"):
+            self.swapped_blocks.labels(**self.labels, direction=direction)
+
+    def _latency(self, histogram: Histogram, priority: int):
+        if self.priority_classes:
+            return histogram.labels(**self.labels, priority=str(priority))
+        return histogram.labels(**self.labels)
+
+    def _advance(self, counter, key: str, total: int) -> None:
+        if total > self._seen[key]:
+            counter.inc(total - self._seen[key])
+            self._seen[key] = total
+
+    def record(self, stats: IterationStats) -> None:
+        labels = self.labels
+        s = stats.scheduler
+        if s is not None:
+            self.running.set(s.num_running)
+            self.waiting.set(s.num_waiting)
+            self.swapped.set(s.num_swapped)
+            self.kv_usage.set(s.kv_cache_usage)
+            self.cpu_usage.set(s.host_cache_usage)
+            for mode in ("recompute", "swap"):
+                self._advance(self.preemptions.labels(**labels, mode=mode), mode, s.preemptions.get(mode, 0))
+            self._advance(self.swapped_blocks.labels(**labels, direction="out"), "out", s.blocks_swapped_out)
+            self._advance(self.swapped_blocks.labels(**labels, direction="in"), "in", s.blocks_swapped_in)
+            self._advance(self.recomputed.labels(**labels), "recomputed", s.recomputed_tokens)
+            self._advance(self.prefix_queries.labels(**labels), "queries", s.prefix_queries)
+            self._advance(self.prefix_hits.labels(**labels), "hits", s.prefix_hits)
+        if stats.prompt_tokens:
+            self.prompt_tokens.labels(**labels).inc(stats.prompt_tokens)
+        if stats.generation_tokens:
+            self.generation_tokens.labels(**labels).inc(stats.generation_tokens)
+        for tokens in stats.iteration_tokens:
+            self.iteration.labels(**labels).observe(tokens)
+        for priority, seconds in stats.time_to_first_token:
+            self._latency(self.ttft, priority).observe(seconds)
+        for priority, seconds in stats.inter_token_latency:
+            self._latency(self.itl, priority).observe(seconds)
+        for f in stats.finished:
+            self.success.labels(**labels, finished_reason=f.finish_reason).inc()
+            self._latency(self.e2e, f.priority).observe(f.e2e_latency)
+            self._latency(self.queue, f.priority).observe(f.queue_time)
+            self._latency(self.prefill, f.priority).observe(f.prefill_time)
+            self._latency(self.decode, f.priority).observe(f.decode_time)
+            self.prompt_len.labels(**labels).observe(f.prompt_tokens)
+            self.generation_len.labels(**labels).observe(f.generation_tokens)
+
+    def samples(self) -> list[tuple[str, dict, float]]:
+        """Every sample in the registry as (name, labels, value): what get_metrics() returns."""
+        return [(s.name, dict(s.labels), s.value) for family in self.registry.collect() for s in family.samples]
+
+
+class LoggingStatLogger:
+    """A line every `interval` seconds: throughput, queues, KV usage and prefix-cache hit rate."""
+
+    def __init__(self, interval: float = 10.0):
+        self.interval = interval
+        self.last = time.monotonic()
+        self.prompt_tokens = self.generation_tokens = 0
+        self.last_queries = self.last_hits = 0
+
+    def record(self, stats: IterationStats) -> None:
+        self.prompt_tokens += stats.prompt_tokens
+        self.generation_tokens += stats.generation_tokens
+        now = time.monotonic()
+        s = stats.scheduler
+        if s is None or now - self.last < self.interval:
+            return
+        elapsed, self.last = now - self.last, now
+        queries, hits = s.prefix_queries - self.last_queries, s.prefix_hits - self.last_hits
+        self.last_queries, self.last_hits = s.prefix_queries, s.prefix_hits
+        log.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, "
+                 "waiting: %d, swapped: %d, KV cache usage: %.1f%%, host cache usage: %.1f%%, "
+                 "prefix cache hit rate: %.1f%%", self.prompt_tokens / elapsed, self.generation_tokens / elapsed,
+                 s.num_running, s.num_waiting, s.num_swapped, 100 * s.kv_cache_usage, 100 * s.host_cache_usage,
+                 100 * hits / queries if queries else 0.0)
+        self.prompt_tokens = self.generation_tokens = 0
+
+
+class StatLoggers:
+    """The loggers an engine front end (LLM or AsyncLLM) feeds."""
+
+    def __init__(self, model_name: str, facts, policy_name: str, priority_classes: bool, log_stats: bool,
+                 log_interval: float = 10.0):
+        self.prometheus = PrometheusStatLogger(
+            model_name, max_model_len=facts.max_model_len, policy=policy_name, block_size=facts.block_size,
+            num_blocks=facts.num_blocks, num_host_blocks=facts.num_host_blocks, priority_classes=priority_classes)
+        self.logging = LoggingStatLogger(log_interval) if log_stats else None
+
+    def record(self, stats: IterationStats) -> None:
+        self.prometheus.record(stats)
+        if self.logging is not None:
+            self.logging.record(stats)

@@ -1,0 +1,57 @@
+"""Stats the engine core hands out: a snapshot of the scheduler plus what happened since the last hand-out.
+
+They are plain data, so they cross from the core's process to the front end's loggers with the outputs.
+Latencies come from each request's own timestamps, not from the HTTP layer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aserve.core.scheduler import SchedulerStats
+from aserve.request import Request
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    priority: int
+    e2e_latency: float
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+    prompt_tokens: int
+    generation_tokens: int
+
+    @classmethod
+    def of(cls, req: Request) -> "FinishedRequestStats":
+        end = req.finished_time or time.monotonic()
+        scheduled = req.scheduled_time or end
+        first = req.first_token_time or end
+        return cls(req.status.value, req.priority, end - req.arrival_time, scheduled - req.arrival_time,
+                   first - scheduled, end - first, req.num_prompt_tokens, req.num_output_tokens)
+
+
+@dataclass
+class IterationStats:
+    """What happened in the steps (and aborts) since the last hand-out."""
+    scheduler: SchedulerStats | None = None
+    num_steps: int = 0
+    iteration_tokens: list[int] = field(default_factory=list)  # tokens batched per step
+    prompt_tokens: int = 0  # prompts of requests that produced their first token
+    generation_tokens: int = 0
+    time_to_first_token: list[tuple[int, float]] = field(default_factory=list)  # (priority, seconds)
+    inter_token_latency: list[tuple[int, float]] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.num_steps or self.finished)
+
+    def record_token(self, req: Request) -> None:
+        """Account for the token a request just sampled (its timestamps are already updated)."""
+        self.generation_tokens += 1
+        if req.num_output_tokens == 1:
+            self.prompt_tokens += req.num_prompt_tokens
+            self.time_to_first_token.append((req.priority, req.first_token_time - req.arrival_time))
+        elif req.prev_token_time is not None:
+            self.inter_token_latency.append((req.priority, req.last_token_time - req.prev_token_time))
