@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
@@ -164,6 +165,7 @@ class AsyncLLM:
                        priority: int = 0, output_kind: str = "delta") -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: by default each carries only what is new since the last one."""
         self._ensure_started()
+        arrival = time.monotonic()  # CLOCK_MONOTONIC is system-wide: the core's process reads the same clock
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.dead_error}")
         params = sampling_params or SamplingParams()
@@ -177,7 +179,8 @@ class AsyncLLM:
         try:
             await asyncio.wrap_future(self.core.call(
                 "add_request", ids, params,
-                {"request_id": request_id, "prompt": text, "priority": priority, "output_kind": output_kind}))
+                {"request_id": request_id, "prompt": text, "priority": priority, "output_kind": output_kind,
+                 "arrival_time": arrival}))
             while not finished:
                 output = await collector.get()
                 finished = output.finished
