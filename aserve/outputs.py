@@ -37,6 +37,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's shape: None for the first token
 
     def merge(self, newer: "RequestOutput") -> None:
         """Fold a later delta into this one (what a slow consumer's collector does instead of queueing)."""

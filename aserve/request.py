@@ -48,6 +48,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks, in order
         self.num_cached_blocks = 0  # how many leading blocks are indexed in the prefix cache
         self.host_block_table: list[int] = []  # where its K/V sit while it is swapped out
+        self.prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # for prompt tokens 1..n-1
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         # n > 1: samples after the first wait for the first one's prefill, then share its blocks.

@@ -25,6 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # log-probabilities of the prompt's own tokens (+ top k); no prefix cache
     skip_special_tokens: bool = True
     # Filled in by the engine: the model's eos ids, which end a request unless ignore_eos.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
@@ -58,6 +59,9 @@ class SamplingParams:
         need(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 means none)")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
         need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

@@ -123,3 +123,19 @@ def test_n_greedy_samples_share_the_prompt_and_match(model_dirs, references):
         assert [o.index for o in out.outputs] == [0, 1, 2]
         assert all(o.token_ids == ref for o in out.outputs)
     llm.engine.check_idle()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama-gqa-tied"])
+def test_prompt_logprobs_match_transformers(model_dirs, family):
+    path = model_dirs[family]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=16)  # chunked prompts
+    prompts = PROMPTS[:4]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                        use_tqdm=False)
+    model = load_reference(path)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        for i in range(1, len(prompt)):
+            assert abs(out.prompt_logprobs[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item()) < 1e-4

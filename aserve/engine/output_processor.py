@@ -122,7 +122,16 @@ class OutputProcessor:
         outputs = [o for o in outputs if o is not None]
         if not outputs and not finished:
             return None
-        return RequestOutput(group_id, prompt, list(prompt_token_ids), outputs, finished)
+        out = RequestOutput(group_id, prompt, list(prompt_token_ids), outputs, finished)
+        first = reqs[0]
+        if first.params.prompt_logprobs is not None and finished:
+            decode = self.tokenizer.decode
+            out.prompt_logprobs = [None]
+            for token, logprob, top in first.prompt_logprobs:
+                entry = {tid: Logprob(lp, rank + 1, decode([tid])) for rank, (tid, lp) in enumerate(top)}
+                entry.setdefault(token, Logprob(logprob, None, decode([token])))
+                out.prompt_logprobs.append(entry)
+        return out
 
     def release(self, group_id: str) -> None:
         _, _, reqs, _ = self.groups.pop(group_id)

@@ -83,10 +83,30 @@ class ModelRunner:
         batch = [x for x in sched.scheduled if x[1] == 1] + [x for x in sched.scheduled if x[1] > 1]
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        self._prompt_logprobs(batch, hidden)
         if not sample_reqs:  # only prefill chunks that do not reach the end of their prompts
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])
         return dict(zip(sample_reqs, sample(logits, sample_reqs)))
+
+    def _prompt_logprobs(self, batch: list[tuple[Request, int]], hidden: torch.Tensor) -> None:
+        """For requests that asked: the log-probability of each prompt token given the ones before it."""
+        row = 0
+        for req, n in batch:
+            start, k = req.num_computed_tokens, req.params.prompt_logprobs
+            # positions start..start+n-1 predict tokens start+1..; only those inside the prompt, once each
+            first = max(start, len(req.prompt_logprobs))
+            last = min(start + n, req.num_prompt_tokens - 1)
+            if k is not None and first < last:
+                logprobs = self.model.compute_logits(hidden[row + first - start:row + last - start]).float()
+                logprobs = logprobs.log_softmax(dim=-1)
+                targets = torch.tensor(req.all_token_ids[first + 1:last + 1])
+                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                tops = logprobs.topk(k, dim=-1) if k else None
+                for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
+                    top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if k else []
+                    req.prompt_logprobs.append((token, lp, top))
+            row += n
 
     def _prepare(self, batch: list[tuple[Request, int]]):
         bs = self.block_size
