@@ -93,11 +93,15 @@ class ModelRunner:
         """For requests that asked: the log-probability of each prompt token given the ones before it."""
         row = 0
         for req, n in batch:
-            start, k = req.num_computed_tokens, req.params.prompt_logprobs
+            k = req.params.prompt_logprobs
+            if k is None:
+                row += n
+                continue
+            start = req.num_computed_tokens
             # positions start..start+n-1 predict tokens start+1..; only those inside the prompt, once each
             first = max(start, len(req.prompt_logprobs))
             last = min(start + n, req.num_prompt_tokens - 1)
-            if k is not None and first < last:
+            if first < last:
                 logprobs = self.model.compute_logits(hidden[row + first - start:row + last - start]).float()
                 logprobs = logprobs.log_softmax(dim=-1)
                 targets = torch.tensor(req.all_token_ids[first + 1:last + 1])
