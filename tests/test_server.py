@@ -296,21 +296,27 @@ def test_bench_serve_reports_in_vllm_layout(server, tmp_path):
     wait_idle(server)
 
 
-def test_dead_engine_turns_health_503(model_dirs):
+def test_dead_engine_ends_streams_with_an_error_turns_health_503_and_exits_nonzero(model_dirs):
     import os
 
     srv = RunningServer("--model", str(model_dirs["qwen3"]), "--dtype", "float32", "--kv-cache-memory", "16MiB")
     try:
         child = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_core_child_of(int(p), srv.proc.pid)]
         assert len(child) == 1
-        os.kill(child[0], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{srv.url}/health").status_code == 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        events = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30, json={
+                "prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    os.kill(child[0], signal.SIGKILL)  # the engine dies mid-stream
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503
         health = httpx.get(f"{srv.url}/health")
         assert health.status_code == 503 and "dead" in health.json()["error"]["message"]
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert srv.proc.wait(timeout=30) != 0  # exits non-zero, for a supervisor to restart it
     finally:
         srv.stop()
 

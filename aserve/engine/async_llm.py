@@ -68,6 +68,7 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aserve-tokenizer")
         self.dead_error: BaseException | None = None
+        self.on_death: list[Callable[[BaseException], None]] = []  # called on the event loop when the core dies
         self.core = CoreProcess(self.config, self._from_core, self._core_died, self._record_stats)
         self.facts = self.core.facts
         self.stats = StatLoggers(self.config.model_name, self.facts, self.facts.policy_name,
@@ -115,6 +116,15 @@ class AsyncLLM:
     def _fail_all(self, exc: BaseException) -> None:
         for collector in self._collectors.values():
             collector.fail(EngineDeadError(f"the engine core died: {exc}"))
+        for callback in self.on_death:
+            callback(exc)
+
+    def start(self) -> None:
+        """Bind to the running event loop now (a server does this at start-up, so a core that dies before
+        the first request is still noticed)."""
+        self._ensure_started()
+        if self.dead_error is not None:
+            self._loop.call_soon(self._fail_all, self.dead_error)
 
     async def _move_outputs(self) -> None:
         while True:

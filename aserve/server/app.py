@@ -23,7 +23,7 @@ from aserve.engine.async_llm import AsyncLLM, EngineDeadError
 from aserve.server import openai, protocol as p
 from aserve.server.errors import APIError, error_response, from_exception
 from aserve.server.http import json_response, parse, until_disconnect
-from aserve.server.openai import ServerContext
+from aserve.server.openai import ServerContext, stream_error
 
 log = logging.getLogger("aserve")
 
@@ -123,8 +123,11 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
 
     if req.stream:
         async def chunks():
-            async for out in ctx.engine.generate(source, params, None, req.priority, "cumulative"):
-                yield msgspec.json.encode({"text": [prefix + o.text for o in out.outputs]}) + b"\0"
+            try:
+                async for out in ctx.engine.generate(source, params, None, req.priority, "cumulative"):
+                    yield msgspec.json.encode({"text": [prefix + o.text for o in out.outputs]}) + b"\0"
+            except EngineDeadError as exc:
+                yield msgspec.json.encode(stream_error(exc)) + b"\0"
         return StreamingResponse(chunks(), media_type="application/json")
     final = await until_disconnect(request, ctx.engine.infer(source, params, None, req.priority))
     return json_response({"text": [prefix + o.text for o in final.outputs]})
@@ -138,6 +141,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        engine.start()
         yield
         await engine.shutdown()
 

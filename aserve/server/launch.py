@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
 import sys
 
 log = logging.getLogger("aserve")
+DEATH_GRACE_S = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,10 +74,17 @@ def serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False, root_path=args.root_path)
     server = uvicorn.Server(config)
+
+    def engine_died(exc: BaseException) -> None:
+        # /health answers 503 for a moment (so probes see why), then the process exits non-zero for a supervisor
+        log.error("the engine core died (%s): exiting in %.0f s", exc, DEATH_GRACE_S)
+        asyncio.get_running_loop().call_later(DEATH_GRACE_S, setattr, server, "should_exit", True)
+
+    engine.on_death.append(engine_died)
     log.info("serving %s on http://%s:%d (API key %s)", engine.config.model, args.host, args.port,
              "required" if args.api_key else "not required")
     # uvicorn drains, then re-raises the signal it caught: make that an orderly exit with status 0.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     signal.signal(signal.SIGINT, _exit_cleanly)
     server.run()
-    sys.exit(0)
+    sys.exit(1 if engine.dead_error is not None else 0)

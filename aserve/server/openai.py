@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from aserve.engine.async_llm import AsyncLLM
+from aserve.engine.core_process import EngineDeadError
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.server import protocol as p
 from aserve.server.errors import APIError
@@ -126,8 +127,8 @@ async def completions(ctx: ServerContext, request: Request):
     prefix = [(x.text if x.text is not None else tokenizer.decode(x.token_ids)) if req.echo else "" for x in prompts]
 
     if req.stream:
-        return StreamingResponse(_stream_completions(ctx, req, params, prompts, prefix, request_id, created),
-                                 media_type="text/event-stream")
+        return StreamingResponse(ends_with_error_event(
+            _stream_completions(ctx, req, params, prompts, prefix, request_id, created)), media_type="text/event-stream")
     finals = await _infer_all(ctx, request, prompts, params, request_id, req.priority)
     choices = []
     for i, out in enumerate(finals):
@@ -136,6 +137,23 @@ async def completions(ctx: ServerContext, request: Request):
             choices.append(p.CompletionChoice(i * params.n + o.index, prefix[i] + o.text, lp, o.finish_reason,
                                               o.stop_reason))
     return json_response(p.CompletionResponse(request_id, created, ctx.model_name, choices, _usage(prompts, finals)))
+
+
+def stream_error(exc: BaseException) -> p.ErrorResponse:
+    """The last event of a stream whose engine died: an error in OpenAI's shape, not a cut connection."""
+    return p.ErrorResponse(p.ErrorInfo(message=f"the engine is not available: {exc}", type="service_unavailable",
+                                       code=503))
+
+
+def ends_with_error_event(stream):
+    async def guarded():
+        try:
+            async for chunk in stream:
+                yield chunk
+        except EngineDeadError as exc:
+            yield sse(stream_error(exc))
+            yield SSE_DONE
+    return guarded()
 
 
 async def _stream_completions(ctx, req, params, prompts, prefix, request_id, created):
@@ -213,7 +231,7 @@ async def chat_completions(ctx: ServerContext, request: Request):
     top = req.top_logprobs or 0
 
     if req.stream:
-        return StreamingResponse(_stream_chat(ctx, req, params, prompt, request_id, created, top),
+        return StreamingResponse(ends_with_error_event(_stream_chat(ctx, req, params, prompt, request_id, created, top)),
                                  media_type="text/event-stream")
     final = (await _infer_all(ctx, request, [prompt], params, request_id, req.priority))[0]
     choices = [p.ChatChoice(o.index, p.AssistantMessage(content=o.text),
