@@ -92,9 +92,10 @@ class KVCacheManager:
         num_held = len(table) + len(computed_blocks)
         num_new_blocks = max(0, self.blocks_needed(start + num_new_tokens) - num_held)
         first_write = start // bs  # the only block already held that this step can write into
-        held = list(table) + list(computed_blocks)
-        write_shared = first_write < num_held and (
-            pool.ref_count(held[first_write]) + (held[first_write] in computed_blocks) > 1)
+        if first_write < len(table):  # decode and later chunks: no copy of the table on this per-step path
+            write_shared = pool.ref_count(table[first_write]) > 1
+        else:  # a block being taken over now is shared as soon as anyone else holds it
+            write_shared = first_write < num_held and pool.ref_count(computed_blocks[first_write - len(table)]) > 0
         revived = sum(1 for b in computed_blocks if pool.ref_count(b) == 0)
         if num_new_blocks + write_shared > pool.num_free - revived:
             return False

@@ -164,7 +164,7 @@ class EngineCore:
         stats = self._stats
         stats.num_steps += 1
         stats.iteration_tokens.append(sched.num_batched_tokens)
-        touched = []
+        touched: dict[str, None] = {}  # prompt groups that advanced, in order
         for req, result in sampled.items():
             if req.status == RequestStatus.FINISHED_ABORTED:
                 continue
@@ -176,8 +176,7 @@ class EngineCore:
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            if req.group_id not in touched:
-                touched.append(req.group_id)
+            touched[req.group_id] = None
         results = []
         for group_id in touched:
             if all(r.is_finished for r in self.requests[group_id]):
