@@ -45,6 +45,8 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     disable_log_stats: bool | None = None  # the periodic stats line; None = off offline, on when serving
+    max_n: int = 32  # the most samples one prompt may ask for (n): each costs as much as a request
+    max_waiting_requests: int | None = None  # new requests beyond this many waiting are refused (overload)
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -54,7 +56,9 @@ class EngineConfig:
                            else parse_memory(self.swap_space))
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

@@ -18,8 +18,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong for this sample
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -53,7 +54,7 @@ class RequestOutput:
             if new.logprobs is not None:
                 old.logprobs = (old.logprobs or []) + new.logprobs
             old.cumulative_logprob = new.cumulative_logprob
-            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+            old.finish_reason, old.stop_reason, old.error = new.finish_reason, new.stop_reason, new.error
         self.outputs.sort(key=lambda o: o.index)
         self.finished = newer.finished
         self.metrics = newer.metrics or self.metrics

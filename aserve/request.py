@@ -17,10 +17,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request failed (NaN logits, a detokenizer error); the others go on
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -50,6 +52,7 @@ class Request:
         self.host_block_table: list[int] = []  # where its K/V sit while it is swapped out
         self.prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # for prompt tokens 1..n-1
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it ended with FINISHED_ERROR
         self.num_preemptions = 0
         # n > 1: samples after the first wait for the first one's prefill, then share its blocks.
         self.fork_parent: Request | None = None

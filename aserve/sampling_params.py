@@ -62,7 +62,8 @@ class SamplingParams:
         need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              "prompt_logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
-        need(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None")
+        need(self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 63), "seed",
+             "a 64-bit integer or None")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "a list of non-negative token ids")

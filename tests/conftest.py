@@ -79,3 +79,21 @@ def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtyp
     c = json.loads((path / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return num_blocks * 2 * c["num_hidden_layers"] * block_size * c["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+POISON = 4000  # the token whose embedding row the NaN model corrupts
+
+
+@pytest.fixture(scope="session")
+def nan_model(model_dirs, tmp_path_factory):
+    """The untied tiny Llama with one embedding row set to NaN: any request holding that token (in its prompt
+    or its output) gets NaN hidden states, K/V and logits, a real fault rather than a patched one."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("nan-model")
+    for f in model_dirs["llama-untied"].iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    weights = load_file(path / "model.safetensors")
+    weights["model.embed_tokens.weight"][POISON] = float("nan")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path

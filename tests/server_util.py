@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -19,13 +20,14 @@ class RunningServer:
     def __init__(self, *args: str, startup_timeout: float = 60.0, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="aserve-test-server-", suffix=".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "aserve.cli", "serve", "--host", "127.0.0.1",
                                       "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited during start-up:\n{self.output()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -48,4 +50,6 @@ class RunningServer:
         return self.proc.returncode
 
     def output(self) -> str:
-        return self.proc.stdout.read() if self.proc.poll() is not None else ""
+        """Everything the server has logged so far (stdout and stderr)."""
+        with open(self.log.name) as f:
+            return f.read()

@@ -27,6 +27,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks)  # no prefix index: a host block belongs to one request
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block pairs, copy-on-write
+        self.fresh_blocks: list[int] = []  # allocated since the last take_fresh(), to be zeroed before use
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were found
 
@@ -114,7 +115,9 @@ class KVCacheManager:
             else:  # about to be written: it no longer matches its hash
                 pool.uncache(old)
         for _ in range(num_new_blocks):
-            table.append(pool.allocate())
+            block_id = pool.allocate()
+            table.append(block_id)
+            self.fresh_blocks.append(block_id)
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -187,6 +190,13 @@ class KVCacheManager:
         for host_block in req.host_block_table:
             self.host_pool.release(host_block)
         req.host_block_table = []
+
+    def take_fresh(self) -> list[int]:
+        """Blocks handed out since the last call. The runner zeroes them: the slots a request has not written
+        yet are masked in attention, but a NaN left there by an earlier owner whose model output went bad
+        would still poison the value product (0 * NaN is NaN), i.e. leak one request's fault into another."""
+        fresh, self.fresh_blocks = self.fresh_blocks, []
+        return fresh
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -23,6 +23,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block pairs, before the forward
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), copied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), copied next
+    fresh: list[int] = field(default_factory=list)  # newly allocated blocks, zeroed after swap-out (see KVCacheManager)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -159,6 +160,7 @@ class Scheduler:
 
         out.scheduled = list(scheduled.items())
         out.copies = self.kv.take_copies()
+        out.fresh = self.kv.take_fresh()
         return out
 
     def _run(self, req: Request, num_new: int, scheduled: dict[Request, int], event: str) -> None:

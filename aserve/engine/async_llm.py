@@ -22,6 +22,7 @@ from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
+from aserve.worker.host_memory import rss_bytes
 
 log = logging.getLogger("aserve")
 
@@ -54,6 +55,63 @@ class RequestCollector:
             raise self._error
         output, self._output = self._output, None
         return output
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended this request with an error (NaN logits, a detokenizer failure); the others go on."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request ran past its timeout and was aborted."""
+
+
+class RequestStream:
+    """An admitted request's outputs as an async iterator. Closing it before the end aborts the request
+    and frees its blocks; the engine forgets it either way."""
+
+    def __init__(self, engine: "AsyncLLM", request_id: str, collector: RequestCollector, timeout: float | None):
+        self.engine = engine
+        self.request_id = request_id
+        self._collector = collector
+        self._deadline = time.monotonic() + timeout if timeout is not None else None
+        self._timeout = timeout
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            if self._deadline is None:
+                output = await self._collector.get()
+            else:
+                output = await asyncio.wait_for(self._collector.get(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.close()
+            raise RequestTimeoutError(f"the request did not finish within its timeout of {self._timeout:g} s "
+                                      f"and was aborted") from None
+        except BaseException:
+            self.close()
+            raise
+        error = next((o.error for o in output.outputs if o.finish_reason == "error"), None)
+        if error is not None:
+            self.close()
+            raise RequestFailedError(f"generation failed: {error}")
+        if output.finished:
+            self.finished = True
+            self.engine._collectors.pop(self.request_id, None)
+        return output
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        engine = self.engine
+        engine._collectors.pop(self.request_id, None)
+        if engine.dead_error is None:
+            engine.core.call("abort", [self.request_id])  # the consumer left: free its blocks
 
 
 class AsyncLLM:
@@ -171,9 +229,13 @@ class AsyncLLM:
         raise ValueError("a prompt must be a string, a list of token ids or a dict with 'prompt' or "
                          "'prompt_token_ids'")
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, output_kind: str = "delta") -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs: by default each carries only what is new since the last one."""
+    async def submit(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                     priority: int = 0, output_kind: str = "delta", timeout: float | None = None) -> "RequestStream":
+        """Tokenize, validate and hand a request to the core; return its stream once the core has accepted it.
+
+        Refusals (bad input: ValueError; a full waiting queue: EngineOverloadedError) surface here, before any
+        output, so a server can answer them with a status code. The caller must iterate or close the stream.
+        """
         self._ensure_started()
         arrival = time.monotonic()  # CLOCK_MONOTONIC is system-wide: the core's process reads the same clock
         if self.dead_error is not None:
@@ -185,26 +247,33 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(ids, params)
         collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
-        finished = False
+        stream = RequestStream(self, request_id, collector, timeout)
         try:
             await asyncio.wrap_future(self.core.call(
                 "add_request", ids, params,
                 {"request_id": request_id, "prompt": text, "priority": priority, "output_kind": output_kind,
                  "arrival_time": arrival}))
-            while not finished:
-                output = await collector.get()
-                finished = output.finished
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, output_kind: str = "delta",
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: by default each carries only what is new since the last one."""
+        stream = await self.submit(prompt, sampling_params, request_id, priority, output_kind, timeout)
+        try:
+            async for output in stream:
                 yield output
         finally:
-            self._collectors.pop(request_id, None)
-            if not finished and self.dead_error is None:
-                self.core.call("abort", [request_id])  # the consumer left: free its blocks
+            stream.close()
 
     async def infer(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> RequestOutput:
+                    priority: int = 0, timeout: float | None = None) -> RequestOutput:
         """Run one request to the end and return its finished output."""
         final = None
-        async with aclosing(self.generate(prompt, sampling_params, request_id, priority, "final")) as stream:
+        async with aclosing(self.generate(prompt, sampling_params, request_id, priority, "final", timeout)) as stream:
             async for final in stream:
                 pass
         return final
@@ -219,5 +288,6 @@ class AsyncLLM:
     async def state(self) -> dict:
         """Free and used blocks, scheduler queues and live requests: what tests check to prove idleness."""
         state = await asyncio.wrap_future(self.core.call("state"))
-        state["num_collectors"] = len(self._collectors)
+        state["num_collectors"] = len(self._collectors)  # live request objects on this side of the core
+        state["server_rss_bytes"] = rss_bytes()
         return state

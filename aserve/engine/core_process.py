@@ -24,7 +24,10 @@ from typing import Callable
 
 log = logging.getLogger("aserve")
 
-ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError}
+from aserve.engine.engine_core import EngineOverloadedError
+
+ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
+          "EngineOverloadedError": EngineOverloadedError}
 
 
 class EngineDeadError(RuntimeError):
@@ -62,6 +65,7 @@ class CoreProcess:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
         self.error: BaseException | None = None
+        self._stopping = False  # set by stop(): the end of the connection is then expected, not a death
         self.conn.send(config)
         try:
             first = self.conn.recv()
@@ -116,12 +120,14 @@ class CoreProcess:
             for future in self._calls.values():
                 _settle(future, error=self.error)
             self._calls.clear()
-            self.on_death(self.error)
+            if not self._stopping:
+                self.on_death(self.error)
 
     def is_alive(self) -> bool:
         return self.error is None and self.proc.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
         with self._send_lock:
             try:
                 self.conn.send(None)

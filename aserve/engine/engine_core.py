@@ -22,9 +22,14 @@ from aserve.outputs import RequestOutput
 from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import SamplingParams
+from aserve.worker.host_memory import rss_bytes
 from aserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("aserve")
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full: the request was refused, and may be retried later."""
 
 
 @dataclass(frozen=True)
@@ -38,9 +43,12 @@ class EngineFacts:
     num_host_blocks: int = 0
     policy_name: str = ""
     priority_classes: bool = False
+    max_n: int = 32
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError for a request the engine could never serve; return its max_tokens."""
+        if params.n > self.max_n:
+            raise ValueError(f"n must be at most {self.max_n} on this server (max_n), got {params.n}")
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty: it must contain at least one token")
@@ -101,7 +109,7 @@ class EngineCore:
     def facts(self) -> "EngineFacts":
         return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
                            self.eos_token_ids, self.kv.num_host_blocks, self.policy.name,
-                           bool(getattr(self.policy, "priority_classes", False)))
+                           bool(getattr(self.policy, "priority_classes", False)), self.config.max_n)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         return self.facts.validate(prompt_token_ids, params)
@@ -114,6 +122,10 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting "
+                                        f"(max_waiting_requests={limit}); retry later")
         params = params.clone(eos_token_ids=self.eos_token_ids)
         samples = []
         for i in range(params.n):
@@ -159,7 +171,10 @@ class EngineCore:
         if not sched:
             return []
         sampled = self.runner.execute(sched)
-        tokens = {req: result.token_id for req, result in sampled.items()}
+        for req, result in sampled.items():
+            if result.error is not None:  # before update(), so no token is appended and its blocks go back now
+                self._fail(req, result.error)
+        tokens = {req: result.token_id for req, result in sampled.items() if result.error is None}
         self.scheduler.update(sched, tokens)
         stats = self._stats
         stats.num_steps += 1
@@ -168,15 +183,21 @@ class EngineCore:
         for req, result in sampled.items():
             if req.status == RequestStatus.FINISHED_ABORTED:
                 continue
+            touched[req.group_id] = None
+            if result.error is not None:
+                continue
             stats.record_token(req)
-            stop = self.outputs.on_token(req, result)
+            try:
+                stop = self.outputs.on_token(req, result)
+            except Exception as exc:  # noqa: BLE001 - this request's text is lost, not the engine
+                self._fail(req, f"could not detokenize its output: {type(exc).__name__}: {exc}")
+                continue
             if stop is not None:
                 req.stop_reason = stop
                 if req.is_finished:  # also ended by length this step: the stop string wins
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            touched[req.group_id] = None
         results = []
         for group_id in touched:
             if all(r.is_finished for r in self.requests[group_id]):
@@ -186,6 +207,14 @@ class EngineCore:
                 if output is not None:
                     results.append(output)
         return results
+
+    def _fail(self, req: Request, message: str) -> None:
+        """End one request (and the samples still waiting to fork from it) with an error; the batch goes on."""
+        log.warning("request %s failed: %s", req.request_id, message)
+        for sample in [req, *req.pending_forks]:
+            sample.error = message
+            self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR)
+        req.pending_forks = []
 
     def _finish_group(self, group_id: str) -> RequestOutput:
         output = self.outputs.make_output(group_id)
@@ -207,7 +236,8 @@ class EngineCore:
         return {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
                 "num_host_blocks": kv.num_host_blocks, "num_free_host_blocks": kv.num_free_host_blocks,
                 "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-                "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests)}
+                "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests),
+                "core_rss_bytes": rss_bytes()}
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""

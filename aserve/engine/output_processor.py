@@ -68,14 +68,14 @@ class SequenceText:
         if cumulative:
             return CompletionOutput(req.index, self.text, list(req.output_token_ids), self.cumulative_logprob,
                                     list(self.logprobs) if self.logprobs is not None else None, finish,
-                                    req.stop_reason)
+                                    req.stop_reason, req.error)
         end = len(self.text) if finish else max(self.sent_text, len(self.text) - self.holdback)
         tokens = req.output_token_ids[self.sent_tokens:]
         if end == self.sent_text and not tokens and (self.sent_finish or not finish):
             return None
         out = CompletionOutput(req.index, self.text[self.sent_text:end], tokens, self.cumulative_logprob,
                                self.logprobs[self.sent_tokens:] if self.logprobs is not None else None, finish,
-                               req.stop_reason)
+                               req.stop_reason, req.error)
         self.sent_text, self.sent_tokens, self.sent_finish = end, len(req.output_token_ids), finish is not None
         return out
 

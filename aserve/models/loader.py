@@ -139,6 +139,9 @@ def load_tokenizer(path: str | Path):
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise ValueError(f"could not load the tokenizer files in {path}: {exc}") from exc
+    # Prompt length is the engine's to check (max_model_len, with a clear 400), not the tokenizer's to warn about.
+    tokenizer.model_max_length = 1 << 62
+    return tokenizer

@@ -12,6 +12,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -19,15 +20,18 @@ from starlette.routing import Route
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import aserve
-from aserve.engine.async_llm import AsyncLLM, EngineDeadError
+from aserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestTimeoutError
+from aserve.engine.engine_core import EngineOverloadedError
 from aserve.server import openai, protocol as p
 from aserve.server.errors import APIError, error_response, from_exception
 from aserve.server.http import json_response, parse, until_disconnect
 from aserve.server.openai import ServerContext, stream_error
+from aserve.server.openapi import build_openapi
 
 log = logging.getLogger("aserve")
 
-OPEN_PATHS = ("/health", "/version", "/metrics", "/state")  # everything else needs the API key if one is set
+OPEN_PATHS = ("/health", "/version", "/metrics", "/state", "/openapi.json")  # everything else needs the API key if one is set
+RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait; queues move in well under a second per step
 
 
 class APIKeyGuard:
@@ -54,6 +58,13 @@ def api_route(ctx: ServerContext, handler: Callable[[ServerContext, Request], Aw
             return await handler(ctx, request)
         except EngineDeadError as exc:
             return error_response(503, f"the engine is not available: {exc}")
+        except EngineOverloadedError as exc:
+            return error_response(503, f"the server is overloaded: {exc}", code="overloaded",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        except RequestTimeoutError as exc:
+            return error_response(504, str(exc), code="timeout")
+        except RequestFailedError as exc:
+            return error_response(500, str(exc), code="generation_failed")
         except Exception as exc:  # noqa: BLE001 - answer every input with JSON, never a traceback
             try:
                 return from_exception(exc)
@@ -70,7 +81,7 @@ async def health(ctx: ServerContext, request: Request) -> Response:
 
 
 async def version(ctx: ServerContext, request: Request) -> Response:
-    return json_response({"version": aserve.__version__})
+    return json_response(p.VersionResponse(aserve.__version__))
 
 
 async def models(ctx: ServerContext, request: Request) -> Response:
@@ -88,7 +99,7 @@ async def state(ctx: ServerContext, request: Request) -> Response:
 
 
 async def tokenize(ctx: ServerContext, request: Request) -> Response:
-    req = await parse(request, p.TokenizeRequest, ctx.max_body_bytes)
+    req = await parse(request, p.TokenizeRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
     tokenizer = ctx.engine.tokenizer
     if (req.prompt is None) == (req.messages is None):
@@ -98,22 +109,23 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
     else:
         ids = await ctx.engine.run_in_tokenizer_pool(
             lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    return json_response({"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids})
+    return json_response(p.TokenizeResponse(len(ids), ctx.engine.max_model_len, ids))
 
 
 async def detokenize(ctx: ServerContext, request: Request) -> Response:
-    req = await parse(request, p.DetokenizeRequest, ctx.max_body_bytes)
+    req = await parse(request, p.DetokenizeRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
     vocab = ctx.engine.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has {vocab} tokens", "tokens")
-    return json_response({"prompt": ctx.engine.tokenizer.decode(req.tokens)})
+    return json_response(p.DetokenizeResponse(ctx.engine.tokenizer.decode(req.tokens)))
 
 
 async def generate(ctx: ServerContext, request: Request) -> Response:
     """vLLM's /generate: `{"text": [prompt + output, ...]}`; streamed as such objects, each followed by NUL."""
-    req = await parse(request, p.GenerateRequest, ctx.max_body_bytes)
+    req = await parse(request, p.GenerateRequest, ctx.max_body_bytes, ctx.body_timeout)
+    ctx.check_model(req.model)
     params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
     prompts = await openai.prepare_prompts(ctx, req.prompt if isinstance(req.prompt, str) else [req.prompt])
     openai.validate_all(ctx, prompts, params)
@@ -121,23 +133,50 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
     prefix = prompt.text if prompt.text is not None else ctx.engine.tokenizer.decode(prompt.token_ids)
     source = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
+    kind = "cumulative" if req.stream else "final"
+    stream = await ctx.engine.submit(source, params, None, req.priority, kind, ctx.request_timeout)
+
+    async def outputs():
+        try:
+            async for out in stream:
+                yield p.GenerateResponse([prefix + o.text for o in out.outputs])
+        finally:
+            stream.close()
+
     if req.stream:
         async def chunks():
             try:
-                async for out in ctx.engine.generate(source, params, None, req.priority, "cumulative"):
-                    yield msgspec.json.encode({"text": [prefix + o.text for o in out.outputs]}) + b"\0"
-            except EngineDeadError as exc:
-                yield msgspec.json.encode(stream_error(exc)) + b"\0"
-        return StreamingResponse(chunks(), media_type="application/json")
-    final = await until_disconnect(request, ctx.engine.infer(source, params, None, req.priority))
-    return json_response({"text": [prefix + o.text for o in final.outputs]})
+                async for out in outputs():
+                    yield msgspec.json.encode(out) + b"\0"
+            except Exception as exc:  # noqa: BLE001 - the status line is sent: end with an error object
+                event = stream_error(exc)
+                if event is None:
+                    log.exception("a /generate stream failed")
+                    event = p.ErrorResponse(p.ErrorInfo(message="internal error", type="internal_error", code=500))
+                yield msgspec.json.encode(event) + b"\0"
+        return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+    async def last():
+        result = None
+        async for result in outputs():
+            pass
+        return result
+    return json_response(await until_disconnect(request, last()))
 
 
 def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = 8 * 1024 * 1024, root_path: str = "") -> Starlette:
+              max_body_bytes: int = 8 * 1024 * 1024, root_path: str = "", *, body_timeout: float | None = 30.0,
+              request_timeout: float | None = None, log_requests: bool = False,
+              allowed_origins: list[str] | None = None) -> Starlette:
+    """The app. CORS is off unless `allowed_origins` names origins (or "*")."""
     model_name = served_model_name or engine.config.model_name
     aliases = frozenset({model_name, engine.config.model})
-    ctx = ServerContext(engine, model_name, aliases, max_body_bytes)
+    ctx = ServerContext(engine, model_name, aliases, max_body_bytes, body_timeout, request_timeout, log_requests)
+    schema = msgspec.json.encode(build_openapi(root_path, api_key is not None, vocab_size=engine.vocab_size,
+                                               max_model_len=engine.max_model_len, max_n=engine.facts.max_n))
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(schema, media_type="application/json")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -150,6 +189,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/version", api_route(ctx, version), methods=["GET"]),
         Route("/state", api_route(ctx, state), methods=["GET"]),
         Route("/metrics", api_route(ctx, metrics), methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/v1/models", api_route(ctx, models), methods=["GET"]),
         Route("/v1/completions", api_route(ctx, openai.completions), methods=["POST"]),
         Route("/v1/chat/completions", api_route(ctx, openai.chat_completions), methods=["POST"]),
@@ -158,10 +198,14 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/generate", api_route(ctx, generate), methods=["POST"]),
     ]
 
-    async def not_found(request, exc):
-        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    async def not_found(request, exc):  # 404 and 405 (with its Allow header) in OpenAI's error shape
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                              headers=getattr(exc, "headers", None))
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
     app.root_path = root_path
     app.add_middleware(APIKeyGuard, api_key=api_key)
+    if allowed_origins:  # outermost, so preflight requests are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app

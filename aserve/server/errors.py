@@ -9,7 +9,8 @@ from starlette.responses import Response
 from aserve.server.protocol import ErrorInfo, ErrorResponse
 
 STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "request_too_large", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+                408: "timeout", 413: "request_too_large", 429: "rate_limit_error", 500: "internal_error",
+                503: "service_unavailable", 504: "timeout"}
 
 
 class APIError(Exception):

@@ -13,27 +13,36 @@ from aserve.server.errors import APIError
 T = TypeVar("T")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The whole body, refused with 413 past `limit` bytes and with 408 if it takes over `timeout` seconds
+    (a slow client must not hold a connection forever)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body has {int(length)} bytes; the limit is {limit}")
     chunks, size = [], 0
-    try:
+
+    async def read():
+        nonlocal size
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise APIError(413, f"the request body is over the limit of {limit} bytes")
             chunks.append(chunk)
+    try:
+        await asyncio.wait_for(read(), timeout)
     except ClientDisconnect:
         raise APIError(499, "the client disconnected before sending the whole body") from None
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
     return b"".join(chunks)
 
 
-async def parse(request: Request, struct: type[T], limit: int) -> T:
-    body = await read_body(request, limit)
+async def parse(request: Request, struct: type[T], limit: int, timeout: float | None = None) -> T:
+    body = await read_body(request, limit, timeout)
     if not body.strip():
         raise APIError(400, "the request body is empty; a JSON object is required")
-    return msgspec.json.decode(body, type=struct)
+    # lax, as pydantic (OpenAI's and vLLM's servers) is: 5.0 and "5" are the integer 5; 5.5 is still an error
+    return msgspec.json.decode(body, type=struct, strict=False)
 
 
 def json_response(obj, status: int = 200) -> Response:

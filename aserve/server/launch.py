@@ -36,6 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
     parser.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves us under")
+    limits = parser.add_argument_group("overload protection and limits")
+    limits.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="refuse new requests with 503 + Retry-After while this many are waiting (default: no "
+                             "bound)")
+    limits.add_argument("--request-timeout", type=float, default=None,
+                        help="abort a generation that runs longer than this many seconds (504; default: none)")
+    limits.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a client may take to send its request body (408)")
+    limits.add_argument("--max-n", type=int, default=32, help="the largest n (samples per prompt) a request may ask")
+    security = parser.add_argument_group("security")
+    security.add_argument("--log-requests", action="store_true",
+                          help="log prompts and completions (off by default: no request text reaches the logs)")
+    security.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                          help="enable CORS for these origins ('*' for any); off by default")
 
 
 def parse_options(items: list[str]) -> dict:
@@ -69,8 +83,11 @@ def serve(args: argparse.Namespace) -> None:
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
                       policy=args.policy, policy_options=parse_options(args.policy_option), swap_space=args.swap_space,
-                      seed=args.seed, served_model_name=args.served_model_name)
-    app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path)
+                      seed=args.seed, served_model_name=args.served_model_name, max_n=args.max_n,
+                      max_waiting_requests=args.max_waiting_requests)
+    app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path,
+                    body_timeout=args.body_timeout, request_timeout=args.request_timeout,
+                    log_requests=args.log_requests, allowed_origins=args.allowed_origins)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False, root_path=args.root_path)
     server = uvicorn.Server(config)

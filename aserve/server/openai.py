@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: /v1/completions and /v1/chat/completions, plain and streamed (SSE)."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -8,12 +9,15 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from aserve.engine.async_llm import AsyncLLM
+from aserve.engine.async_llm import AsyncLLM, RequestFailedError, RequestStream, RequestTimeoutError
 from aserve.engine.core_process import EngineDeadError
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.server import protocol as p
-from aserve.server.errors import APIError
+from aserve.server.errors import STATUS_TYPES, APIError
 from aserve.server.http import SSE_DONE, json_response, merge_streams, parse, sse, until_disconnect
+
+
+log = logging.getLogger("aserve")
 
 
 @dataclass
@@ -22,6 +26,9 @@ class ServerContext:
     model_name: str
     model_aliases: frozenset[str]
     max_body_bytes: int
+    body_timeout: float | None = 30.0  # seconds a client may take to send its body
+    request_timeout: float | None = None  # seconds a generation may take before it is aborted
+    log_requests: bool = False  # prompts and completions go to the log only when this is set
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_aliases:
@@ -100,24 +107,60 @@ def chat_logprobs(o: CompletionOutput, top: int, tokenizer) -> p.ChoiceLogprobs:
     return p.ChoiceLogprobs(content)
 
 
-def _streams(ctx: ServerContext, prompts: list[Prepared], params, request_id: str, priority: int, kind: str):
-    return [ctx.engine.generate({"prompt": x.text, "prompt_token_ids": x.token_ids}, params,
-                                f"{request_id}-{i}", priority, kind) for i, x in enumerate(prompts)]
+async def submit_all(ctx: ServerContext, prompts: list[Prepared], params, request_id: str, priority: int,
+                     kind: str) -> list[RequestStream]:
+    """Hand every prompt to the engine, or none: a refusal (bad input, a full queue) closes those already in."""
+    streams: list[RequestStream] = []
+    try:
+        for i, x in enumerate(prompts):
+            streams.append(await ctx.engine.submit({"prompt": x.text, "prompt_token_ids": x.token_ids}, params,
+                                                   f"{request_id}-{i}", priority, kind, ctx.request_timeout))
+    except BaseException:
+        close_all(streams)
+        raise
+    if ctx.log_requests:
+        log.info("request %s: %d prompt(s) %r, params %s", request_id, len(prompts),
+                 [x.text if x.text is not None else x.token_ids for x in prompts], params)
+    return streams
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
 
 
 async def _infer_all(ctx: ServerContext, request: Request, prompts, params, request_id, priority):
+    streams = await submit_all(ctx, prompts, params, request_id, priority, "final")
+
     async def run():
         finals = [None] * len(prompts)
-        async for i, out in merge_streams(_streams(ctx, prompts, params, request_id, priority, "final")):
+        async for i, out in merge_streams(streams):
             finals[i] = out
         return finals
-    return await until_disconnect(request, run())
+    try:
+        finals = await until_disconnect(request, run())
+    finally:
+        close_all(streams)
+    log_outputs(ctx, request_id, finals)
+    return finals
+
+
+def log_outputs(ctx: ServerContext, request_id: str, finals: list[RequestOutput]) -> None:
+    if ctx.log_requests:
+        log.info("request %s finished: %r", request_id,
+                 [(o.text, o.finish_reason) for out in finals for o in out.outputs])
+
+
+async def started(body):
+    """Run a streaming body up to its first yield (admission), so refusals still get a status code."""
+    await body.__anext__()
+    return body
 
 
 # -- /v1/completions -----------------------------------------------------------------------------
 
 async def completions(ctx: ServerContext, request: Request):
-    req = await parse(request, p.CompletionRequest, ctx.max_body_bytes)
+    req = await parse(request, p.CompletionRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
     params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
     prompts = await prepare_prompts(ctx, req.prompt)
@@ -127,8 +170,8 @@ async def completions(ctx: ServerContext, request: Request):
     prefix = [(x.text if x.text is not None else tokenizer.decode(x.token_ids)) if req.echo else "" for x in prompts]
 
     if req.stream:
-        return StreamingResponse(ends_with_error_event(
-            _stream_completions(ctx, req, params, prompts, prefix, request_id, created)), media_type="text/event-stream")
+        body = await started(_stream_completions(ctx, req, params, prompts, prefix, request_id, created))
+        return StreamingResponse(ends_with_error_event(body), media_type="text/event-stream")
     finals = await _infer_all(ctx, request, prompts, params, request_id, req.priority)
     choices = []
     for i, out in enumerate(finals):
@@ -139,10 +182,17 @@ async def completions(ctx: ServerContext, request: Request):
     return json_response(p.CompletionResponse(request_id, created, ctx.model_name, choices, _usage(prompts, finals)))
 
 
-def stream_error(exc: BaseException) -> p.ErrorResponse:
-    """The last event of a stream whose engine died: an error in OpenAI's shape, not a cut connection."""
-    return p.ErrorResponse(p.ErrorInfo(message=f"the engine is not available: {exc}", type="service_unavailable",
-                                       code=503))
+STREAM_ERRORS = ((EngineDeadError, 503, "the engine is not available"),
+                 (RequestTimeoutError, 504, "the request timed out"),
+                 (RequestFailedError, 500, "the request failed"))
+
+
+def stream_error(exc: BaseException) -> p.ErrorResponse | None:
+    """The last event of a stream that cannot go on: an error in OpenAI's shape, not a cut connection."""
+    for kind, status, what in STREAM_ERRORS:
+        if isinstance(exc, kind):
+            return p.ErrorResponse(p.ErrorInfo(message=f"{what}: {exc}", type=STATUS_TYPES[status], code=status))
+    return None
 
 
 def ends_with_error_event(stream):
@@ -150,17 +200,35 @@ def ends_with_error_event(stream):
         try:
             async for chunk in stream:
                 yield chunk
-        except EngineDeadError as exc:
-            yield sse(stream_error(exc))
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: say what happened in the stream
+            event = stream_error(exc)
+            if event is None:
+                log.exception("a stream failed")
+                event = p.ErrorResponse(p.ErrorInfo(message="internal error", type="internal_error", code=500))
+            yield sse(event)
             yield SSE_DONE
     return guarded()
 
 
 async def _stream_completions(ctx, req, params, prompts, prefix, request_id, created):
+    finals = [RequestOutput("", None, [], []) for _ in prompts]
+    streams = await submit_all(ctx, prompts, params, request_id, req.priority, "delta")
+    try:
+        yield b""  # admitted (see started())
+        async for chunk in _completion_chunks(ctx, req, params, streams, prefix, request_id, created, finals):
+            yield chunk
+    finally:
+        close_all(streams)
+    log_outputs(ctx, request_id, finals)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse(p.CompletionResponse(request_id, created, ctx.model_name, [], _usage(prompts, finals)))
+    yield SSE_DONE
+
+
+async def _completion_chunks(ctx, req, params, streams, prefix, request_id, created, finals):
     tokenizer = ctx.engine.tokenizer
     offsets = {}
-    finals = [RequestOutput("", None, [], []) for _ in prompts]
-    async for i, out in merge_streams(_streams(ctx, prompts, params, request_id, req.priority, "delta")):
+    async for i, out in merge_streams(streams):
         finals[i].merge(out)
         choices = []
         for o in out.outputs:
@@ -174,9 +242,6 @@ async def _stream_completions(ctx, req, params, prompts, prefix, request_id, cre
             choices.append(p.CompletionChoice(index, text, lp, o.finish_reason, o.stop_reason))
         if choices:
             yield sse(p.CompletionResponse(request_id, created, ctx.model_name, choices))
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse(p.CompletionResponse(request_id, created, ctx.model_name, [], _usage(prompts, finals)))
-    yield SSE_DONE
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
@@ -184,22 +249,13 @@ async def _stream_completions(ctx, req, params, prompts, prefix, request_id, cre
 def message_text(message: p.ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
-    parts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise APIError(400, f"content part of type {part.type!r} is not supported; only text parts are",
-                           "messages")
-        parts.append(part.text)
-    return "".join(parts)
+    return "".join(part.text for part in message.content)  # the struct admits text parts only
 
 
 def render_chat(tokenizer, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> str:
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
-    plain = [{"role": m.role, "content": message_text(m)} for m in messages]
-    for m in plain:
-        if m["role"] not in ("system", "user", "assistant", "developer", "tool"):
-            raise APIError(400, f"unknown message role {m['role']!r}", "messages")
+    plain = [{"role": m.role, "content": message_text(m)} for m in messages]  # roles: checked by the struct
     if getattr(tokenizer, "chat_template", None):
         try:
             return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -217,7 +273,7 @@ async def chat_prompt(ctx: ServerContext, messages, add_generation_prompt: bool 
 
 
 async def chat_completions(ctx: ServerContext, request: Request):
-    req = await parse(request, p.ChatCompletionRequest, ctx.max_body_bytes)
+    req = await parse(request, p.ChatCompletionRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
@@ -231,8 +287,8 @@ async def chat_completions(ctx: ServerContext, request: Request):
     top = req.top_logprobs or 0
 
     if req.stream:
-        return StreamingResponse(ends_with_error_event(_stream_chat(ctx, req, params, prompt, request_id, created, top)),
-                                 media_type="text/event-stream")
+        body = await started(_stream_chat(ctx, req, params, prompt, request_id, created, top))
+        return StreamingResponse(ends_with_error_event(body), media_type="text/event-stream")
     final = (await _infer_all(ctx, request, [prompt], params, request_id, req.priority))[0]
     choices = [p.ChatChoice(o.index, p.AssistantMessage(content=o.text),
                             chat_logprobs(o, top, tokenizer) if req.logprobs else None, o.finish_reason, o.stop_reason)
@@ -244,17 +300,22 @@ async def chat_completions(ctx: ServerContext, request: Request):
 async def _stream_chat(ctx, req, params, prompt, request_id, created, top):
     tokenizer = ctx.engine.tokenizer
     final = RequestOutput("", None, [], [])
-    first = p.ChatCompletionChunk(request_id, created, ctx.model_name,
-                                  [p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content=""))
-                                   for i in range(params.n)])
-    yield sse(first)
-    async for _, out in merge_streams(_streams(ctx, [prompt], params, request_id, req.priority, "delta")):
-        final.merge(out)
-        choices = [p.ChatChunkChoice(o.index, p.DeltaMessage(content=o.text),
-                                     chat_logprobs(o, top, tokenizer) if req.logprobs else None,
-                                     o.finish_reason, o.stop_reason) for o in out.outputs]
-        if choices:
-            yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, choices))
+    streams = await submit_all(ctx, [prompt], params, request_id, req.priority, "delta")
+    try:
+        yield b""  # admitted (see started())
+        yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name,
+                                        [p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content=""))
+                                         for i in range(params.n)]))
+        async for _, out in merge_streams(streams):
+            final.merge(out)
+            choices = [p.ChatChunkChoice(o.index, p.DeltaMessage(content=o.text),
+                                         chat_logprobs(o, top, tokenizer) if req.logprobs else None,
+                                         o.finish_reason, o.stop_reason) for o in out.outputs]
+            if choices:
+                yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, choices))
+    finally:
+        close_all(streams)
+    log_outputs(ctx, request_id, [final])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, [], _usage([prompt], [final])))
     yield SSE_DONE

@@ -5,9 +5,25 @@ the offline and online APIs.
 """
 from __future__ import annotations
 
-import msgspec
+from typing import Annotated, Literal
 
-from aserve.sampling_params import SamplingParams
+import msgspec
+from msgspec import Meta
+
+from aserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# Bounds on numbers, so a JSON body cannot carry a 300-digit integer into the engine (msgspec's ints are
+# unbounded); they appear in /openapi.json too. Finer limits (max_n, max_model_len) are the engine's.
+Int32 = Annotated[int, Meta(ge=-(2 ** 31), le=2 ** 31 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2 ** 31 - 1)]
+Positive = Annotated[int, Meta(ge=1, le=2 ** 31 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2 ** 31 - 1, title="token id")]  # /openapi.json narrows these to the
+MaxTokens = Annotated[int, Meta(ge=1, le=2 ** 31 - 1, title="max tokens")]  # served model's vocab, length
+NumSamples = Annotated[int, Meta(ge=1, le=2 ** 31 - 1, title="samples")]  # and max_n
+NonEmpty = Meta(min_length=1)
+Seed = Annotated[int, Meta(ge=-(2 ** 63), le=2 ** 63 - 1)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -17,27 +33,27 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by every generation route; names and defaults as in vLLM's OpenAI server."""
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None  # 0 = greedy
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    n: NumSamples = 1
+    stop: Annotated[str, NonEmpty] | list[Annotated[str, NonEmpty]] | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=2 ** 31 - 1)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    min_tokens: Count = 0
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int32 = 0
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None):
         return SamplingParams(
@@ -53,34 +69,34 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists
-    prompt: str | list[str | int | list[int]]
-    logprobs: int | None = None
+    prompt: Annotated[str, NonEmpty] | Annotated[list[Annotated[str, NonEmpty] | TokenId | Annotated[list[TokenId], NonEmpty]], NonEmpty]
+    logprobs: TopLogprobs | None = None
     echo: bool = False
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str | None = None
+    type: Literal["text"]  # images and audio are not served
+    text: str
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], NonEmpty]
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
 
 
 class GenerateRequest(SamplingFields, kw_only=True):
     """vLLM's /generate: a prompt plus SamplingParams fields; max_tokens defaults to 16 as there."""
-    prompt: str | list[int]
-    logprobs: int | None = None
+    prompt: Annotated[str, NonEmpty] | Annotated[list[TokenId], NonEmpty]
+    logprobs: TopLogprobs | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -93,7 +109,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -187,6 +203,25 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class GenerateResponse(msgspec.Struct):
+    """/generate's answer (and, streamed, each NUL-terminated object): prompt + output text per sample."""
+    text: list[str]
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
 
 
 class ModelCard(msgspec.Struct):

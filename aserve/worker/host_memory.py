@@ -42,3 +42,12 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux /proc; None elsewhere): what a soak test watches for leaks."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return None

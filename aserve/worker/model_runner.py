@@ -41,7 +41,10 @@ class ModelRunner:
         a = model.args
         self.num_kv_heads = a.num_kv_heads
         # zeros: unwritten slots are masked, but must not hold NaNs (0 * NaN is NaN in the value product).
-        shape = (a.num_layers, 2, a.num_kv_heads, self.num_blocks, block_size, a.head_dim)
+        # One block more than the budget: the null block, which pads block tables and is never handed out.
+        self.null_block = self.num_blocks
+        self.num_physical_blocks = self.num_blocks + 1
+        shape = (a.num_layers, 2, a.num_kv_heads, self.num_physical_blocks, block_size, a.head_dim)
         self.kv_cache = lazy_zeros(shape, dtype) if self.kv_device_is_cpu(model) else torch.zeros(shape, dtype=dtype)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         # The host swap pool: pinned memory for non-blocking copies on CUDA, a separate host tensor on the CPU.
@@ -74,6 +77,8 @@ class ModelRunner:
         # Order matters: save swapped-out blocks before anyone reuses them, then restore, then copy-on-write.
         if sched.swap_out:
             self.swap_out(sched.swap_out)
+        if sched.fresh:  # after swap-out: a victim's block may be handed to someone else in the same step
+            self.kv_cache.index_fill_(3, torch.tensor(sched.fresh, device=self.kv_cache.device), 0)
         if sched.swap_in:
             self.swap_in(sched.swap_in)
         if sched.copies:
@@ -125,7 +130,8 @@ class ModelRunner:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)
         width = max(len(req.block_table) for req, _ in batch)
-        tables = torch.tensor([req.block_table + [0] * (width - len(req.block_table)) for req, _ in batch],
+        null = [self.null_block]
+        tables = torch.tensor([req.block_table + null * (width - len(req.block_table)) for req, _ in batch],
                               dtype=torch.long)
         starts_t = torch.tensor(starts)
         counts_t = torch.tensor(counts)
@@ -140,7 +146,8 @@ class ModelRunner:
             context = starts_t[:num_decode] + 1
             num_blocks = int((context.max().item() + bs - 1) // bs)
             meta.num_decode_tokens = num_decode
-            meta.decode_rows = gather_index(tables[:num_decode, :num_blocks], self.num_kv_heads, self.num_blocks)
+            meta.decode_rows = gather_index(tables[:num_decode, :num_blocks], self.num_kv_heads,
+                                            self.num_physical_blocks)
             meta.decode_mask = (torch.arange(num_blocks * bs).unsqueeze(0) < context.unsqueeze(1))[None, :, None, :]
         row = num_decode
         for i in range(num_decode, len(batch)):
@@ -148,7 +155,8 @@ class ModelRunner:
             chunk = PrefillChunk(row, row + n, start)
             if start:
                 total = start + n
-                chunk.rows = gather_index(tables[i, :(total + bs - 1) // bs], self.num_kv_heads, self.num_blocks)
+                chunk.rows = gather_index(tables[i, :(total + bs - 1) // bs], self.num_kv_heads,
+                                          self.num_physical_blocks)
                 chunk.mask = torch.arange(total).unsqueeze(0) <= (start + torch.arange(n)).unsqueeze(1)
             meta.prefills.append(chunk)
             row += n

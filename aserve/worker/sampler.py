@@ -19,6 +19,7 @@ class SampleResult:
     logprob: float | None = None  # raw log-softmax of the chosen token, when logprobs were asked
     rank: int | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None  # this row's logits were unusable: the engine ends the request with an error
 
 
 def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
@@ -47,7 +48,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int]) 
 
 def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """top-k, top-p and min-p on temperature-scaled logits [R, V], all rows at once."""
-    top_k = torch.tensor([r.params.top_k or logits.shape[-1] for r in reqs]).unsqueeze(1)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs]).unsqueeze(1)
     top_p = torch.tensor([r.params.top_p for r in reqs]).unsqueeze(1)
     min_p = torch.tensor([r.params.min_p for r in reqs]).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -61,9 +63,20 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def unusable_rows(logits: torch.Tensor) -> list[int]:
+    """Rows whose logits hold a NaN or +inf, or are all -inf: nothing can be sampled from them.
+    (One reduction over the batch's logits; amax propagates NaN.)"""
+    peak = logits.amax(dim=-1)
+    bad = ~torch.isfinite(peak)
+    return bad.nonzero().flatten().tolist() if bad.any() else []
+
+
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
     logits = logits.float()
     n = len(reqs)
+    bad_rows = unusable_rows(logits)
+    if bad_rows:  # sample the rest as usual; these rows get an error instead of a token
+        logits[bad_rows] = 0.0
     want_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
 
@@ -112,5 +125,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
             res, kk = results[i], reqs[i].params.logprobs
             res.logprob, res.rank = chosen_lp[j].item(), ranks[j].item()
             res.top_logprobs = list(zip(top_ids[j, :kk].tolist(), top_vals[j, :kk].tolist())) if kk else []
+    for i in bad_rows:
+        results[i] = SampleResult(results[i].token_id, error="the model produced NaN or infinite logits for it")
     assert len(results) == n
     return results

@@ -1,0 +1,133 @@
+"""Short versions of load_tests/ against live servers: bursts, disconnect storms, malformed traffic, overload,
+timeouts and a model fault. Each ends with every block free, no live request, no 5xx and a good request served."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from conftest import POISON
+from load_tests.scenarios import Target, burst, disconnect_storm, malformed, wait_idle
+from server_util import RunningServer
+
+SECRET = "Quintessence-of-dust-7731"  # prompt text that must not reach the logs unless --log-requests
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RunningServer("--body-timeout", "2", "--max-model-len", "512", "--dtype", "float32")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """Small queue, one sequence at a time, a 0.5 s request timeout, request logging and CORS for one origin."""
+    s = RunningServer("--max-num-seqs", "1", "--max-waiting-requests", "2", "--request-timeout", "0.5",
+                      "--log-requests", "--allowed-origins", "http://dashboard.example")
+    yield s
+    s.stop()
+
+
+def scenario(server, fn, **options):
+    async def go():
+        return await fn(await Target(server.url).discover(), **options)
+    summary = asyncio.run(go())
+    print(summary.line())
+    return summary
+
+
+def assert_clean(summary):
+    checks = summary.checks
+    assert checks["idle"] is True and checks["blocks_leaked"] == 0 and checks["live_requests"] == 0, checks
+    assert checks["live_collectors"] == 0 and checks["no_5xx"] and checks["good_request_served"], checks
+    assert summary.passed, summary.as_dict()["failed_by_kind"]
+
+
+def test_burst_outputs_equal_the_same_prompts_run_alone(server):
+    summary = scenario(server, burst, num_requests=32, max_tokens=24, check_alone=True)
+    assert_clean(summary)
+    assert summary.checks["outputs_equal_alone"] is True, summary.extra["mismatched"]
+    assert summary.by_status == {"200": 32}
+
+
+def test_disconnect_storm_leaves_nothing_behind(server):
+    summary = scenario(server, disconnect_storm, num_clients=60)
+    assert_clean(summary)
+    assert len(summary.results) == 60
+
+
+def test_malformed_traffic_gets_4xx_and_good_traffic_200(server):
+    summary = scenario(server, malformed, rounds=2, good_per_round=6, slow_clients=2, stall=True)
+    assert_clean(summary)
+    by_kind = {r.kind: r.status for r in summary.results}
+    assert by_kind["10MB-body"] == 413 and by_kind["invalid-utf8"] == 400 and by_kind["huge-int"] == 400
+    assert by_kind["stalled-body"] == 408 and by_kind["slow-client"] == 200
+    assert all(r.status == 200 for r in summary.results if r.kind == "good")
+
+
+def test_prompts_stay_out_of_the_logs_by_default(server, guarded):
+    for s in (server, guarded):
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": SECRET, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+    assert SECRET not in server.output()
+    assert SECRET in guarded.output()  # --log-requests
+
+
+def test_cors_is_off_unless_origins_are_allowed(server, guarded):
+    preflight = {"Origin": "http://dashboard.example", "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in httpx.options(f"{server.url}/v1/completions", headers=preflight).headers
+    r = httpx.options(f"{guarded.url}/v1/completions", headers=preflight)
+    assert r.headers["access-control-allow-origin"] == "http://dashboard.example"
+    other = httpx.options(f"{guarded.url}/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_full_queue_answers_503_with_retry_after(guarded):
+    async def go():
+        async with httpx.AsyncClient(base_url=guarded.url, timeout=60) as c:
+            body = {"prompt": "to be or not to be", "max_tokens": 40, "ignore_eos": True}
+            return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(12)])
+    answers = asyncio.run(go())
+    refused = [r for r in answers if r.status_code == 503]
+    assert refused and all(r.status_code in (200, 503) for r in answers)
+    assert sum(r.status_code == 200 for r in answers) >= 2  # the first two always fit in the queue
+    assert refused[0].headers["retry-after"] == "1" and refused[0].json()["error"]["code"] == "overloaded"
+    assert asyncio.run(wait_idle(Target(guarded.url)))["idle"] is True
+
+
+def test_a_request_past_its_timeout_is_aborted_with_504(guarded):
+    long = {"prompt": "to be", "max_tokens": 2000, "ignore_eos": True}
+    r = httpx.post(f"{guarded.url}/v1/completions", json=long, timeout=60)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    with httpx.stream("POST", f"{guarded.url}/v1/completions", json={**long, "stream": True}, timeout=60) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 504
+    assert asyncio.run(wait_idle(Target(guarded.url)))["idle"] is True
+    r = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "to be", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_a_model_fault_fails_only_its_request(nan_model):
+    s = RunningServer("--model", str(nan_model), "--dtype", "float32")
+    try:
+        bad = {"prompt": [POISON, 11, 12, 13], "max_tokens": 8}
+        good = {"prompt": [21, 22, 23, 24], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        alone = httpx.post(f"{s.url}/v1/completions", json=good, timeout=30).json()["choices"][0]["text"]
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                return await asyncio.gather(c.post("/v1/completions", json=bad),
+                                            c.post("/v1/completions", json=good),
+                                            c.post("/v1/completions", json={**bad, "stream": True}))
+        failed, ok, streamed = asyncio.run(go())
+        assert failed.status_code == 500 and "NaN" in failed.json()["error"]["message"]
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == alone
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["code"] == 500 and events[-1] == "[DONE]"
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert asyncio.run(wait_idle(Target(s.url)))["idle"] is True
+    finally:
+        s.stop()
