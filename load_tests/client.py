@@ -48,9 +48,11 @@ def transport_status(exc: BaseException) -> str:
 
 
 async def completion(client: httpx.AsyncClient, body: dict, kind: str = "good", path: str = "/v1/completions",
-                     stop_after_chunks: int | None = None, headers: dict | None = None) -> Result:
+                     stop_after_chunks: int | None = None, headers: dict | None = None,
+                     read_delay: float = 0.0) -> Result:
     """POST a completion; streamed if body says so (then TTFT/ITL are measured per SSE event).
-    `stop_after_chunks` closes the connection after that many content events (a vanishing client)."""
+    `stop_after_chunks` closes the connection after that many content events (a vanishing client);
+    `read_delay` sleeps after each event (a slow reader)."""
     result = Result(kind, 0, priority=body.get("priority"))
     start = time.perf_counter()
     try:
@@ -89,6 +91,8 @@ async def completion(client: httpx.AsyncClient, body: dict, kind: str = "good", 
                     result.itl.append(now - last)
                 last = now
                 pieces.append(texts[0])
+                if read_delay:
+                    await asyncio.sleep(read_delay)
                 if stop_after_chunks is not None and len(pieces) >= stop_after_chunks:
                     result.status = "closed-by-client"
                     return result

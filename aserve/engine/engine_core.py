@@ -5,6 +5,7 @@ thread. Nothing about scheduling or the model is written twice.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import uuid
@@ -22,7 +23,7 @@ from aserve.outputs import RequestOutput
 from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import SamplingParams
-from aserve.worker.host_memory import rss_bytes
+from aserve.worker.host_memory import heap_bytes, rss_bytes
 from aserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger("aserve")
@@ -237,7 +238,8 @@ class EngineCore:
                 "num_host_blocks": kv.num_host_blocks, "num_free_host_blocks": kv.num_free_host_blocks,
                 "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
                 "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests),
-                "core_rss_bytes": rss_bytes()}
+                "core_rss_bytes": rss_bytes(), "core_heap_bytes": heap_bytes(),
+                "core_python_objects": len(gc.get_objects())}
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""

@@ -134,31 +134,29 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
     source = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
     kind = "cumulative" if req.stream else "final"
-    stream = await ctx.engine.submit(source, params, None, req.priority, kind, ctx.request_timeout)
 
     async def outputs():
+        stream = await ctx.engine.submit(source, params, None, req.priority, kind, ctx.request_timeout)
         try:
+            yield None  # admitted (see openai.started)
             async for out in stream:
                 yield p.GenerateResponse([prefix + o.text for o in out.outputs])
         finally:
             stream.close()
 
+    body = await openai.started(outputs())
     if req.stream:
         async def chunks():
             try:
-                async for out in outputs():
+                async for out in body:
                     yield msgspec.json.encode(out) + b"\0"
             except Exception as exc:  # noqa: BLE001 - the status line is sent: end with an error object
-                event = stream_error(exc)
-                if event is None:
-                    log.exception("a /generate stream failed")
-                    event = p.ErrorResponse(p.ErrorInfo(message="internal error", type="internal_error", code=500))
-                yield msgspec.json.encode(event) + b"\0"
+                yield msgspec.json.encode(stream_error(exc)) + b"\0"
         return StreamingResponse(chunks(), media_type="application/octet-stream")
 
     async def last():
         result = None
-        async for result in outputs():
+        async for result in body:
             pass
         return result
     return json_response(await until_disconnect(request, last()))

@@ -187,12 +187,14 @@ STREAM_ERRORS = ((EngineDeadError, 503, "the engine is not available"),
                  (RequestFailedError, 500, "the request failed"))
 
 
-def stream_error(exc: BaseException) -> p.ErrorResponse | None:
-    """The last event of a stream that cannot go on: an error in OpenAI's shape, not a cut connection."""
+def stream_error(exc: BaseException) -> p.ErrorResponse:
+    """The last event of a stream that cannot go on (its status line is long sent): an error in OpenAI's
+    shape, not a cut connection."""
     for kind, status, what in STREAM_ERRORS:
         if isinstance(exc, kind):
             return p.ErrorResponse(p.ErrorInfo(message=f"{what}: {exc}", type=STATUS_TYPES[status], code=status))
-    return None
+    log.error("a stream failed", exc_info=exc)
+    return p.ErrorResponse(p.ErrorInfo(message="internal error", type="internal_error", code=500))
 
 
 def ends_with_error_event(stream):
@@ -200,12 +202,8 @@ def ends_with_error_event(stream):
         try:
             async for chunk in stream:
                 yield chunk
-        except Exception as exc:  # noqa: BLE001 - the status line is sent: say what happened in the stream
-            event = stream_error(exc)
-            if event is None:
-                log.exception("a stream failed")
-                event = p.ErrorResponse(p.ErrorInfo(message="internal error", type="internal_error", code=500))
-            yield sse(event)
+        except Exception as exc:  # noqa: BLE001 - say what happened in the stream
+            yield sse(stream_error(exc))
             yield SSE_DONE
     return guarded()
 

@@ -51,3 +51,23 @@ def rss_bytes() -> int | None:
             return int(f.read().split()[1]) * mmap.PAGESIZE
     except (OSError, ValueError, IndexError):
         return None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_bytes() -> dict[str, int] | None:
+    """glibc's heap: bytes in use by live allocations vs bytes it keeps free for reuse (None off glibc).
+    With the thresholds above the heap does not shrink, so RSS rises to the largest step's working set and
+    stays; in-use bytes that keep climbing under a steady load would be a real leak."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return {"in_use": info.uordblks + info.hblkhd, "free": info.fordblks}
