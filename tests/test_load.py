@@ -24,8 +24,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def guarded():
-    """Small queue, one sequence at a time, a 0.5 s request timeout, request logging and CORS for one origin."""
-    s = RunningServer("--max-num-seqs", "1", "--max-waiting-requests", "2", "--request-timeout", "0.5",
+    """Small queue, one sequence at a time, a 2 s request timeout, request logging and CORS for one origin."""
+    s = RunningServer("--max-num-seqs", "1", "--max-waiting-requests", "2", "--request-timeout", "2",
                       "--log-requests", "--allowed-origins", "http://dashboard.example")
     yield s
     s.stop()
@@ -129,5 +129,16 @@ def test_a_model_fault_fails_only_its_request(nan_model):
         assert json.loads(events[-2])["error"]["code"] == 500 and events[-1] == "[DONE]"
         assert httpx.get(f"{s.url}/health").status_code == 200
         assert asyncio.run(wait_idle(Target(s.url)))["idle"] is True
+    finally:
+        s.stop()
+
+
+def test_root_path_behind_a_prefix_stripping_proxy():
+    s = RunningServer("--root-path", "/llm", "--api-key", "k")
+    try:  # the proxy forwards /llm/v1/models as /v1/models; open routes stay open, the others need the key
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert httpx.get(f"{s.url}/openapi.json").json()["servers"] == [{"url": "/llm"}]
     finally:
         s.stop()

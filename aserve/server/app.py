@@ -34,6 +34,12 @@ OPEN_PATHS = ("/health", "/version", "/metrics", "/state", "/openapi.json")  # e
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait; queues move in well under a second per step
 
 
+def route_path(scope) -> str:
+    """The path without --root-path (uvicorn puts the prefix in front of the path the proxy forwarded)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class APIKeyGuard:
     """ASGI middleware: Bearer token on the API routes, compared in constant time."""
 
@@ -42,7 +48,7 @@ class APIKeyGuard:
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.expected is None or scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
