@@ -146,9 +146,16 @@ async def raw(host: str, port: int, payload: bytes, kind: str, expected: tuple =
 
 
 def http_request(path: str, body: bytes, content_type: str | None = "application/json",
-                 content_length: int | None = None, headers: dict | None = None) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close",
-             f"Content-Length: {len(body) if content_length is None else content_length}"]
+                 content_length: int | None = None, headers: dict | None = None, chunked: bool = False) -> bytes:
+    """A raw HTTP/1.1 POST; `chunked` sends the body with Transfer-Encoding: chunked (no length up front)."""
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close"]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+        step = 64 * 1024
+        body = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + step]), body[i:i + step])
+                        for i in range(0, len(body), step)) + b"0\r\n\r\n"
+    else:
+        lines.append(f"Content-Length: {len(body) if content_length is None else content_length}")
     if content_type:
         lines.append(f"Content-Type: {content_type}")
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]

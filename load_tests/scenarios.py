@@ -275,6 +275,12 @@ async def malformed(target: Target, rounds: int = 3, good_per_round: int = 8, sl
             tasks.append(raw(host, port, http_request("/v1/completions", good, headers=target.headers),
                              "slow-client", (200,), pace=(16, 0.05)))
             tasks.append(completion(c, body(target, rng, 8, 24), kind="slow-reader", read_delay=0.05))
+        # Over-limit bodies must get their 413, not a reset: sent fast, dribbled slowly, and chunked (no length)
+        big = b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}'
+        tasks.append(raw(host, port, http_request("/v1/completions", big, headers=target.headers),
+                         "10MB-body-slow", (413,), pace=(256 * 1024, 0.02)))
+        tasks.append(raw(host, port, http_request("/v1/completions", big, headers=target.headers, chunked=True),
+                         "10MB-body-chunked", (413,)))
         if stall:
             tasks.append(raw(host, port, http_request("/v1/completions", good[:10], content_length=len(good),
                                                       headers=target.headers), "stalled-body", (408,),

@@ -1,6 +1,9 @@
 """Start `aserve` as a subprocess on 127.0.0.1 and a free port; stop it afterwards, always."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -53,3 +56,20 @@ class RunningServer:
         """Everything the server has logged so far (stdout and stderr)."""
         with open(self.log.name) as f:
             return f.read()
+
+    def core_pid(self) -> int:
+        """The engine core's process: the server's only child."""
+        children = [int(pid) for task in os.listdir(f"/proc/{self.proc.pid}/task")
+                    for pid in open(f"/proc/{self.proc.pid}/task/{task}/children").read().split()]
+        assert len(children) == 1, children
+        return children[0]
+
+    @contextlib.contextmanager
+    def core_stopped(self):
+        """Freeze the engine core (SIGSTOP) for the block: requests queue and none can finish, on any CPU."""
+        pid = self.core_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)

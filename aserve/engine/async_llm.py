@@ -69,11 +69,13 @@ class RequestStream:
     """An admitted request's outputs as an async iterator. Closing it before the end aborts the request
     and frees its blocks; the engine forgets it either way."""
 
-    def __init__(self, engine: "AsyncLLM", request_id: str, collector: RequestCollector, timeout: float | None):
+    def __init__(self, engine: "AsyncLLM", request_id: str, collector: RequestCollector, timeout: float | None,
+                 arrival: float | None = None):
         self.engine = engine
         self.request_id = request_id
         self._collector = collector
-        self._deadline = time.monotonic() + timeout if timeout is not None else None
+        start = time.monotonic() if arrival is None else arrival  # the timeout covers queueing and admission too
+        self._deadline = start + timeout if timeout is not None else None
         self._timeout = timeout
         self.finished = False
 
@@ -90,8 +92,7 @@ class RequestStream:
                 output = await asyncio.wait_for(self._collector.get(), max(0.0, self._deadline - time.monotonic()))
         except asyncio.TimeoutError:
             self.close()
-            raise RequestTimeoutError(f"the request did not finish within its timeout of {self._timeout:g} s "
-                                      f"and was aborted") from None
+            raise self.timeout_error() from None
         except BaseException:
             self.close()
             raise
@@ -103,6 +104,13 @@ class RequestStream:
             self.finished = True
             self.engine._collectors.pop(self.request_id, None)
         return output
+
+    def remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def timeout_error(self) -> RequestTimeoutError:
+        return RequestTimeoutError(f"the request did not finish within its timeout of {self._timeout:g} s "
+                                   f"and was aborted")
 
     def close(self) -> None:
         if self.finished:
@@ -247,12 +255,16 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(ids, params)
         collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
-        stream = RequestStream(self, request_id, collector, timeout)
-        try:
-            await asyncio.wrap_future(self.core.call(
-                "add_request", ids, params,
-                {"request_id": request_id, "prompt": text, "priority": priority, "output_kind": output_kind,
-                 "arrival_time": arrival}))
+        stream = RequestStream(self, request_id, collector, timeout, arrival)
+        admitted = self.core.call(
+            "add_request", ids, params,
+            {"request_id": request_id, "prompt": text, "priority": priority, "output_kind": output_kind,
+             "arrival_time": arrival})
+        try:  # the timeout holds while the core is busy admitting too (its abort follows the add in order)
+            await asyncio.wait_for(asyncio.wrap_future(admitted), stream.remaining())
+        except asyncio.TimeoutError:
+            stream.close()
+            raise stream.timeout_error() from None
         except BaseException:
             stream.close()
             raise

@@ -13,27 +13,61 @@ from aserve.server.errors import APIError
 T = TypeVar("T")
 
 
+DRAIN_MAX_BYTES = 64 * 1024 * 1024  # how much of an over-limit body is read and dropped so the client sees its 413
+DRAIN_TIMEOUT_S = 10.0  # and for how long at most (the body timeout, when shorter)
+
+
+async def _drain(request: Request, budget: int, timeout: float | None) -> None:
+    """Read and drop the rest of a refused body, so the client reads our 413 instead of a connection reset.
+
+    An HTTP server that answers and closes while the client is still sending makes the kernel reset the
+    connection, and the reset destroys the answer in the client's receive buffer. nginx avoids it with a
+    lingering close; an ASGI app cannot linger after its response, so it drains first, within `budget`
+    bytes and `timeout` seconds (past either, the answer goes out anyway and the client may see a reset).
+    """
+    async def discard():
+        nonlocal budget
+        async for chunk in request.stream():
+            budget -= len(chunk)
+            if budget < 0:
+                return
+    try:
+        await asyncio.wait_for(discard(), timeout)
+    except (ClientDisconnect, asyncio.TimeoutError):
+        pass
+
+
 async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
     """The whole body, refused with 413 past `limit` bytes and with 408 if it takes over `timeout` seconds
-    (a slow client must not hold a connection forever)."""
+    (a slow client must not hold a connection forever). A refused body is drained first (see `_drain`)."""
+    drain_timeout = min(timeout, DRAIN_TIMEOUT_S) if timeout is not None else DRAIN_TIMEOUT_S
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
+        # With `Expect: 100-continue` the client waits for our go-ahead, so nothing is in flight to drain.
+        if request.headers.get("expect", "").lower() != "100-continue" and int(length) <= limit + DRAIN_MAX_BYTES:
+            await _drain(request, DRAIN_MAX_BYTES, drain_timeout)
         raise APIError(413, f"the request body has {int(length)} bytes; the limit is {limit}")
     chunks, size = [], 0
 
-    async def read():
-        nonlocal size
+    async def read():  # past the limit, the rest is read and dropped (up to DRAIN_MAX_BYTES) for the 413
+        nonlocal size, chunks
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise APIError(413, f"the request body is over the limit of {limit} bytes")
-            chunks.append(chunk)
+                chunks = []
+                if size > limit + DRAIN_MAX_BYTES:
+                    return
+            else:
+                chunks.append(chunk)
     try:
         await asyncio.wait_for(read(), timeout)
     except ClientDisconnect:
         raise APIError(499, "the client disconnected before sending the whole body") from None
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
+        if size <= limit:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
+    if size > limit:
+        raise APIError(413, f"the request body is over the limit of {limit} bytes")
     return b"".join(chunks)
 
 
