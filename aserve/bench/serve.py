@@ -86,6 +86,18 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "median": statistics.median(values), "p90": pick(0.9), "p99": pick(0.99)}
 
 
+async def describe_server(client) -> str:
+    """The first line: the hardware and dtype the figures come from. An aserve server says (GET /state);
+    for another server (vLLM's), this machine's CPU is named and the dtype is whatever that server chose."""
+    from aserve.hardware import cpu_info
+
+    try:
+        state = (await client.get("/state")).json()
+        return f"aserve bench serve: server on {state['hardware']}, dtype {state['dtype']}"
+    except Exception:  # noqa: BLE001 - not an aserve server
+        return f"aserve bench serve: client on {cpu_info().describe()}, server dtype not reported"
+
+
 async def run(args: argparse.Namespace) -> dict:
     import httpx
 
@@ -93,6 +105,7 @@ async def run(args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
         card = (await client.get("/v1/models")).json()["data"][0]
+        print(await describe_server(client), flush=True)
         model = args.model or card["id"]
         prompts = random_prompts(args.num_prompts, args.input_len, card.get("vocab_size", 1000), {0}, args.seed)
         rng = random.Random(args.seed)

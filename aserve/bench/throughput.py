@@ -59,11 +59,14 @@ def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, 
 
 def main(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
+    from aserve.hardware import cpu_info
 
     llm = LLM(args.model, dtype=args.dtype, seed=args.seed, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory)
     engine = llm.engine
+    print(f"aserve bench throughput: {cpu_info().describe()}, dtype {str(engine.dtype).replace('torch.', '')}",
+          flush=True)  # first: what the figures below were measured on
     prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
                              set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed)
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
@@ -75,8 +78,9 @@ def main(args: argparse.Namespace) -> None:
     total = sum(len(p) for p in prompts) + output_tokens
     ours = report("", len(prompts), total, output_tokens, elapsed)
     if args.compare_transformers:
+        dtype = str(engine.dtype).replace("torch.", "")  # the same dtype auto chose for aserve, not the checkpoint's
         del llm, engine
-        theirs = run_transformers(engine_model_dir(args.model), prompts, args.output_len, args.dtype)
+        theirs = run_transformers(engine_model_dir(args.model), prompts, args.output_len, dtype)
         print(f"output tokens/s ratio aserve/transformers = {ours / theirs:.2f}")
         report("", len(prompts), total, output_tokens, elapsed)  # vLLM's format stays the last line
 

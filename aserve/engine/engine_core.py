@@ -17,6 +17,7 @@ from aserve.config import EngineConfig
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler
 from aserve.engine.output_processor import OutputProcessor
+from aserve.hardware import cpu_info
 from aserve.metrics.stats import FinishedRequestStats, IterationStats
 from aserve.models.loader import load_model, load_tokenizer
 from aserve.outputs import RequestOutput
@@ -98,6 +99,8 @@ class EngineCore:
         self._stats = IterationStats()
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
         tokens = self.runner.num_blocks * config.block_size
+        log.info("dtype %s (%s); %s", str(self.dtype).replace("torch.", ""), loaded.dtype_reason,
+                 cpu_info().describe())
         log.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens, "
                  "max concurrency %.2fx at max_model_len %d; host swap pool: %d blocks; policy %s", config.model,
                  type(loaded.model).__name__, str(self.dtype).replace("torch.", ""), time.monotonic() - t0,
@@ -239,7 +242,8 @@ class EngineCore:
                 "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
                 "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests),
                 "core_rss_bytes": rss_bytes(), "core_heap_bytes": heap_bytes(),
-                "core_python_objects": len(gc.get_objects())}
+                "core_python_objects": len(gc.get_objects()),
+                "dtype": str(self.dtype).replace("torch.", ""), "hardware": cpu_info().describe()}
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""

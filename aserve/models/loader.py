@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from aserve.hardware import resolve_dtype
 from aserve.models.llama import LlamaForCausalLM
 from aserve.models.qwen2 import Qwen2ForCausalLM
 from aserve.models.qwen3 import Qwen3ForCausalLM
@@ -22,7 +23,6 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -31,6 +31,7 @@ class LoadedModel:
     config: dict
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
+    dtype_reason: str = ""  # why this dtype (auto's choice from the hardware), for the start-up log
 
 
 def read_json(path: Path) -> dict:
@@ -40,17 +41,6 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
-
-
-def resolve_dtype(option: str, config: dict, device: torch.device) -> torch.dtype:
-    if option != "auto":
-        return DTYPES[option]
-    name = config.get("torch_dtype") or config.get("dtype") or "float32"
-    dtype = DTYPES.get(str(name).replace("torch.", ""), torch.float32)
-    if dtype == torch.float16 and device.type == "cpu":
-        log.info("float16 is slow on the CPU: using bfloat16 (pass dtype='float16' to insist)")
-        dtype = torch.bfloat16
-    return dtype
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -111,7 +101,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"config.json: architectures {archs} not supported; supported: {', '.join(ARCHITECTURES)}")
-    torch_dtype = resolve_dtype(dtype, config, device)
+    torch_dtype, reason = resolve_dtype(dtype, config, device)
     cls = ARCHITECTURES[arch]
     args = cls.args_from_config(config)
     files = checkpoint_files(model_dir)
@@ -126,7 +116,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     for source in (config, _optional_json(model_dir / "generation_config.json")):
         value = source.get("eos_token_id")
         eos.update([value] if isinstance(value, int) else (value or []))
-    return LoadedModel(model, config, torch_dtype, frozenset(eos))
+    return LoadedModel(model, config, torch_dtype, frozenset(eos), reason)
 
 
 def _optional_json(path: Path) -> dict:
