@@ -1,18 +1,21 @@
 """Llama (also Mistral, SmolLM): pre-norm decoder blocks of grouped-query attention with rotary
 positions and a SwiGLU MLP. Qwen2 and Qwen3 are the same block with QKV bias or q/k RMSNorm.
 
-Every layer's attention goes through ops.attention.paged_attention over the paged KV cache. Q/K/V and
-gate/up projections are fused into one matmul each; the loader stacks the checkpoint's separate weights.
+Every layer's attention goes through the attention seam (aserve.attention) over the paged KV cache. Q/K/V
+and gate/up projections are fused into one matmul each; `load_weights` stacks the checkpoint's separate
+weights into them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 from torch import nn
 
+from aserve.attention import Attention
+from aserve.models.interface import ModelShape, ParamFiller, need
 from aserve.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
-from aserve.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 
 @dataclass
@@ -33,20 +36,17 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None  # Mistral: every layer attends to the last `sliding_window` positions
 
     @classmethod
     def from_config(cls, config: dict, **overrides) -> "ModelArgs":
-        def need(name):
-            if name not in config:
-                raise ValueError(f"config.json: required field {name!r} is missing")
-            return config[name]
-
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        hidden, heads = need(config, "hidden_size"), need(config, "num_attention_heads")
         theta, scaling = rope_parameters(config)
         bias = bool(config.get("attention_bias", False))
         args = dict(
-            vocab_size=need("vocab_size"), hidden_size=hidden, intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"), num_heads=heads,
+            vocab_size=need(config, "vocab_size"), hidden_size=hidden,
+            intermediate_size=need(config, "intermediate_size"), num_layers=need(config, "num_hidden_layers"),
+            num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or hidden // heads, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 2048), rope_theta=theta,
@@ -59,12 +59,10 @@ class ModelArgs:
         return cls(**args)
 
 
-class Attention(nn.Module):
+class SelfAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.scale = args.head_dim ** -0.5
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
@@ -72,20 +70,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5,
+                              sliding_window=args.sliding_window)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
-        T = x.shape[0]
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta):
+        T, a = x.shape[0], self.attn
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q = q.view(T, a.num_heads, a.head_dim)
+        k = k.view(T, a.num_kv_heads, a.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(T, self.q_size))
+        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, kv_cache, meta))
 
 
 class MLP(nn.Module):
@@ -104,7 +100,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = SelfAttention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
@@ -121,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        self.shape = ModelShape(args.num_layers, args.num_kv_heads, args.head_dim, args.vocab_size,
+                                args.max_position_embeddings)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -131,11 +129,16 @@ class LlamaForCausalLM(nn.Module):
     def args_from_config(cls, config: dict) -> ModelArgs:
         return ModelArgs.from_config(config)
 
-    def init_rope(self, max_positions: int, dtype: torch.dtype) -> None:
-        a = self.args
-        self.rope = RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling, dtype)
+    @classmethod
+    def from_config(cls, config: dict) -> "LlamaForCausalLM":
+        return cls(cls.args_from_config(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+    def prepare(self, max_positions: int, dtype: torch.dtype) -> None:
+        a = self.args
+        self.rope = RotaryEmbedding(a.head_dim, max(max_positions, a.max_position_embeddings), a.rope_theta,
+                                    a.rope_scaling, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv_cache, meta)
@@ -146,6 +149,18 @@ class LlamaForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, weight)
 
     # -- loading Hugging Face checkpoints ---------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        a = self.args
+        qkv = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        fused = {name: qkv if ".qkv_proj." in name else [a.intermediate_size] * 2
+                 for name, _ in self.named_parameters() if ".qkv_proj." in name or ".gate_up_proj." in name}
+        filler = ParamFiller(self, fused)
+        for name, tensor in weights:
+            target = self.checkpoint_name(name)
+            if target is not None:
+                filler.fill(target[0], tensor, name, target[1])
+        filler.check_complete()
 
     def checkpoint_name(self, name: str) -> tuple[str, int | None] | None:
         """Our parameter name (and fused shard) for a checkpoint tensor name; None to skip it."""
@@ -159,9 +174,3 @@ class LlamaForCausalLM(nn.Module):
             if f".{piece}." in name:
                 return name.replace(piece, fused), shard
         return name, None
-
-    def shard_sizes(self, fused: str) -> list[int]:
-        a = self.args
-        if "qkv_proj" in fused:
-            return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        return [a.intermediate_size, a.intermediate_size]

@@ -6,28 +6,20 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
 from aserve.hardware import resolve_dtype
-from aserve.models.llama import LlamaForCausalLM
-from aserve.models.qwen2 import Qwen2ForCausalLM
-from aserve.models.qwen3 import Qwen3ForCausalLM
+from aserve.models.interface import CausalLM
+from aserve.models.registry import architecture, model_class, read_config
 
 log = logging.getLogger("aserve")
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-
-
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: dict
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
@@ -59,57 +51,40 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path], dtype: torch.dtype) -> None:
-    params = dict(model.named_parameters())
-    loaded: set[tuple[str, int | None]] = set()
+def checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file name, tensor name, tensor) for every tensor of every file, read one at a time; errors name the file."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                target = model.checkpoint_name(name)
-                if target is None:
-                    continue
-                ours, shard = target
-                if ours not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {type(model).__name__}")
-                param = params[ours]
-                tensor = f.get_tensor(name)
-                if shard is None:
-                    dest = param.data
-                else:
-                    sizes = model.shard_sizes(ours)
-                    dest = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ValueError(f"{file.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the config implies {tuple(dest.shape)}")
-                dest.copy_(tensor.to(dtype))
-                loaded.add((ours, shard))
-    for ours, param in params.items():
-        shards = range(len(model.shard_sizes(ours))) if ("qkv_proj" in ours or "gate_up_proj" in ours) else [None]
-        for shard in shards:
-            if (ours, shard) not in loaded:
-                raise ValueError(f"checkpoint in {files[0].parent} lacks weights for {ours!r}"
-                                 + (f" (shard {shard})" if shard is not None else ""))
+                yield file.name, name, f.get_tensor(name)
+
+
+def fill_weights(model: CausalLM, files: list[Path]) -> None:
+    current = [files[0].name]
+
+    def tensors():
+        for file_name, name, tensor in checkpoint_tensors(files):
+            current[0] = file_name
+            yield name, tensor
+    try:
+        model.load_weights(tensors())
+    except ValueError as exc:
+        where = current[0] if "lacks weights" not in str(exc) else f"checkpoint in {files[0].parent}"
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device = torch.device("cpu"),
                max_model_len: int | None = None) -> LoadedModel:
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} does not exist")
-    config = read_json(model_dir / "config.json")
-    archs = config.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"config.json: architectures {archs} not supported; supported: {', '.join(ARCHITECTURES)}")
+    config = read_config(model_dir)
+    cls = model_class(architecture(config))
     torch_dtype, reason = resolve_dtype(dtype, config, device)
-    cls = ARCHITECTURES[arch]
-    args = cls.args_from_config(config)
-    files = checkpoint_files(model_dir)
     with torch.device("meta"):
-        model = cls(args)
+        model = cls.from_config(config)
+    files = checkpoint_files(model_dir)
     model = model.to_empty(device=device).to(torch_dtype)
-    load_weights(model, files, torch_dtype)
-    model.init_rope(max(max_model_len or 0, args.max_position_embeddings), torch_dtype)
+    fill_weights(model, files)
+    model.prepare(max_model_len or 0, torch_dtype)
     model.eval().requires_grad_(False)
 
     eos: set[int] = set()

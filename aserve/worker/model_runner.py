@@ -10,9 +10,9 @@ import logging
 
 import torch
 
+from aserve.attention import AttentionBackend, BatchLayout, select_backend
 from aserve.core.scheduler import SchedulerOutput
-from aserve.models.llama import LlamaForCausalLM
-from aserve.ops.attention import AttentionMetadata, PrefillChunk, gather_index
+from aserve.models.interface import CausalLM
 from aserve.request import Request
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
 from aserve.worker.sampler import SampleResult, sample
@@ -20,57 +20,61 @@ from aserve.worker.sampler import SampleResult, sample
 log = logging.getLogger("aserve")
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    a = model.args
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    a = model.shape
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * dtype.itemsize
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int,
-                 swap_space: int = 0):
+    def __init__(self, model: CausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int,
+                 swap_space: int = 0, attention_backend: str | AttentionBackend | None = None):
         self.model = model
+        self.device = next(model.parameters()).device
+        self.backend = (attention_backend if not isinstance(attention_backend, (str, type(None)))
+                        else select_backend(attention_backend, self.device))
         self.dtype = dtype
+        self.kv_dtype = self.backend.kv_cache_dtype(dtype)
         self.block_size = block_size
-        per_block = kv_bytes_per_block(model, block_size, dtype)
+        per_block = kv_bytes_per_block(model, block_size, self.kv_dtype)
         self.num_blocks = kv_cache_memory // per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one KV block "
                              f"({per_block} bytes at block_size {block_size})")
-        if self.kv_device_is_cpu(model):
+        on_cpu = self.device.type == "cpu"
+        if on_cpu:
             keep_large_allocations_in_heap()
-        a = model.args
+        a = model.shape
         self.num_kv_heads = a.num_kv_heads
         # zeros: unwritten slots are masked, but must not hold NaNs (0 * NaN is NaN in the value product).
         # One block more than the budget: the null block, which pads block tables and is never handed out.
         self.null_block = self.num_blocks
         self.num_physical_blocks = self.num_blocks + 1
-        shape = (a.num_layers, 2, a.num_kv_heads, self.num_physical_blocks, block_size, a.head_dim)
-        self.kv_cache = lazy_zeros(shape, dtype) if self.kv_device_is_cpu(model) else torch.zeros(shape, dtype=dtype)
+        shape = self.backend.kv_cache_shape(a.num_layers, self.num_physical_blocks, block_size, a.num_kv_heads,
+                                            a.head_dim)
+        self.block_dim = self.backend.block_dim
+        self.kv_cache = (lazy_zeros(shape, self.kv_dtype) if on_cpu
+                         else torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         # The host swap pool: pinned memory for non-blocking copies on CUDA, a separate host tensor on the CPU.
         self.num_host_blocks = swap_space // per_block
-        device = self.kv_cache.device
-        host_shape = (a.num_layers, 2, a.num_kv_heads, self.num_host_blocks, block_size, a.head_dim)
-        self.host_cache = (torch.zeros(host_shape, dtype=dtype, pin_memory=True) if device.type == "cuda"
-                           else lazy_zeros(host_shape, dtype))
-
-    @staticmethod
-    def kv_device_is_cpu(model: LlamaForCausalLM) -> bool:
-        return next(model.parameters()).device.type == "cpu"
+        host_shape = self.backend.kv_cache_shape(a.num_layers, self.num_host_blocks, block_size, a.num_kv_heads,
+                                                 a.head_dim)
+        self.host_cache = (torch.zeros(host_shape, dtype=self.kv_dtype, pin_memory=True) if not on_cpu
+                           else lazy_zeros(host_shape, self.kv_dtype))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         device, host = _index(pairs)
-        self.host_cache[:, :, :, host] = self.kv_cache[:, :, :, device.to(self.kv_cache.device)].to(
-            "cpu", non_blocking=True)
+        blocks = self.kv_cache.index_select(self.block_dim, device.to(self.device))
+        self.host_cache.index_copy_(self.block_dim, host, blocks.to("cpu", non_blocking=True))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         host, device = _index(pairs)
-        device = device.to(self.kv_cache.device)
-        self.kv_cache[:, :, :, device] = self.host_cache[:, :, :, host].to(self.kv_cache.device, non_blocking=True)
+        blocks = self.host_cache.index_select(self.block_dim, host)
+        self.kv_cache.index_copy_(self.block_dim, device.to(self.device), blocks.to(self.device, non_blocking=True))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src, dst = (t.to(self.kv_cache.device) for t in _index(pairs))
-        self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]
+        src, dst = (t.to(self.device) for t in _index(pairs))
+        self.kv_cache.index_copy_(self.block_dim, dst, self.kv_cache.index_select(self.block_dim, src))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[Request, SampleResult]:
@@ -78,7 +82,7 @@ class ModelRunner:
         if sched.swap_out:
             self.swap_out(sched.swap_out)
         if sched.fresh:  # after swap-out: a victim's block may be handed to someone else in the same step
-            self.kv_cache.index_fill_(3, torch.tensor(sched.fresh, device=self.kv_cache.device), 0)
+            self.kv_cache.index_fill_(self.block_dim, torch.tensor(sched.fresh, device=self.device), 0)
         if sched.swap_in:
             self.swap_in(sched.swap_in)
         if sched.copies:
@@ -139,27 +143,9 @@ class ModelRunner:
         first_token = torch.cumsum(counts_t, 0) - counts_t
         positions = starts_t[row_of_token] + torch.arange(len(token_ids)) - first_token[row_of_token]
         slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(slot_mapping=slot_mapping)
-
         num_decode = sum(1 for _, n in batch if n == 1)
-        if num_decode:
-            context = starts_t[:num_decode] + 1
-            num_blocks = int((context.max().item() + bs - 1) // bs)
-            meta.num_decode_tokens = num_decode
-            meta.decode_rows = gather_index(tables[:num_decode, :num_blocks], self.num_kv_heads,
-                                            self.num_physical_blocks)
-            meta.decode_mask = (torch.arange(num_blocks * bs).unsqueeze(0) < context.unsqueeze(1))[None, :, None, :]
-        row = num_decode
-        for i in range(num_decode, len(batch)):
-            start, n = starts[i], counts[i]
-            chunk = PrefillChunk(row, row + n, start)
-            if start:
-                total = start + n
-                chunk.rows = gather_index(tables[i, :(total + bs - 1) // bs], self.num_kv_heads,
-                                          self.num_physical_blocks)
-                chunk.mask = torch.arange(total).unsqueeze(0) <= (start + torch.arange(n)).unsqueeze(1)
-            meta.prefills.append(chunk)
-            row += n
+        layout = BatchLayout(positions, slot_mapping, tables, starts, counts, num_decode, bs, self.num_physical_blocks)
+        meta = self.backend.build_metadata(layout, self.num_kv_heads)
         return torch.tensor(token_ids), positions, meta, torch.tensor(sample_rows, dtype=torch.long), sample_reqs
 
 

@@ -1,0 +1,53 @@
+"""What every attention backend offers, the step layout they all start from, and how one is chosen."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """One step's batch, backend-neutral: all scheduled tokens in one flat row, decode requests first."""
+    positions: torch.Tensor  # [T] long: each token's position in its sequence
+    slot_mapping: torch.Tensor  # [T] long: the cache slot (block * block_size + offset) each token's K/V goes to
+    block_tables: torch.Tensor  # [R, W] long, padded with the null block
+    starts: list[int]  # per request: tokens already in the cache before this step
+    counts: list[int]  # per request: tokens in this step
+    num_decode: int  # the first num_decode requests have one token each
+    block_size: int
+    num_physical_blocks: int  # including the null block
+
+
+class AttentionBackend(Protocol):
+    """Owns the KV cache's shape and dtype, builds per-step metadata, writes K/V and runs attention.
+
+    The cache is one tensor per engine, [num_layers, 2 (K, V), ...] with blocks on dimension `block_dim`,
+    so the runner can swap, copy and zero blocks without knowing the rest of the layout."""
+    name: str
+    block_dim: int
+
+    def kv_cache_shape(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]: ...
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype: ...
+
+    def build_metadata(self, layout: BatchLayout, num_kv_heads: int) -> Any: ...
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache, meta) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes key/value into `kv_cache` first."""
+
+
+BACKENDS = {"torch": ("aserve.attention.torch_backend", "TorchAttentionBackend")}
+
+
+def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """`name` as given, or by device: the torch backend on the CPU (CUDA backends register here too)."""
+    if name in (None, "auto"):
+        name = "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; available: {', '.join(sorted(BACKENDS))}")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,117 @@
+"""The torch backend: the CPU path, and the reference every other backend is tested against.
+
+Decode requests attend in one batched call through a head-major gather of their blocks; each prefill
+chunk attends through SDPA (causal, after any cached context). Masks for sliding-window layers are built
+once per step and window size, and shared by the layers that use them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from aserve.attention.backend import BatchLayout
+from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention, write_kv
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flat batch
+    end: int
+    context_len: int  # tokens already in the cache before this chunk
+    rows: torch.Tensor | None = None  # gather_index of its block table, only when context_len > 0
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[n, context_len + n] bool, True = attend; None for a plain causal chunk with no context."""
+        n = self.end - self.start
+        if self.context_len == 0 and window is None:
+            return None
+        query_pos = (self.context_len + torch.arange(n)).unsqueeze(1)
+        key_pos = torch.arange(self.context_len + n).unsqueeze(0)
+        mask = key_pos <= query_pos
+        return mask if window is None else mask & (key_pos > query_pos - window)
+
+
+@dataclass
+class TorchAttentionMetadata:
+    backend: "TorchAttentionBackend"
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_rows: torch.Tensor | None = None  # gather_index of the decode requests' block tables
+    decode_context: torch.Tensor | None = None  # [num_decode] context length including the new token
+    decode_width: int = 0  # gathered tokens per decode request
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[1, num_decode, 1, width] bool; with a window only the last `window` positions are attended."""
+        key = ("decode", window)
+        if key not in self._masks:
+            pos = torch.arange(self.decode_width).unsqueeze(0)
+            context = self.decode_context.unsqueeze(1)
+            mask = pos < context
+            if window is not None:
+                mask &= pos >= context - window
+            self._masks[key] = mask[None, :, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        key = (i, window)
+        if key not in self._masks:
+            self._masks[key] = self.prefills[i].mask(window)
+        return self._masks[key]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+    block_dim = 3  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+
+    def kv_cache_shape(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):
+        return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
+
+    def build_metadata(self, layout: BatchLayout, num_kv_heads: int) -> TorchAttentionMetadata:
+        bs, tables = layout.block_size, layout.block_tables
+        meta = TorchAttentionMetadata(self, layout.slot_mapping)
+        nd = layout.num_decode
+        if nd:
+            context = torch.tensor(layout.starts[:nd]) + 1
+            num_blocks = int((context.max().item() + bs - 1) // bs)
+            meta.num_decode_tokens = nd
+            meta.decode_rows = gather_index(tables[:nd, :num_blocks], num_kv_heads, layout.num_physical_blocks)
+            meta.decode_context = context
+            meta.decode_width = num_blocks * bs
+        row = nd
+        for i in range(nd, len(layout.counts)):
+            start, n = layout.starts[i], layout.counts[i]
+            chunk = PrefillChunk(row, row + n, start)
+            if start:
+                chunk.rows = gather_index(tables[i, :(start + n + bs - 1) // bs], num_kv_heads,
+                                          layout.num_physical_blocks)
+            meta.prefills.append(chunk)
+            row += n
+        return meta
+
+    def forward(self, layer, query, key, value, kv_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        window, cap = layer.sliding_window, layer.logit_softcap
+        out = torch.empty_like(query)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta.decode_rows, meta.decode_mask(window),
+                                        layer.scale, cap)
+        for i, chunk in enumerate(meta.prefills):
+            q = query[chunk.start:chunk.end].transpose(0, 1)  # [Hq, n, D]
+            if chunk.context_len == 0:
+                k = key[chunk.start:chunk.end].transpose(0, 1)
+                v = value[chunk.start:chunk.end].transpose(0, 1)
+            else:
+                total = chunk.context_len + chunk.end - chunk.start
+                k = gather(k_cache, chunk.rows)[:, :total]
+                v = gather(v_cache, chunk.rows)[:, :total]
+            out[chunk.start:chunk.end] = prefill_attention(q, k, v, meta.prefill_mask(i, window), layer.scale,
+                                                           cap).transpose(0, 1)
+        return out

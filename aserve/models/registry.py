@@ -1,0 +1,54 @@
+"""Which class serves which `architectures` entry of config.json, imported only when a model needs it.
+
+A family is one module; adding one is a line here. `check_model_dir` answers "can this folder be served?"
+from config.json alone, so a front end can refuse a wrong folder before loading any weights.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+# architectures name -> (module under aserve.models, class)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def read_config(model_dir: str | Path) -> dict:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} does not exist")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} not found in {model_dir}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def architecture(config: dict) -> str:
+    """The first of config.json's `architectures` that aserve serves; a ValueError listing them otherwise."""
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"config.json: architectures {archs} not supported; supported: {', '.join(supported())}")
+    return arch
+
+
+def check_model_dir(model_dir: str | Path) -> str:
+    """The architecture a folder would be served as, checked without importing torch models or reading weights."""
+    return architecture(read_config(model_dir))
+
+
+def model_class(arch: str) -> type:
+    module, name = ARCHITECTURES[arch]
+    return getattr(importlib.import_module(f"aserve.models.{module}"), name)
