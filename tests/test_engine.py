@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.request import RequestStatus
+from aserve.request import Request, RequestStatus
+from aserve.worker.sampler import apply_penalties
 from conftest import kv_memory_for_blocks, load_reference, random_prompts
 
 PROMPTS = random_prompts(12, lengths=(5, 50), seed=7)
@@ -102,14 +103,63 @@ def test_repetition_penalty_matches_transformers(llm, model_dirs):
         assert got == ref[0, len(prompt):].tolist()
 
 
-def test_presence_and_frequency_penalties_change_greedy_choice(llm):
-    base = llm.generate(token_prompts(PROMPTS[:4]), GREEDY, use_tqdm=False)
-    pen = llm.generate(token_prompts(PROMPTS[:4]), SamplingParams(temperature=0, max_tokens=20, frequency_penalty=2.0,
-                                                                  presence_penalty=2.0), use_tqdm=False)
-    for b, p in zip(base, pen):
-        # the penalized output repeats no more than the plain one
-        assert len(set(p.outputs[0].token_ids)) >= len(set(b.outputs[0].token_ids))
-    assert any(b.outputs[0].token_ids != p.outputs[0].token_ids for b, p in zip(base, pen))
+def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float,
+                        frequency: float, presence: float) -> torch.Tensor:
+    """vLLM's penalties, one token at a time: a token seen in the prompt or the output has a positive logit
+    divided by the repetition penalty (a negative one multiplied); then each token loses frequency * (times it
+    occurs in the output) and, if it occurs in the output at all, the presence penalty."""
+    out = logits.clone()
+    for token in set(prompt) | set(output):
+        out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+    for token in set(output):
+        out[token] -= frequency * output.count(token) + presence
+    return out
+
+
+def test_penalties_follow_the_reference_formula():
+    """The sampler's batched penalties equal the formula on a fixed logits tensor: logits of both signs,
+    tokens repeated in prompt and output, penalties above and below neutral, and an unpenalized row."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 3
+    cases = [([1, 2, 2, 7, 30], [7, 7, 3, 9, 9, 9], SamplingParams(repetition_penalty=1.7, frequency_penalty=0.6,
+                                                                   presence_penalty=0.4)),
+             ([4, 63], [4, 4, 10, 0], SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5,
+                                                     presence_penalty=1.1)),
+             ([1, 2, 3], [5, 5], SamplingParams())]
+    reqs = []
+    for i, (prompt, output, params) in enumerate(cases):
+        req = Request(f"r{i}", prompt, params)
+        for token in output:
+            req.append_token(token)
+        reqs.append(req)
+    penalized = logits.clone()
+    apply_penalties(penalized, reqs, rows=[0, 1])
+    for row, (prompt, output, params) in enumerate(cases[:2]):
+        expected = reference_penalties(logits[row], prompt, output, params.repetition_penalty,
+                                       params.frequency_penalty, params.presence_penalty)
+        torch.testing.assert_close(penalized[row], expected, rtol=0, atol=1e-6)
+        assert not torch.equal(penalized[row], logits[row])
+    assert torch.equal(penalized[2], logits[2])  # a row not asked for is left alone
+
+
+def test_penalized_greedy_decoding_matches_the_reference_model(llm, model_dirs):
+    """End to end: at every step the engine's greedy token is the argmax of transformers' logits after the
+    reference penalties (teacher-forced on the engine's own output), and the penalties changed some choices."""
+    repetition, frequency, presence = 1.2, 1.0, 0.5
+    params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=repetition,
+                            frequency_penalty=frequency, presence_penalty=presence)
+    outs = llm.generate(token_prompts(PROMPTS[:4]), params, use_tqdm=False)
+    model = load_reference(model_dirs["llama-gqa-tied"])
+    changed_choices = 0
+    for prompt, out in zip(PROMPTS[:4], outs):
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == 20 or tokens[-1] == 0  # ran to max_tokens or stopped at eos
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        for step, token in enumerate(tokens):
+            penalized = reference_penalties(logits[step], prompt, tokens[:step], repetition, frequency, presence)
+            assert penalized[token] >= penalized.max() - 1e-4, (prompt, step)  # the argmax, up to float noise
+            changed_choices += int(penalized.argmax() != logits[step].argmax())
+    assert changed_choices > 0
 
 
 def test_stop_strings_spanning_tokens(llm):
@@ -138,7 +188,12 @@ def test_stop_token_ids_min_tokens_and_lengths(llm):
     assert out.token_ids == [first] and out.finish_reason == "stop" and out.stop_reason == first
     later = llm.generate(token_prompts([prompt]), GREEDY.clone(stop_token_ids=[first], min_tokens=3),
                          use_tqdm=False)[0].outputs[0]
-    assert len(later.token_ids) >= 3 and first not in later.token_ids[:3]
+    # banned for three tokens, then the first occurrence of the stop token ends the request
+    assert first not in later.token_ids[:-1] and len(later.token_ids) > 3
+    if later.finish_reason == "stop":
+        assert later.token_ids[-1] == first and later.stop_reason == first
+    else:
+        assert later.finish_reason == "length" and len(later.token_ids) == 20
 
 
 def test_generation_config_eos_ids_stop(model_dirs, tmp_path):
@@ -200,5 +255,7 @@ def test_requests_that_can_never_fit(model_dirs):
         llm.generate(token_prompts([PROMPTS[0]]), SamplingParams(max_tokens=80), use_tqdm=False)
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         llm.generate(token_prompts([PROMPTS[0]]), SamplingParams(max_tokens=510), use_tqdm=False)
-    assert llm.generate(token_prompts([PROMPTS[0][:10]]), SamplingParams(max_tokens=5), use_tqdm=False)
+    fits = llm.generate(token_prompts([PROMPTS[0][:10]]), SamplingParams(max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(fits.token_ids) == 5 and fits.finish_reason == "length"
     llm.engine.check_idle()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.config import parse_memory
+from aserve.config import DEFAULT_MODEL_DIR, parse_memory
 from aserve.models.loader import load_model
-from conftest import random_prompts
+from conftest import load_reference, random_prompts, reference_greedy
 
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(4, lengths=(5, 30), seed=11)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -28,6 +28,30 @@ def edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(config))
 
 
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def assert_weights_equal_checkpoint(model, checkpoint_dir, dtype):
+    """Every parameter of a Llama-family model holds exactly the checkpoint's tensor cast to `dtype`; fused
+    projections hold the checkpoint's separate ones stacked in order; no checkpoint tensor is left unused
+    (a tied lm_head excepted)."""
+    from safetensors.torch import load_file
+
+    checkpoint = {}
+    for file in sorted(checkpoint_dir.glob("*.safetensors")):
+        checkpoint.update(load_file(file))
+    used = set()
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        fused = next((f for f in FUSED if f".{f}." in name), None)
+        parts = [f"model.{name.replace(fused, piece)}" for piece in FUSED[fused]] if fused else \
+            [name if name.startswith("lm_head.") else f"model.{name}"]
+        expected = torch.cat([checkpoint[part] for part in parts]).to(dtype)
+        assert param.dtype == dtype and torch.equal(param.data, expected), name
+        used.update(parts)
+    assert set(checkpoint) - used <= {"lm_head.weight"} and ("lm_head.weight" in used) == ("lm_head.weight" in params)
+
+
 def test_sharded_checkpoint_gives_the_same_output(model_dirs, tmp_path):
     import transformers
 
@@ -37,17 +61,28 @@ def test_sharded_checkpoint_gives_the_same_output(model_dirs, tmp_path):
         shutil.copy(model_dirs["qwen3"] / name, sharded / name)
     assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
     a = LLM(str(model_dirs["qwen3"]), dtype="float32", kv_cache_memory="8MiB").generate(PROMPTS, GREEDY, use_tqdm=False)
-    b = LLM(str(sharded), dtype="float32", kv_cache_memory="8MiB").generate(PROMPTS, GREEDY, use_tqdm=False)
+    from_shards = LLM(str(sharded), dtype="float32", kv_cache_memory="8MiB")
+    b = from_shards.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    one_file = load_model(model_dirs["qwen3"], dtype="float32").model.state_dict()
+    shards = from_shards.engine.runner.model.state_dict()
+    assert one_file.keys() == shards.keys() and all(torch.equal(one_file[k], shards[k]) for k in one_file)
 
 
 @pytest.mark.parametrize("dtype, expected", [("auto", torch.float32), ("bfloat16", torch.bfloat16),
                                              ("float16", torch.float16), ("float32", torch.float32)])
 def test_dtypes(model_dirs, dtype, expected):
-    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype=dtype, kv_cache_memory="8MiB")
+    """The weights land in the asked dtype with the checkpoint's exact values (cast); in float32 the greedy
+    tokens are transformers' own."""
+    path = model_dirs["llama-gqa-tied"]
+    llm = LLM(str(path), dtype=dtype, kv_cache_memory="8MiB")
     assert llm.engine.dtype == expected and llm.engine.runner.kv_cache.dtype == expected
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert_weights_equal_checkpoint(llm.engine.runner.model, path, expected)
+    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert [len(o) for o in outs] == [12] * len(PROMPTS)
+    if expected == torch.float32:
+        prompts = [p["prompt_token_ids"] for p in PROMPTS]
+        assert outs == reference_greedy(load_reference(path), prompts, max_new_tokens=12)
 
 
 def test_missing_folder_and_files(model_dirs, tmp_path):
@@ -115,6 +150,17 @@ def test_kv_budget_sets_block_count(model_dirs):
 
 
 def test_embedded_default_model_loads():
+    """LLM() with no model loads the embedded checkpoint exactly, with its eos id and tokenizer; its first
+    greedy token is transformers' (a margin of 1.5 logits, so it holds in any dtype auto picks)."""
     llm = LLM(kv_cache_memory="16MiB")
+    assert_weights_equal_checkpoint(llm.engine.runner.model, DEFAULT_MODEL_DIR, llm.engine.dtype)
+    assert llm.engine.eos_token_ids == frozenset({0})
     out = llm.generate("def main():", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 8 and isinstance(out.outputs[0].text, str)
+    tokenizer = llm.get_tokenizer()
+    assert out.prompt_token_ids == tokenizer.encode("def main():")
+    generated = out.outputs[0]
+    assert len(generated.token_ids) == 8 and generated.finish_reason == "length"
+    assert generated.text == tokenizer.decode(generated.token_ids, skip_special_tokens=True)
+    with torch.no_grad():
+        logits = load_reference(DEFAULT_MODEL_DIR)(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+    assert generated.token_ids[0] == int(logits.argmax())

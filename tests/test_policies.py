@@ -23,6 +23,23 @@ def run(path, policy, priorities=None, **options):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
+def steps_to_first_token(engine, arrivals: dict[int, list[tuple]]) -> dict[str, int]:
+    """Add (prompt, params, request_id, priority) tuples at their arrival step, step the engine until all are
+    done, and return for each request the step that gave it its first token: an order that depends only on
+    scheduling decisions, never on how fast this machine is."""
+    reqs, first, step = {}, {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for prompt, params, request_id, priority in arrivals.get(step, []):
+            engine.add_request(prompt, params, request_id=request_id, priority=priority)
+            reqs[request_id] = engine.requests[request_id][0]
+        if engine.has_unfinished():
+            engine.step()
+        step += 1
+        first.update({rid: step for rid, r in reqs.items() if rid not in first and r.num_output_tokens})
+    assert set(first) == set(reqs)
+    return first
+
+
 @pytest.fixture(scope="module")
 def unpressured(model_dirs):
     return run(model_dirs[FAMILY], "fcfs", kv_cache_memory="32MiB")[1]
@@ -100,17 +117,11 @@ def test_priority_serves_urgent_requests_first_on_a_saturated_engine(model_dirs)
     llm = LLM(str(model_dirs[FAMILY]), dtype="float32", policy="priority", kv_cache_memory="32MiB", max_num_seqs=4)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i in range(8):
-        engine.add_request(PROMPTS[i], params, request_id=f"low{i}", priority=10)
-    for _ in range(3):
-        engine.step()  # four low-priority requests run, four wait
-    for i in range(2):
-        engine.add_request(PROMPTS[i], params, request_id=f"urgent{i}", priority=0)
-    reqs = {rid: samples[0] for rid, samples in engine.requests.items()}
-    while engine.has_unfinished():
-        engine.step()
-    urgent = [reqs[f"urgent{i}"].first_token_time for i in range(2)]
-    waiting_low = [reqs[f"low{i}"].first_token_time for i in range(4, 8)]
+    arrivals = {0: [(PROMPTS[i], params, f"low{i}", 10) for i in range(8)],  # four run, four wait
+                3: [(PROMPTS[i], params, f"urgent{i}", 0) for i in range(2)]}
+    first = steps_to_first_token(engine, arrivals)
+    urgent = [first[f"urgent{i}"] for i in range(2)]
+    waiting_low = [first[f"low{i}"] for i in range(4, 8)]
     assert max(urgent) < min(waiting_low)  # arrived later, served first
     assert engine.scheduler.preemptions["recompute"] > 0  # urgent ones displaced running low ones
     engine.check_idle()
@@ -127,7 +138,32 @@ def test_priority_aging_lets_old_requests_through():
     queue.add(new)
     queue.add(old)
     assert queue.peek() is old  # waited long enough to outrank a fresh urgent one
-    assert PriorityPolicy().waiting_queue().__class__ is queue.__class__
+    assert [queue.pop().request_id for _ in range(2)] == ["old", "new"] and len(queue) == 0
+    no_aging = PriorityPolicy().waiting_queue()
+    no_aging.add(old)
+    no_aging.add(new)
+    assert [no_aging.pop().request_id for _ in range(2)] == ["new", "old"]  # without aging, priority decides
+
+
+def test_priority_gives_urgent_requests_their_first_token_sooner_than_fcfs(model_dirs):
+    """The trace of the bench below, replayed step by step on a cache too small for it: under `priority` the
+    urgent quarter gets its first tokens before any other request and never later than under `fcfs`."""
+    path = model_dirs[FAMILY]
+    prompts = random_prompts(16, lengths=(20, 48), seed=5)
+    arrivals = {0: [(prompts[i], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), f"r{i}",
+                     0 if i % 4 == 0 else 1) for i in range(16)]}
+    urgent = [f"r{i}" for i in range(0, 16, 4)]
+    first = {}
+    for policy in ("fcfs", "priority"):
+        llm = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 16),
+                  max_num_batched_tokens=128)
+        first[policy] = steps_to_first_token(llm.engine, arrivals)
+        assert sum(llm.engine.scheduler.stats().preemptions.values()) > 0  # the cache really was too small
+        llm.engine.check_idle()
+    others = [rid for rid in first["priority"] if rid not in urgent]
+    assert max(first["priority"][rid] for rid in urgent) <= min(first["priority"][rid] for rid in others)
+    assert all(first["priority"][rid] <= first["fcfs"][rid] for rid in urgent)
+    assert sum(first["priority"][rid] for rid in urgent) < sum(first["fcfs"][rid] for rid in urgent)
 
 
 def test_loading_by_name_module_and_file(tmp_path):
@@ -184,10 +220,11 @@ def test_example_plugin_installs_and_schedules_shortest_first(example_plugin, mo
     for i, n in enumerate(lengths):
         engine.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=2), request_id=f"r{n}")
     reqs = {rid: samples[0] for rid, samples in engine.requests.items()}
+    served = []
     while engine.has_unfinished():
         engine.step()
-    order = sorted(reqs, key=lambda rid: reqs[rid].first_token_time)
-    assert order == ["r5", "r10", "r30", "r50"]  # arrived as 50, 5, 30, 10: served shortest first
+        served += [rid for rid, r in reqs.items() if r.num_output_tokens and rid not in served]
+    assert served == ["r5", "r10", "r30", "r50"]  # arrived as 50, 5, 30, 10: served shortest first
     engine.check_idle()
 
 
@@ -236,4 +273,5 @@ def test_bench_policies_compares_policies_on_one_trace(model_dirs, tmp_path):
     assert set(results) == {"fcfs", "fcfs-swap", "priority"}
     assert results["fcfs-swap"]["blocks_swapped_out"] > 0 and results["fcfs"]["recomputed_tokens"] > 0
     assert all(sum(r["preemptions"].values()) > 0 for r in results.values())  # the cache really was too small
-    assert results["priority"]["ttft_s"]["0"]["p50"] <= results["fcfs"]["ttft_s"]["0"]["p50"] * 1.5
+    # TTFT in seconds depends on the machine; the urgent-first order is checked step by step above
+    assert all(set(r["ttft_s"]) == {"0", "1"} for r in results.values())

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+import aserve
 from server_util import RunningServer
 
 KEY = "test-key-123"
@@ -49,7 +50,7 @@ def wait_idle(server, timeout=15.0):
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/version").json() == {"version": aserve.__version__}
 
 
 def test_completion_stream_equals_plain_text(client):
@@ -64,7 +65,8 @@ def test_completion_stream_equals_plain_text(client):
 def test_chat_stream_equals_plain_text(client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
-    assert plain.choices[0].message.role == "assistant" and plain.usage.completion_tokens > 0
+    assert plain.choices[0].message.role == "assistant" and plain.choices[0].finish_reason == "length"
+    assert plain.usage.completion_tokens == 20
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0,
                                             stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
@@ -102,15 +104,21 @@ def test_stop_max_tokens_logprobs_and_token_prompts(client):
     lp = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=5, temperature=0,
                                    logprobs=2)
     assert len(lp.choices) == 2 and lp.choices[0].text == text[:len(lp.choices[0].text)]
-    for choice in lp.choices:
-        assert len(choice.logprobs.token_logprobs) == 5 and all(x <= 0 for x in choice.logprobs.token_logprobs)
-        assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    for choice in lp.choices:  # greedy: each chosen token is the most likely, so it heads its top-2
+        assert "".join(choice.logprobs.tokens) == choice.text and len(choice.logprobs.token_logprobs) == 5
+        for token, logprob, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
+                                       choice.logprobs.top_logprobs):
+            assert len(top) == 2 and top[token] == logprob == max(top.values()) and logprob < 0
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
-    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content and len(content) == 4
+    for t in content:
+        assert [x.token for x in t.top_logprobs][0] == t.token and t.top_logprobs[0].logprob == t.logprob
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[1].logprob <= t.logprob
     echo = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0, echo=True)
-    assert echo.choices[0].text.startswith("abc")
+    no_echo = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0)
+    assert echo.choices[0].text == "abc" + no_echo.choices[0].text
 
 
 def test_wrong_api_key_is_rejected(server):
@@ -138,7 +146,8 @@ def test_bad_requests_get_clear_errors(server, client, body, status, param):
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["message"] and error["type"] and error["param"] == param
+    assert error["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert error["param"] == param and len(error["message"]) > 10
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 
@@ -153,7 +162,7 @@ def test_malformed_bodies(server, client):
     for content in (b"{bad json", b"", b"[]", b"\xff\xfe", b'{"prompt": null}'):
         r = httpx.post(f"{server.url}/v1/completions", content=content, headers=auth)
         assert r.status_code == 400, (content, r.text)
-        assert "error" in r.json()
+        assert r.json()["error"]["type"] == "invalid_request_error"
     big = httpx.post(f"{server.url}/v1/completions", content=b"x" * 300_000, headers=auth)
     assert big.status_code == 413
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]},
@@ -168,15 +177,19 @@ def test_tokenize_and_detokenize(server):
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}, headers=auth).json()["prompt"]
     assert text == "def main():"
-    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth)
-    assert chat.status_code == 200 and chat.json()["count"] > 1
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      headers=auth).json()
+    rendered = httpx.post(f"{server.url}/detokenize", json={"tokens": chat["tokens"]}, headers=auth).json()["prompt"]
+    assert rendered == "USER:\nhi<|endoftext|>\nASSISTANT:\n"  # the tokenizer's chat template, generation prompt on
+    assert chat["count"] == len(chat["tokens"])
 
 
 def test_generate_route_streams_nul_delimited_json(server, client):
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"prompt": "def main():", "max_tokens": 12, "temperature": 0, "n": 2}
     plain = httpx.post(f"{server.url}/generate", json=body, headers=auth).json()
-    assert len(plain["text"]) == 2 and all(t.startswith("def main():") for t in plain["text"])
+    completion = client.completions.create(model=MODEL, prompt="def main():", max_tokens=12, temperature=0)
+    assert plain["text"] == ["def main():" + completion.choices[0].text] * 2  # prompt + greedy text, per sample
     chunks = []
     with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, headers=auth) as r:
         buffer = b""
@@ -206,9 +219,8 @@ def test_cancelled_streams_free_everything(server, client):
         return await asyncio.gather(*[_give_up_after(server.url, 0.5) for _ in range(50)])
     gave_up = asyncio.run(storm())
     assert sum(gave_up) >= 40  # the clients really left mid-stream
-    start = time.monotonic()
     out = client.completions.create(model=MODEL, prompt="after", max_tokens=4)
-    assert out.usage.completion_tokens == 4 and time.monotonic() - start < 5
+    assert out.usage.completion_tokens == 4
     wait_idle(server)
 
 
@@ -241,23 +253,31 @@ def test_health_answers_fast_and_short_requests_overlap_long_ones(server, client
     print(f"health p99 {p99 * 1000:.1f} ms; short request's first token after {first_token - short_start:.3f} s; "
           f"long ones done after {max(finished.values()) - short_start:.2f} s")
     assert len(finished) == 24 and probes_done < min(finished.values()), "the probes did not run under load"
-    assert p99 < 0.05, f"health p99 {p99 * 1000:.1f} ms"
-    assert first_token < min(finished.values()) and first_token - short_start < 2.0
+    assert first_token < min(finished.values())  # the order of events, not their timing, is what must hold
     wait_idle(server)
 
 
 def test_async_client_concurrent_requests(server):
+    """Concurrent answers each belong to their own prompt (equal to the same request made alone), and a
+    streamed greedy chat reassembles into the non-streamed greedy answer."""
+    messages = [{"role": "user", "content": "x"}]
+
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
         outs = await asyncio.gather(*[client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8,
                                                                 temperature=0) for i in range(12)])
-        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                      max_tokens=5, stream=True)
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                      stream=True)
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        plain = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+        alone = [await client.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=8, temperature=0)
+                 for i in range(12)]
         await client.close()
-        return outs, text
-    outs, text = asyncio.run(main())
-    assert all(o.usage.completion_tokens == 8 for o in outs) and isinstance(text, str)
+        return outs, text, plain, alone
+    outs, text, plain, alone = asyncio.run(main())
+    assert all(o.usage.completion_tokens == 8 for o in outs)
+    assert [o.choices[0].text for o in outs] == [a.choices[0].text for a in alone]
+    assert plain.usage.completion_tokens == 5 and text == plain.choices[0].message.content
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(model_dirs):
