@@ -15,17 +15,34 @@ VOCAB = 4096  # the embedded default model's tokenizer, reused by every tiny mod
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               initializer_range=0.1, bos_token_id=0, eos_token_id=0)
+TOKENS = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
+# family -> (transformers config class, model class, config kwargs). Sliding windows are smaller than the
+# test prompts plus outputs (up to 94 tokens), so the window really cuts the context.
 FAMILIES = {
     "llama-gqa-tied": ("LlamaConfig", "LlamaForCausalLM",
-                       dict(tie_word_embeddings=True,
+                       dict(COMMON, tie_word_embeddings=True,
                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "llama-untied": ("LlamaConfig", "LlamaForCausalLM",
-                     dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
+                     dict(COMMON, tie_word_embeddings=False, attention_bias=True, mlp_bias=True,
                           rope_scaling={"rope_type": "linear", "factor": 2.0})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(COMMON, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, tie_word_embeddings=True, head_dim=32)),
+    "mistral-swa": ("MistralConfig", "MistralForCausalLM", dict(COMMON, sliding_window=20, tie_word_embeddings=False)),
+    "opt": ("OPTConfig", "OPTForCausalLM",
+            dict(TOKENS, pad_token_id=1, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=512, word_embed_proj_dim=64, init_std=0.1, do_layer_norm_before=True)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(TOKENS, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.1,
+                  activation_function="gelu_new")),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(COMMON, pad_token_id=0, sliding_window=24, partial_rotary_factor=0.5)),
+    # caps small enough to bend this model's logits (at Gemma 2's own 50/30 they would change nothing here);
+    # the final cap is monotonic, so only the logprobs tests can see it
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(COMMON, pad_token_id=0, head_dim=16, sliding_window=16, query_pre_attn_scalar=12,
+                    attn_logit_softcapping=1.0, final_logit_softcapping=2.0, hidden_activation="gelu_pytorch_tanh")),
 }
 
 
@@ -33,7 +50,7 @@ def build_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32)
     model.save_pretrained(path)
@@ -74,11 +91,13 @@ def random_prompts(count: int, lengths=(3, 60), seed: int = 0, prefix: list[int]
 
 
 def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:
-    import json
+    """KV cache bytes for exactly `num_blocks` blocks, from the model's own shape (config names differ by family)."""
+    from aserve.models.registry import architecture, model_class, read_config
 
-    c = json.loads((path / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return num_blocks * 2 * c["num_hidden_layers"] * block_size * c["num_key_value_heads"] * head_dim * dtype_bytes
+    config = read_config(path)
+    with torch.device("meta"):
+        s = model_class(architecture(config)).from_config(config).shape
+    return num_blocks * 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * dtype_bytes
 
 
 POISON = 4000  # the token whose embedding row the NaN model corrupts

@@ -69,6 +69,8 @@ class ParamFiller:
 
     def check_complete(self) -> None:
         for ours in self.params:
+            if (ours, None) in self.filled:  # whole, even where the checkpoint is fused too (Phi-3)
+                continue
             for shard in range(len(self.shards[ours])) if ours in self.shards else [None]:
                 if (ours, shard) not in self.filled:
                     raise ValueError(f"the checkpoint lacks weights for {ours!r}"

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm and rotary position embeddings."""
+"""Building blocks shared by the model families: RMSNorm, rotary position embeddings, activations."""
 from __future__ import annotations
 
 import math
@@ -20,6 +20,34 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, and the product is taken in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "relu": nn.functional.relu,
+    "gelu": nn.functional.gelu,
+    "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"config.json: activation {name!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
 
 
 def rope_parameters(config: dict) -> tuple[float, dict]:
@@ -55,18 +83,26 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Ten
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by position; rotate-half convention."""
+    """Precomputed cos/sin tables indexed by position; rotate-half convention. With a partial rotary
+    factor (Phi-3's `partial_rotary_factor`) only the first `rotary_dim` features of each head rotate."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, dtype: torch.dtype):
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict, dtype: torch.dtype,
+                 rotary_dim: int | None = None):
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq = inverse_frequencies(self.rotary_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.partial = self.rotary_dim != head_dim
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
+        if self.partial:
+            r = self.rotary_dim
+            return (torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1),
+                    torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1))
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

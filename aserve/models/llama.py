@@ -15,7 +15,7 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, ParamFiller, need
-from aserve.models.layers import RMSNorm, RotaryEmbedding, rope_parameters
+from aserve.models.layers import RMSNorm, RotaryEmbedding, activation, rope_parameters
 
 
 @dataclass
@@ -36,7 +36,9 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None  # Mistral: every layer attends to the last `sliding_window` positions
+    sliding_window: int | None = None  # Mistral, Phi-3: every layer attends to the last `sliding_window` positions
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0  # Phi-3: the share of each head's features that rotate
 
     @classmethod
     def from_config(cls, config: dict, **overrides) -> "ModelArgs":
@@ -51,7 +53,9 @@ class ModelArgs:
             head_dim=config.get("head_dim") or hidden // heads, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 2048), rope_theta=theta,
             rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)),
+            hidden_act=config.get("hidden_act") or config.get("hidden_activation") or "silu",
+            partial_rotary_factor=float(scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))))
         args.update(overrides)
         if args["num_heads"] % args["num_kv_heads"]:
             raise ValueError(f"config.json: num_attention_heads ({args['num_heads']}) must be a multiple of "
@@ -60,7 +64,8 @@ class ModelArgs:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, sliding_window: int | None = None, scale: float | None = None,
+                 logit_softcap: float | None = None):
         super().__init__()
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
@@ -70,8 +75,8 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5,
-                              sliding_window=args.sliding_window)
+        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, scale or args.head_dim ** -0.5,
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta):
         T, a = x.shape[0], self.attn
@@ -90,17 +95,18 @@ class MLP(nn.Module):
         self.intermediate_size = args.intermediate_size
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.act = activation(args.hidden_act)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = SelfAttention(args)
+        self.self_attn = SelfAttention(args, sliding_window=args.sliding_window)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
@@ -136,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
     def prepare(self, max_positions: int, dtype: torch.dtype) -> None:
         a = self.args
         self.rope = RotaryEmbedding(a.head_dim, max(max_positions, a.max_position_embeddings), a.rope_theta,
-                                    a.rope_scaling, dtype)
+                                    a.rope_scaling, dtype, rotary_dim=int(a.head_dim * a.partial_rotary_factor))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
         x = self.embed_tokens(input_ids)
