@@ -10,11 +10,24 @@ if os.environ.get("ASERVE_CONFIGURE_LOGGING", "1") != "0" and not logging.getLog
     logging.getLogger("aserve").setLevel(logging.INFO)
     logging.getLogger("aserve").propagate = False
 
-from aserve.engine.async_llm import AsyncLLM  # noqa: E402
-from aserve.engine.core_process import EngineDeadError  # noqa: E402
-from aserve.llm import LLM  # noqa: E402
-from aserve.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from aserve.sampling_params import SamplingParams  # noqa: E402
+# The public names load on first use, so `aserve --policy nope` can refuse a flag before torch is imported.
+_EXPORTS = {"AsyncLLM": "aserve.engine.async_llm", "EngineDeadError": "aserve.engine.errors", "LLM": "aserve.llm",
+            "CompletionOutput": "aserve.outputs", "Logprob": "aserve.outputs", "RequestOutput": "aserve.outputs",
+            "SamplingParams": "aserve.sampling_params"}
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'aserve' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -7,6 +7,9 @@ import argparse
 import logging
 import sys
 
+from aserve.config import add_engine_arguments, engine_options
+from aserve.engine.errors import AserveError
+
 
 def build_parser() -> argparse.ArgumentParser:
     from aserve.bench import policies as bench_policies, serve as bench_serve, throughput
@@ -21,12 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         help="serve the OpenAI-compatible API (the default command)"))
 
     gen = sub.add_parser("generate", parents=[common], help="generate text offline on a model")
-    gen.add_argument("--model", default=None)
-    gen.add_argument("--dtype", default="auto")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=48)
     gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(gen)
 
     sub.add_parser("policies", parents=[common], help="list the installed scheduling policies")
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed)
+    llm = LLM(**engine_options(args))
     prompts = args.prompt or ["def fibonacci(n):", "import os\n", "class Server:"]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for out in llm.generate(prompts, params):
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
             from aserve.server import launch
 
             launch.serve(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"aserve: error: {exc}", file=sys.stderr)
+    except (AserveError, ValueError, FileNotFoundError) as exc:  # bad input or configuration: one line, status 2
+        message = " ".join(str(exc).split("\n"))
+        print(f"aserve: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -1,9 +1,11 @@
 """Engine options in one place, with the parsing that the CLI, LLM and AsyncLLM share."""
 from __future__ import annotations
 
+import argparse
 import logging
 import re
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -28,25 +30,40 @@ def parse_memory(value: int | float | str) -> int:
     return int(number * base ** " KMGT".index(unit or " "))
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def option(default, help: str, **cli):
+    """An EngineConfig field with its command-line help (and, in `cli`, `flag`, `choices`): the flags of
+    `aserve`, `aserve bench throughput` and `aserve bench policies` are generated from these."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # a local Hugging Face folder; None = the embedded default model
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    block_size: int = 16
-    kv_cache_memory: int | str = "4GiB"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    policy: str | object = "fcfs"
-    policy_options: dict | None = None  # keyword arguments for the policy's constructor
-    swap_space: float | str = 4  # GiB of host memory for swapped-out KV blocks (a number) or a size string
-    seed: int = 0
-    served_model_name: str | None = None
-    disable_log_stats: bool | None = None  # the periodic stats line; None = off offline, on when serving
-    max_n: int = 32  # the most samples one prompt may ask for (n): each costs as much as a request
-    max_waiting_requests: int | None = None  # new requests beyond this many waiting are refused (overload)
+    """Every engine option; `LLM(**options)`, `AsyncLLM(**options)` and the CLI flags take the same names."""
+    model: str | None = option(None, "local Hugging Face folder (default: the embedded model)")
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
+    dtype: str = option("auto", "weights and activations; auto follows the checkpoint and the hardware",
+                        choices=DTYPES)
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory: int | str = option("4GiB", "KV cache budget: bytes or a size such as 2GiB")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
+    max_num_seqs: int = option(256, "most requests in one batch")
+    max_num_batched_tokens: int = option(2048, "token budget of one step (prefill chunks and decodes together)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompts' shared prefixes")
+    policy: str | object = option("fcfs", "scheduling policy: an installed name, module:Class or "
+                                          "path/to/file.py:Class (or, in Python, a class or an instance)")
+    policy_options: dict | None = option(None, "an option for the policy's constructor, e.g. aging=0.5 (repeatable)",
+                                         flag="--policy-option")
+    swap_space: float | str = option(4, "host memory for swapped-out KV blocks: GiB (a number) or a size string")
+    seed: int = option(0, "random seed of sampling without a per-request seed")
+    served_model_name: str | None = option(None, "the model name clients use (default: --model)")
+    disable_log_stats: bool | None = option(None, "the periodic stats line; default: off offline, on when serving")
+    max_n: int = option(32, "the largest n (samples per prompt) a request may ask: each costs as much as a request")
+    max_waiting_requests: int | None = option(None, "refuse new requests (503 + Retry-After when serving) while "
+                                                    "this many are waiting (default: no bound)")
+    attention_backend: str = option("auto", "attention kernels: auto (by device), torch or triton")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -61,8 +78,12 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def verify(self) -> None:
+        """Refuse a policy or a model folder that cannot work, before any weights load (see check_before_loading)."""
+        check_before_loading(self.model, self.policy, self.policy_options)
 
     @property
     def model_name(self) -> str:
@@ -82,3 +103,103 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
         return cls(model=model, **kwargs)
+
+
+def check_before_loading(model: str | None, policy, policy_options: dict | None = None) -> None:
+    """Refuse a policy or a model folder that cannot work: both checks read only config.json and the
+    policy's class, so a wrong flag fails in well under a second instead of after the weights load."""
+    from aserve.engine.errors import ModelLoadError, ModelNotFoundError
+    from aserve.models.registry import check_model_dir
+    from aserve.policy import resolve_policy
+
+    resolve_policy(policy, policy_options)
+    model = model or str(DEFAULT_MODEL_DIR)
+    try:
+        check_model_dir(model)
+    except FileNotFoundError as exc:
+        raise ModelNotFoundError(str(exc)) from None  # it names the missing path already
+    except ValueError as exc:
+        raise ModelLoadError(f"model {model}: {exc}") from None
+
+
+# -- the command line: flags generated from EngineConfig's fields ---------------------------------------
+
+def _number_or_size(text: str) -> float | str:
+    """A number (of GiB, for swap_space) or a size string such as '512MiB', left to EngineConfig to parse."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse_key_values(items: list[str], flag: str) -> dict:
+    """KEY=VALUE strings to a dict; values that read as numbers become numbers."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} wants KEY=VALUE, got {item!r}")
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                continue
+        options[key] = value
+    return options
+
+
+def _flag(f) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _kinds(hint) -> set[type]:
+    """The types a field's annotation allows, None aside: `int | None` -> {int}."""
+    return {a for a in (typing.get_args(hint) or (hint,)) if a is not type(None)}
+
+
+def _flag_spec(f, hint) -> dict:
+    """argparse's keyword arguments for one field, from its type and metadata."""
+    kinds = _kinds(hint)
+    spec: dict = {"dest": f.name, "help": f.metadata["help"]}
+    if bool in kinds:
+        spec["action"] = argparse.BooleanOptionalAction
+    elif dict in kinds:  # a repeatable KEY=VALUE flag; engine_options builds the dict
+        spec.update(action="append", metavar="KEY=VALUE")
+    elif kinds == {int}:
+        spec["type"] = int
+    elif kinds == {float, str}:
+        spec["type"] = _number_or_size
+    if "choices" in f.metadata:
+        spec["choices"] = f.metadata["choices"]
+    return spec
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                         defaults: dict | None = None) -> None:
+    """Add a flag for every EngineConfig field (but `exclude`), with the field's default unless `defaults`
+    gives a command's own; `engine_options(args)` turns the parsed flags back into EngineConfig options."""
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name in exclude:
+            continue
+        spec = _flag_spec(f, hints[f.name])
+        default = (defaults or {}).get(f.name, f.default)
+        if default is not None:
+            spec["help"] += f" (default: {default})"
+        group.add_argument(_flag(f), default=default, **spec)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from the flags add_engine_arguments added."""
+    hints = typing.get_type_hints(EngineConfig)
+    options = {}
+    for f in fields(EngineConfig):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if dict in _kinds(hints[f.name]) and value is not None:
+            value = parse_key_values(value, _flag(f))
+        options[f.name] = value
+    return options

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore
+from aserve.inputs import parse_prompts, tokenize, validate_prompts
 from aserve.metrics.loggers import StatLoggers
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options):
         config = EngineConfig.from_kwargs(model, **options)
+        config.verify()  # a wrong policy or model folder fails here, before any weights load
         self.engine = EngineCore(config)
         facts = self.engine.facts
         self.stats = StatLoggers(config.model_name, facts, facts.policy_name, facts.priority_classes,
@@ -38,50 +40,28 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def _normalize(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
-            prompts = [list(prompts)]  # one prompt given as token ids
-        result = []
-        for p in prompts:
-            if isinstance(p, str):
-                result.append((p, self.engine.tokenizer.encode(p)))
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                result.append((p.get("prompt"), list(p["prompt_token_ids"])))
-            elif isinstance(p, dict) and "prompt" in p:
-                result.append((p["prompt"], self.engine.tokenizer.encode(p["prompt"])))
-            elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
-                result.append((None, list(p)))
-            else:
-                raise ValueError(f"a prompt must be a string, a list of token ids or a dict with 'prompt' or "
-                                 f"'prompt_token_ids', got {type(p).__name__}")
-        return result
-
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. Invalid input raises ValueError
         before anything is queued, so one bad prompt never leaves half a batch behind."""
-        items = self._normalize(prompts)
+        prompts = tokenize(parse_prompts(prompts), self.engine.tokenizer.encode)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(items) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        priorities = list(priority) if priority is not None else [0] * len(items)
-        if len(params) != len(items) or len(priorities) != len(items):
-            raise ValueError(f"got {len(items)} prompts but {len(params)} sampling params and "
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(params) != len(prompts) or len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params and "
                              f"{len(priorities)} priorities")
-        for i, ((_, ids), sp) in enumerate(zip(items, params)):
-            try:
-                self.engine.validate(ids, sp)
-            except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
+        validate_prompts(self.engine.facts, prompts, params)
 
         ids_in_order = []
-        for (text, ids), sp, prio in zip(items, params, priorities):
+        for prompt, sp, prio in zip(prompts, params, priorities):
             request_id = f"gen-{self._counter}"
             self._counter += 1
-            self.engine.add_request(ids, sp, request_id=request_id, prompt=text, priority=prio, output_kind="final")
+            self.engine.add_request(prompt.token_ids, sp, request_id=request_id, prompt=prompt.text, priority=prio,
+                                    output_kind="final")
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
 

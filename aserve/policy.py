@@ -11,12 +11,16 @@ import enum
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from aserve.request import Request
+from aserve.engine.errors import PolicyLoadError
+
+if TYPE_CHECKING:  # annotations only: resolving a policy must not import torch (see resolve_policy)
+    from aserve.request import Request
 
 ENTRY_POINT_GROUP = "aserve.policies"
 
@@ -122,8 +126,7 @@ class Policy:
         """Hears 'admitted', 'preempted', 'swapped' and 'finished'."""
 
 
-class PolicyError(ValueError):
-    pass
+PolicyError = PolicyLoadError  # the name this module exported first
 
 
 def installed_policies() -> dict[str, importlib.metadata.EntryPoint]:
@@ -147,10 +150,14 @@ def _load_class(spec: str):
         raise PolicyError(f"policy {spec!r}: {target} has no attribute {cls_name!r}") from None
 
 
-def load_policy(spec: str | Policy | type, options: dict | None = None) -> Policy:
-    """A policy from an installed name, 'module:Class', 'path/to/file.py:Class', a class or an instance."""
+REQUIRED_METHODS = ("waiting_queue", "select_victim", "preemption_mode", "should_preempt_for", "on_event")
+
+
+def resolve_policy(spec: str | Policy | type, options: dict | None = None) -> tuple[type, str]:
+    """The policy's class and label, found and checked without constructing it: what a front end runs
+    before any weights load, so a wrong `--policy` fails in a second, not after the model is up."""
     if isinstance(spec, Policy):
-        return spec
+        return type(spec), spec.name
     if isinstance(spec, type):
         cls, label = spec, spec.__name__
     else:
@@ -168,14 +175,32 @@ def load_policy(spec: str | Policy | type, options: dict | None = None) -> Polic
             raise
         except Exception as exc:  # a broken plugin: name it and its cause, not a traceback soup
             raise PolicyError(f"policy {spec!r} failed to load: {type(exc).__name__}: {exc}") from exc
+    if not callable(cls):
+        raise PolicyError(f"policy {label!r} is not a class: {cls!r}")
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        raise PolicyError(f"policy {label!r} does not implement {', '.join(missing)}")
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to check against (a builtin): construction will tell
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**(options or {}))
+        except TypeError as exc:
+            raise PolicyError(f"policy {label!r} failed to construct: TypeError: {exc}") from None
+    return cls, label
+
+
+def load_policy(spec: str | Policy | type, options: dict | None = None) -> Policy:
+    """A policy from an installed name, 'module:Class', 'path/to/file.py:Class', a class or an instance."""
+    if isinstance(spec, Policy):
+        return spec
+    cls, label = resolve_policy(spec, options)
     try:
         policy = cls(**(options or {}))
     except Exception as exc:
         raise PolicyError(f"policy {label!r} failed to construct: {type(exc).__name__}: {exc}") from exc
-    required = ("waiting_queue", "select_victim", "preemption_mode", "should_preempt_for", "on_event")
-    missing = [m for m in required if not callable(getattr(policy, m, None))]
-    if missing:
-        raise PolicyError(f"policy {label!r} does not implement {', '.join(missing)}")
     queue = policy.waiting_queue()
     missing = [m for m in ("add", "pop", "peek", "prepend", "remove", "__len__", "__iter__") if not hasattr(queue, m)]
     if missing:

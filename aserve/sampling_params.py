@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from aserve.engine.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
 
 
@@ -40,9 +42,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Invalid values raise InvalidRequestError (a ValueError) naming the field as its `param`."""
         def need(ok: bool, name: str, allowed: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
 
         need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1")
         need(self.temperature >= 0, "temperature", ">= 0 (0 means greedy)")
@@ -53,7 +56,8 @@ class SamplingParams:
              "max_tokens", "an integer >= 1 or None")
         need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise InvalidRequestError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                                      "min_tokens")
         need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
         need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
         need(self.repetition_penalty > 0, "repetition_penalty", "> 0 (1 means none)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 import re
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from aserve import AsyncLLM, EngineDeadError, SamplingParams
+from aserve.engine.errors import (EngineError, EngineOverloadedError, InvalidRequestError, PolicyLoadError,
+                                  RemoteEngineError, RemoteError)
 from conftest import random_prompts
 
 PROMPTS = random_prompts(6, lengths=(4, 30), seed=21)
@@ -53,7 +56,7 @@ def test_slow_consumer_gets_one_merged_output(engine_factory):
         async with engine_factory() as engine:
             stream = engine.generate("slow consumer", SamplingParams(temperature=0, max_tokens=40))
             first = await anext(stream)
-            await asyncio.sleep(0.5)  # the request finishes meanwhile; its deltas merge in one slot
+            await idle_state(engine)  # the request finishes meanwhile; its deltas merge in one slot
             rest = await anext(stream)
             assert rest.finished and len(first.outputs[0].token_ids) + len(rest.outputs[0].token_ids) == 40
             await stream.aclose()
@@ -88,12 +91,63 @@ def test_abort_and_cancelled_consumers_free_their_blocks(engine_factory):
 def test_bad_requests_raise_and_the_engine_keeps_serving(engine_factory):
     async def main():
         async with engine_factory() as engine:
-            with pytest.raises(ValueError, match="empty"):
-                await engine.infer({"prompt_token_ids": []})
-            with pytest.raises(ValueError, match="max_model_len"):
-                await engine.infer({"prompt_token_ids": [1] * 600})
+            for prompt, params, match, param in (
+                    ({"prompt_token_ids": []}, GREEDY, "empty", "prompt"),
+                    ({"prompt_token_ids": [1] * 600}, GREEDY, "max_model_len", "prompt"),
+                    ({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=510), "max_tokens", "max_tokens"),
+                    ({"prompt_token_ids": [1] * 10}, SamplingParams(n=33), "at most 32", "n"),
+                    (3.5, GREEDY, "a prompt must be", "prompt")):
+                with pytest.raises(InvalidRequestError, match=match) as caught:
+                    await engine.infer(prompt, params)
+                assert caught.value.param == param
             assert (await engine.infer("fine", GREEDY)).outputs[0].token_ids
+            assert (await engine.state())["num_collectors"] == 0
     asyncio.run(main())
+
+
+def test_every_prompt_form_means_the_same_prompt():
+    from aserve.inputs import Prompt, parse_prompt, parse_prompts, tokenize
+
+    assert parse_prompts("hi") == parse_prompts({"prompt": "hi"}) == [Prompt("hi")]
+    assert parse_prompts([5, 6]) == parse_prompts({"prompt_token_ids": [5, 6]}) == [Prompt(None, [5, 6])]
+    assert parse_prompts(["a", [1], {"prompt": "b", "prompt_token_ids": [2]}]) == [
+        Prompt("a"), Prompt(None, [1]), Prompt("b", [2])]
+    assert parse_prompts([]) == [] and parse_prompts([[]]) == [Prompt(None, [])]
+    assert tokenize(parse_prompts(["ab", [7]]), lambda text: [ord(c) for c in text]) == [
+        Prompt("ab", [97, 98]), Prompt(None, [7])]
+    for bad in (3.5, {"prompt_token_ids": ["x"]}, {"text": "hi"}, [True, None]):
+        with pytest.raises(InvalidRequestError, match="a prompt must be") as caught:
+            parse_prompt(bad) if not isinstance(bad, list) else parse_prompts(bad)
+        assert caught.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(top_p=0)
+    assert caught.value.param == "top_p"
+
+
+def test_one_status_table_answers_every_error():
+    import msgspec
+
+    from aserve.engine.errors import EngineDeadError, RequestFailedError, RequestTimeoutError
+    from aserve.server.errors import from_exception, stream_error
+
+    def answer(exc):
+        response = from_exception(exc)
+        return response.status_code, msgspec.json.decode(response.body)["error"], response.headers
+
+    for exc, status, param, code in (
+            (InvalidRequestError("top_p must be in (0, 1]", "top_p"), 400, "top_p", None),
+            (ValueError("a plain one"), 400, None, None),
+            (EngineDeadError("gone"), 503, None, None),
+            (RequestTimeoutError("too slow"), 504, None, "timeout"),
+            (RequestFailedError("NaN"), 500, None, "generation_failed"),
+            (RemoteEngineError("the engine core raised OSError: disk"), 500, None, None),
+            (RuntimeError("a bug"), 500, None, "internal_error")):
+        got_status, error, _ = answer(exc)
+        assert (got_status, error["param"], error["code"]) == (status, param, code), exc
+        assert stream_error(exc).error.code == status
+    status, error, headers = answer(EngineOverloadedError("12 requests are already waiting"))
+    assert status == 503 and error["code"] == "overloaded" and headers["retry-after"] == "1"
+    assert "12 requests" in error["message"]
 
 
 def test_a_dying_core_fails_every_caller(engine_factory):
@@ -116,9 +170,41 @@ def test_a_dying_core_fails_every_caller(engine_factory):
     asyncio.run(main())
 
 
-def test_start_up_errors_reach_the_caller(tmp_path):
+def test_errors_cross_from_the_core_by_type():
+    for exc in (InvalidRequestError("n must be at most 32", "n"), EngineOverloadedError("full"),
+                FileNotFoundError("gone"), KeyError("k"), ValueError("plain")):
+        again = pickle.loads(pickle.dumps(RemoteError.of(exc))).rebuild()
+        assert type(again) is type(exc) and again.args == exc.args
+        assert getattr(again, "param", None) == getattr(exc, "param", None)
+    strange = RemoteError.of(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")).rebuild()
+    assert type(strange) is RemoteEngineError and isinstance(strange, EngineError)
+    assert "UnicodeDecodeError" in str(strange) and "bad byte" in str(strange)
+
+
+def test_a_refusal_in_the_core_keeps_its_type(engine_factory):
+    async def main():
+        async with engine_factory(max_waiting_requests=0) as engine:  # every request finds the queue full
+            with pytest.raises(EngineOverloadedError, match="max_waiting_requests=0"):
+                await engine.infer({"prompt_token_ids": PROMPTS[0]}, GREEDY)
+            assert engine.is_healthy and (await engine.state())["num_collectors"] == 0
+    asyncio.run(main())
+
+
+def test_start_up_errors_reach_the_caller(tmp_path, model_dirs):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         AsyncLLM(str(tmp_path / "missing"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # no weights: the core fails to load
+        (tmp_path / name).write_bytes((model_dirs["llama-gqa-tied"] / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match="safetensors"):  # raised in the core's process, rebuilt by type
+        AsyncLLM(str(tmp_path))
+
+
+def test_a_bad_policy_fails_before_the_core_starts(model_dirs, monkeypatch):
+    import aserve.engine.async_llm as async_llm
+
+    monkeypatch.setattr(async_llm, "CoreProcess", lambda *args: pytest.fail("the engine core was started"))
+    with pytest.raises(PolicyLoadError, match="unknown policy 'nope'; installed policies: .*fcfs"):
+        AsyncLLM(str(model_dirs["llama-gqa-tied"]), policy="nope")
 
 
 def test_readme_async_snippet_runs():

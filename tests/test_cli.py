@@ -1,4 +1,6 @@
-"""The `aserve` command: the default generation and the throughput benchmark's vLLM-format last line."""
+"""The `aserve` command: the default generation, the throughput benchmark's vLLM-format last line, and
+configuration errors refused as one line with status 2 before any model loads."""
+import json
 import re
 import subprocess
 import sys
@@ -29,3 +31,62 @@ def test_errors_are_one_line(tmp_path):
     proc = run("bench", "throughput", "--model", str(tmp_path / "missing"), "--num-prompts", "1")
     assert proc.returncode == 2 and proc.stderr.strip().startswith("aserve: error:")
     assert "Traceback" not in proc.stderr
+
+
+def assert_one_line_error(proc, *expected):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("aserve: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+
+
+def test_an_unknown_policy_is_refused_before_the_model_loads():
+    assert_one_line_error(run("--policy", "nope"), "unknown policy 'nope'", "installed policies:", "fcfs-swap",
+                          "priority")
+
+
+def test_an_unknown_architecture_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
+    assert_one_line_error(run("--model", str(tmp_path)), str(tmp_path), "FooForCausalLM", "LlamaForCausalLM",
+                          "Qwen2ForCausalLM")
+
+
+def test_a_missing_model_folder_is_refused(tmp_path):
+    assert_one_line_error(run("serve", "--model", str(tmp_path / "missing")), "does not exist",
+                          str(tmp_path / "missing"))
+
+
+def test_a_policy_option_the_policy_does_not_take_is_refused():
+    assert_one_line_error(run("--policy", "priority", "--policy-option", "no_such_option=1"),
+                          "policy 'priority' failed to construct", "no_such_option")
+
+
+def test_engine_flags_are_generated_from_engine_config_and_shared():
+    from dataclasses import fields
+
+    from aserve.cli import build_parser
+    from aserve.config import EngineConfig, engine_options
+
+    assert all(f.metadata["help"] for f in fields(EngineConfig))
+    parser = build_parser()
+    flags = ["--block-size", "32", "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching", "--policy", "priority",
+             "--policy-option", "aging=0.5", "--policy-option", "mode=swap", "--swap-space", "512MiB",
+             "--max-num-seqs", "8", "--max-waiting-requests", "3"]
+    for command in (["serve"], ["bench", "throughput"], ["generate"]):
+        options = engine_options(parser.parse_args(command + flags))
+        assert set(options) == {f.name for f in fields(EngineConfig)}, command
+        config = EngineConfig(**options)
+        assert (config.block_size, config.kv_cache_memory, config.enable_prefix_caching, config.policy,
+                config.policy_options, config.swap_space, config.max_num_seqs, config.max_waiting_requests) == (
+            32, 2 ** 30, False, "priority", {"aging": 0.5, "mode": "swap"}, 512 * 2 ** 20, 8, 3), command
+        assert EngineConfig(**engine_options(parser.parse_args(command))) == EngineConfig(), command  # same defaults
+    bench = engine_options(parser.parse_args(["bench", "policies", "--swap-space", "2"]))
+    assert "policy" not in bench and (bench["kv_cache_memory"], bench["swap_space"], bench["max_num_seqs"]) == (
+        "auto", 2.0, 64)
+
+
+def test_benchmarks_refuse_a_bad_policy_before_loading(tmp_path):
+    assert_one_line_error(run("bench", "throughput", "--policy", "nope", "--num-prompts", "1"), "unknown policy 'nope'")
+    assert_one_line_error(run("bench", "policies", "--policies", "fcfs,nope"), "unknown policy 'nope'", "fcfs-swap")

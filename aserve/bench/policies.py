@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from aserve.config import add_engine_arguments, engine_options, parse_memory
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: the embedded model)")
     parser.add_argument("--policies", default="fcfs,fcfs-swap,priority", help="comma-separated policy names/specs")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", default=None, help="a JSONL workload file")
@@ -31,13 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="16:96", help="output lengths, uniform in MIN:MAX")
     parser.add_argument("--urgent-fraction", type=float, default=0.25, help="share of requests with priority 0 "
                                                                             "(the rest get priority 1)")
-    parser.add_argument("--kv-cache-memory", default="auto",
-                        help="KV budget; auto = a quarter of what the whole workload would hold at once")
-    parser.add_argument("--swap-space", default="auto", help="host swap pool (GiB or a size); auto = the KV budget")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="FILE")
+    # kv_cache_memory and swap_space also take `auto`: a quarter of what the whole workload would hold at
+    # once, and as much host memory as that (so requests must be preempted, and swapping can take them all)
+    add_engine_arguments(parser, exclude=("policy", "policy_options"),
+                         defaults={"kv_cache_memory": "auto", "swap_space": "auto", "max_num_seqs": 64})
 
 
 @dataclass
@@ -151,34 +150,31 @@ def print_table(results: dict[str, dict]) -> None:
         print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)))
 
 
-def _gib_or_size(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def main(args: argparse.Namespace) -> None:
-    from aserve.config import DEFAULT_MODEL_DIR, EngineConfig
+    from aserve.config import DEFAULT_MODEL_DIR, EngineConfig, check_before_loading
     from aserve.engine.engine_core import EngineCore
     from aserve.models.loader import load_tokenizer
 
-    model_dir = args.model or str(DEFAULT_MODEL_DIR)
+    options = engine_options(args)
+    model_dir = options["model"] = options["model"] or str(DEFAULT_MODEL_DIR)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for policy in policies:  # every policy, and the model folder, before anything loads
+        check_before_loading(model_dir, policy)
     vocab_size = len(load_tokenizer(model_dir))
     workload = load_trace(args.trace, vocab_size, args.seed) if args.trace else synthetic(args, vocab_size)
-    kv_budget = auto_kv_budget(model_dir, workload, 16, args.dtype) if args.kv_cache_memory == "auto" \
-        else args.kv_cache_memory
-    swap_space = f"{kv_budget}B" if args.swap_space == "auto" else _gib_or_size(args.swap_space)
+    if options["kv_cache_memory"] == "auto":
+        options["kv_cache_memory"] = auto_kv_budget(model_dir, workload, options["block_size"], options["dtype"])
+    if options["swap_space"] == "auto":
+        options["swap_space"] = f"{parse_memory(options['kv_cache_memory'])}B"
     results = {}
-    for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        config = EngineConfig(model=model_dir, dtype=args.dtype, kv_cache_memory=kv_budget, swap_space=swap_space,
-                              policy=policy, max_num_seqs=args.max_num_seqs, seed=args.seed)
-        engine = EngineCore(config)
+    for policy in policies:
+        engine = EngineCore(EngineConfig(**options, policy=policy))
         print(f"replaying {len(workload)} requests with policy {policy} ...", flush=True)
         results[policy] = replay(engine, workload)
         del engine
     print()
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"workload_requests": len(workload), "kv_cache_memory": kv_budget,
+        Path(args.json).write_text(json.dumps({"workload_requests": len(workload),
+                                               "kv_cache_memory": options["kv_cache_memory"],
                                                "results": results}, indent=2))

@@ -10,20 +10,16 @@ import argparse
 import random
 import time
 
+from aserve.config import add_engine_arguments, engine_options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: the embedded model)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", default="4GiB")
     parser.add_argument("--compare-transformers", action="store_true",
                         help="then run transformers' generate on the same workload (batched) and print the ratio")
+    add_engine_arguments(parser)
 
 
 def random_prompts(num: int, length: int, vocab_size: int, avoid: set[int], seed: int) -> list[list[int]]:
@@ -61,9 +57,7 @@ def main(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
     from aserve.hardware import cpu_info
 
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(**engine_options(args))
     engine = llm.engine
     print(f"aserve bench throughput: {cpu_info().describe()}, dtype {str(engine.dtype).replace('torch.', '')}",
           flush=True)  # first: what the figures below were measured on

@@ -17,7 +17,11 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
 
 from aserve.config import EngineConfig
-from aserve.engine.core_process import CoreProcess, EngineDeadError
+from aserve.engine.core_process import CoreProcess
+from aserve.engine.errors import (EngineDeadError, InvalidRequestError, RequestFailedError,  # noqa: F401 - re-exported
+                                  RequestTimeoutError)
+from aserve.engine.messages import Abort, AddRequest, GetState
+from aserve.inputs import Prompt, parse_prompt, parse_prompts, validate_request
 from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
@@ -55,14 +59,6 @@ class RequestCollector:
             raise self._error
         output, self._output = self._output, None
         return output
-
-
-class RequestFailedError(RuntimeError):
-    """The engine ended this request with an error (NaN logits, a detokenizer failure); the others go on."""
-
-
-class RequestTimeoutError(TimeoutError):
-    """The request ran past its timeout and was aborted."""
 
 
 class RequestStream:
@@ -119,7 +115,7 @@ class RequestStream:
         engine = self.engine
         engine._collectors.pop(self.request_id, None)
         if engine.dead_error is None:
-            engine.core.call("abort", [self.request_id])  # the consumer left: free its blocks
+            engine.core.call(Abort(request_ids=[self.request_id]))  # the consumer left: free its blocks
 
 
 class AsyncLLM:
@@ -127,6 +123,7 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, **options):
         self.config = EngineConfig.from_kwargs(model, **options)
+        self.config.verify()  # a wrong policy or model folder fails here, not after the core loads weights
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self._collectors: dict[str, RequestCollector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,8 +153,8 @@ class AsyncLLM:
         return self.facts.vocab_size
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError for a request the engine could never serve (no round trip to the core)."""
-        return self.facts.validate(prompt_token_ids, params)
+        """Raise InvalidRequestError for a request the engine could never serve (no round trip to the core)."""
+        return validate_request(self.facts, prompt_token_ids, params)
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -225,17 +222,14 @@ class AsyncLLM:
     async def run_in_tokenizer_pool(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    async def _prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            return prompt, await self.run_in_tokenizer_pool(self.tokenizer.encode, prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError("a prompt must be a string, a list of token ids or a dict with 'prompt' or "
-                         "'prompt_token_ids'")
+    async def prepare_prompts(self, raw) -> list[Prompt]:
+        """One prompt or a batch in any accepted form (see aserve.inputs), tokenized off the event loop."""
+        return [await self._tokenized(prompt) for prompt in parse_prompts(raw)]
+
+    async def _tokenized(self, prompt: Prompt) -> Prompt:
+        if prompt.token_ids is None:
+            prompt.token_ids = list(await self.run_in_tokenizer_pool(self.tokenizer.encode, prompt.text))
+        return prompt
 
     async def submit(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
                      priority: int = 0, output_kind: str = "delta", timeout: float | None = None) -> "RequestStream":
@@ -249,17 +243,16 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.dead_error}")
         params = sampling_params or SamplingParams()
-        text, ids = await self._prompt(prompt)
+        prompt = await self._tokenized(parse_prompt(prompt))
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._collectors:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(ids, params)
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt.token_ids, params)
         collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
         stream = RequestStream(self, request_id, collector, timeout, arrival)
-        admitted = self.core.call(
-            "add_request", ids, params,
-            {"request_id": request_id, "prompt": text, "priority": priority, "output_kind": output_kind,
-             "arrival_time": arrival})
+        admitted = self.core.call(AddRequest(prompt_token_ids=prompt.token_ids, params=params, request_id=request_id,
+                                             prompt=prompt.text, priority=priority, arrival_time=arrival,
+                                             output_kind=output_kind))
         try:  # the timeout holds while the core is busy admitting too (its abort follows the add in order)
             await asyncio.wait_for(asyncio.wrap_future(admitted), stream.remaining())
         except asyncio.TimeoutError:
@@ -292,14 +285,14 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._ensure_started()
-        for output in await asyncio.wrap_future(self.core.call("abort", [request_id])):
+        for output in await asyncio.wrap_future(self.core.call(Abort(request_ids=[request_id]))):
             collector = self._collectors.get(output.request_id)
             if collector is not None:
                 collector.put(output)
 
     async def state(self) -> dict:
         """Free and used blocks, scheduler queues and live requests: what tests check to prove idleness."""
-        state = await asyncio.wrap_future(self.core.call("state"))
+        state = await asyncio.wrap_future(self.core.call(GetState()))
         state["num_collectors"] = len(self._collectors)  # live request objects on this side of the core
         state["server_rss_bytes"] = rss_bytes()
         return state

@@ -5,10 +5,9 @@ kept ~85-90% of offline throughput, a process ~97%; the difference is the GIL co
 and the core's op dispatch. The child is started with `python -m aserve.engine.core_child FD` (not
 multiprocessing), so user scripts without a `__main__` guard are never re-imported.
 
-Protocol over one socket pair (multiprocessing Connection framing, pickled tuples):
-    parent -> child: EngineConfig first; then (call_id, command, args) or None to stop
-    child -> parent: ("ready", EngineFacts) | ("failed", exception type, message) first; then
-                     ("step", [RequestOutput], IterationStats | None) after steps, ("result" | "error", call_id, value)
+The messages over the socket pair (multiprocessing Connection framing) are the typed structs of
+messages.py: Start, then AddRequest | Abort | GetState | Shutdown one way; Ready | Failed, then
+StepOutputs, Result | Error and Died the other.
 """
 from __future__ import annotations
 
@@ -22,16 +21,13 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
+import msgspec
+
+from aserve.engine.errors import EngineDeadError, RemoteError
+from aserve.engine.messages import (Call, Died, Error, Failed, Kind, Ready, Result, Shutdown, Start,
+                                    StepOutputs)
+
 log = logging.getLogger("aserve")
-
-from aserve.engine.engine_core import EngineOverloadedError
-
-ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
-          "EngineOverloadedError": EngineOverloadedError}
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped; no request can be served until the process restarts."""
 
 
 def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
@@ -42,10 +38,6 @@ def _settle(future: concurrent.futures.Future, result=None, error: BaseException
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _remote_error(name: str, message: str) -> Exception:
-    return ERRORS.get(name, RuntimeError)(message)
 
 
 class CoreProcess:
@@ -66,20 +58,21 @@ class CoreProcess:
         self._ids = itertools.count()
         self.error: BaseException | None = None
         self._stopping = False  # set by stop(): the end of the connection is then expected, not a death
-        self.conn.send(config)
+        self.conn.send(Start(config))
         try:
-            first = self.conn.recv()
+            first: Ready | Failed = self.conn.recv()
         except EOFError:
             self.proc.wait()
             raise EngineDeadError(f"the engine process exited during start-up (status {self.proc.returncode})")
-        if first[0] == "failed":
+        if first.kind is Kind.FAILED:
             self.proc.wait()
-            raise _remote_error(first[1], first[2])
-        self.facts = first[1]
+            raise first.error.rebuild()
+        self.facts = first.facts
         self._reader = threading.Thread(target=self._read, name="aserve-core-reader", daemon=True)
         self._reader.start()
 
-    def call(self, command: str, *args) -> concurrent.futures.Future:
+    def call(self, message: Call) -> concurrent.futures.Future:
+        """Send a call (AddRequest, Abort, GetState); its future completes with the core's answer."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self.error is not None:
             future.set_exception(EngineDeadError(f"the engine core died: {self.error}"))
@@ -88,7 +81,7 @@ class CoreProcess:
             call_id = next(self._ids)
             self._calls[call_id] = future
             try:
-                self.conn.send((call_id, command, args))
+                self.conn.send(msgspec.structs.replace(message, call_id=call_id))
             except OSError as exc:
                 self._calls.pop(call_id, None)
                 future.set_exception(EngineDeadError(f"the engine core is gone: {exc}"))
@@ -97,22 +90,21 @@ class CoreProcess:
     def _read(self) -> None:
         try:
             while True:
-                kind, *rest = self.conn.recv()
-                if kind == "step":
-                    outputs, stats = rest
+                message: StepOutputs | Result | Error | Died = self.conn.recv()
+                if message.kind is Kind.STEP_OUTPUTS:
                     try:
-                        if outputs:
-                            self.on_outputs(outputs)
-                        if stats is not None:
-                            self.on_stats(stats)
+                        if message.outputs:
+                            self.on_outputs(message.outputs)
+                        if message.stats is not None:
+                            self.on_stats(message.stats)
                     except Exception:  # a front-end bug must not stop the outputs of everyone else
                         log.exception("handling the engine core's outputs failed")
-                elif kind == "result":
-                    _settle(self._calls.pop(rest[0]), result=rest[1])
-                elif kind == "error":
-                    _settle(self._calls.pop(rest[0]), error=_remote_error(*rest[1]))
-                elif kind == "died":
-                    raise EngineDeadError(rest[0])
+                elif message.kind is Kind.RESULT:
+                    _settle(self._calls.pop(message.call_id), result=message.value)
+                elif message.kind is Kind.ERROR:
+                    _settle(self._calls.pop(message.call_id), error=message.error.rebuild())
+                elif message.kind is Kind.DIED:
+                    raise EngineDeadError(message.error.describe())
         except (EOFError, OSError, EngineDeadError) as exc:
             code = self.proc.poll()
             self.error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
@@ -130,7 +122,7 @@ class CoreProcess:
         self._stopping = True
         with self._send_lock:
             try:
-                self.conn.send(None)
+                self.conn.send(Shutdown())
             except OSError:
                 pass
         try:
@@ -143,43 +135,48 @@ class CoreProcess:
 
 # -- child side -------------------------------------------------------------------------------------
 
-def _commands(core):
-    return {"add_request": lambda ids, params, kwargs: core.add_request(ids, params, **kwargs),
-            "abort": core.abort, "state": core.state}
+def _handlers(core) -> dict[Kind, Callable]:
+    """What the core does for each call; the value returned is the call's Result."""
+    return {
+        Kind.ADD_REQUEST: lambda m: core.add_request(m.prompt_token_ids, m.params, request_id=m.request_id,
+                                                     prompt=m.prompt, priority=m.priority,
+                                                     arrival_time=m.arrival_time, output_kind=m.output_kind),
+        Kind.ABORT: lambda m: core.abort(m.request_ids),
+        Kind.GET_STATE: lambda m: core.state(),
+    }
 
 
 def serve_core(conn: Connection) -> None:
     from aserve.engine.engine_core import EngineCore
 
-    config = conn.recv()
+    start: Start = conn.recv()
     try:
-        core = EngineCore(config)
-    except Exception as exc:  # noqa: BLE001 - the parent re-raises it with its message
-        conn.send(("failed", type(exc).__name__, str(exc)))
+        core = EngineCore(start.config)
+    except Exception as exc:  # noqa: BLE001 - the parent raises it again, by type
+        conn.send(Failed(RemoteError.of(exc)))
         return
-    conn.send(("ready", core.facts))
-    commands = _commands(core)
+    conn.send(Ready(core.facts))
+    handlers = _handlers(core)
     try:
         while True:
             while conn.poll(0 if core.has_unfinished() else 0.5):
-                message = conn.recv()
-                if message is None:
+                message: Call | Shutdown = conn.recv()
+                if message.kind is Kind.SHUTDOWN:
                     return
-                call_id, name, args = message
                 try:
-                    conn.send(("result", call_id, commands[name](*args)))
+                    conn.send(Result(message.call_id, handlers[message.kind](message)))
                 except Exception as exc:  # the request's fault, not the core's
-                    conn.send(("error", call_id, (type(exc).__name__, str(exc))))
+                    conn.send(Error(message.call_id, RemoteError.of(exc)))
             outputs = core.step() if core.has_unfinished() else []
             stats = core.take_stats()
             if outputs or stats:
-                conn.send(("step", outputs, stats if stats else None))
+                conn.send(StepOutputs(outputs, stats if stats else None))
     except (EOFError, BrokenPipeError):
         return  # the parent is gone
     except BaseException as exc:
         log.exception("the engine core died")
         try:
-            conn.send(("died", f"{type(exc).__name__}: {exc}"))
+            conn.send(Died(RemoteError.of(exc)))
         except OSError:
             pass
         raise

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import logging
 import time
 from typing import Awaitable, Callable
 
@@ -20,18 +19,15 @@ from starlette.routing import Route
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import aserve
-from aserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestTimeoutError
-from aserve.engine.engine_core import EngineOverloadedError
+from aserve.engine.async_llm import AsyncLLM
+from aserve.inputs import validate_prompts
 from aserve.server import openai, protocol as p
-from aserve.server.errors import APIError, error_response, from_exception
+from aserve.server.errors import APIError, error_response, from_exception, stream_error
 from aserve.server.http import json_response, parse, until_disconnect
-from aserve.server.openai import ServerContext, stream_error
+from aserve.server.openai import ServerContext
 from aserve.server.openapi import build_openapi
 
-log = logging.getLogger("aserve")
-
 OPEN_PATHS = ("/health", "/version", "/metrics", "/state", "/openapi.json")  # everything else needs the API key if one is set
-RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait; queues move in well under a second per step
 
 
 def route_path(scope) -> str:
@@ -62,21 +58,8 @@ def api_route(ctx: ServerContext, handler: Callable[[ServerContext, Request], Aw
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(ctx, request)
-        except EngineDeadError as exc:
-            return error_response(503, f"the engine is not available: {exc}")
-        except EngineOverloadedError as exc:
-            return error_response(503, f"the server is overloaded: {exc}", code="overloaded",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)})
-        except RequestTimeoutError as exc:
-            return error_response(504, str(exc), code="timeout")
-        except RequestFailedError as exc:
-            return error_response(500, str(exc), code="generation_failed")
         except Exception as exc:  # noqa: BLE001 - answer every input with JSON, never a traceback
-            try:
-                return from_exception(exc)
-            except Exception:
-                log.exception("unexpected error in %s", request.url.path)
-                return error_response(500, "internal error: the server could not process this request")
+            return from_exception(exc)
     return endpoint
 
 
@@ -133,16 +116,14 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
     req = await parse(request, p.GenerateRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
     params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
-    prompts = await openai.prepare_prompts(ctx, req.prompt if isinstance(req.prompt, str) else [req.prompt])
-    openai.validate_all(ctx, prompts, params)
-    prompt = prompts[0]
+    prompt = (await ctx.engine.prepare_prompts([req.prompt]))[0]
+    validate_prompts(ctx.engine.facts, [prompt], params)
     prefix = prompt.text if prompt.text is not None else ctx.engine.tokenizer.decode(prompt.token_ids)
-    source = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
     kind = "cumulative" if req.stream else "final"
 
     async def outputs():
-        stream = await ctx.engine.submit(source, params, None, req.priority, kind, ctx.request_timeout)
+        stream = await ctx.engine.submit(prompt, params, None, req.priority, kind, ctx.request_timeout)
         try:
             yield None  # admitted (see openai.started)
             async for out in stream:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import AsyncIterator, Awaitable, TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from aserve.engine.errors import InvalidRequestError
 from aserve.server.errors import APIError
 
 T = TypeVar("T")
@@ -75,8 +77,17 @@ async def parse(request: Request, struct: type[T], limit: int, timeout: float | 
     body = await read_body(request, limit, timeout)
     if not body.strip():
         raise APIError(400, "the request body is empty; a JSON object is required")
-    # lax, as pydantic (OpenAI's and vLLM's servers) is: 5.0 and "5" are the integer 5; 5.5 is still an error
-    return msgspec.json.decode(body, type=struct, strict=False)
+    try:  # lax, as pydantic (OpenAI's and vLLM's servers) is: 5.0 and "5" are the integer 5; 5.5 is still an error
+        return msgspec.json.decode(body, type=struct, strict=False)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"invalid request: {exc}", _field(exc)) from None
+
+
+def _field(exc: msgspec.ValidationError) -> str | None:
+    """The top-level field a validation error is about: msgspec says where only in its message
+    (`... - at `$.messages[0].role``), so this is the one place that reads it."""
+    where = re.search(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)", str(exc))
+    return where.group(1) if where else None
 
 
 def json_response(obj, status: int = 200) -> Response:

@@ -8,65 +8,33 @@ import os
 import signal
 import sys
 
+from aserve.config import EngineConfig, add_engine_arguments, engine_options
+
 log = logging.getLogger("aserve")
 DEATH_GRACE_S = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face folder (default: the embedded model)")
-    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    """The server's own flags; the engine's come from EngineConfig (see aserve.config.add_engine_arguments)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("ASERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API routes (or set ASERVE_API_KEY)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget: bytes or e.g. 2GiB")
-    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--policy", default="fcfs", help="scheduling policy: an installed name, module:Class or "
-                                                         "path/to/file.py:Class")
-    parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an option for the policy's constructor, e.g. aging=0.5 (repeatable)")
-    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV blocks")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-request-body", type=int, default=8 * 1024 * 1024, help="bytes; larger bodies get 413")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
     parser.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves us under")
     limits = parser.add_argument_group("overload protection and limits")
-    limits.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="refuse new requests with 503 + Retry-After while this many are waiting (default: no "
-                             "bound)")
     limits.add_argument("--request-timeout", type=float, default=None,
                         help="abort a generation that runs longer than this many seconds (504; default: none)")
     limits.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a client may take to send its request body (408)")
-    limits.add_argument("--max-n", type=int, default=32, help="the largest n (samples per prompt) a request may ask")
     security = parser.add_argument_group("security")
     security.add_argument("--log-requests", action="store_true",
                           help="log prompts and completions (off by default: no request text reaches the logs)")
     security.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                           help="enable CORS for these origins ('*' for any); off by default")
-
-
-def parse_options(items: list[str]) -> dict:
-    """KEY=VALUE strings to a dict; values that read as numbers become numbers."""
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--policy-option wants KEY=VALUE, got {item!r}")
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                continue
-        options[key] = value
-    return options
+    add_engine_arguments(parser)
 
 
 def _exit_cleanly(signum, frame):
@@ -74,17 +42,15 @@ def _exit_cleanly(signum, frame):
 
 
 def serve(args: argparse.Namespace) -> None:
+    options = engine_options(args)
+    EngineConfig.from_kwargs(**options).verify()  # before torch, uvicorn or the core: a wrong flag fails at once
+
     import uvicorn
 
     from aserve.engine.async_llm import AsyncLLM
     from aserve.server.app import build_app
 
-    engine = AsyncLLM(args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-                      policy=args.policy, policy_options=parse_options(args.policy_option), swap_space=args.swap_space,
-                      seed=args.seed, served_model_name=args.served_model_name, max_n=args.max_n,
-                      max_waiting_requests=args.max_waiting_requests)
+    engine = AsyncLLM(**options)
     app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path,
                     body_timeout=args.body_timeout, request_timeout=args.request_timeout,
                     log_requests=args.log_requests, allowed_origins=args.allowed_origins)

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from aserve.engine.async_llm import AsyncLLM, RequestFailedError, RequestStream, RequestTimeoutError
-from aserve.engine.core_process import EngineDeadError
+from aserve.engine.async_llm import AsyncLLM, RequestStream
+from aserve.inputs import Prompt, validate_prompts
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.server import protocol as p
-from aserve.server.errors import STATUS_TYPES, APIError
+from aserve.server.errors import APIError, stream_error
 from aserve.server.http import SSE_DONE, json_response, merge_streams, parse, sse, until_disconnect
 
 
@@ -36,42 +36,7 @@ class ServerContext:
                            "model", "model_not_found")
 
 
-@dataclass
-class Prepared:
-    text: str | None
-    token_ids: list[int]
-
-
-async def prepare_prompts(ctx: ServerContext, raw) -> list[Prepared]:
-    """A completions prompt (string, strings, token ids, lists of token ids) as token-id prompts."""
-    if isinstance(raw, str):
-        raw = [raw]
-    if not raw:
-        raise APIError(400, "prompt must not be empty", "prompt")
-    if all(isinstance(x, int) for x in raw):
-        raw = [raw]
-    if not all(isinstance(x, (str, list)) for x in raw):
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                            "token-id lists", "prompt")
-    tokenizer = ctx.engine.tokenizer
-    prompts = []
-    for item in raw:
-        if isinstance(item, str):
-            prompts.append(Prepared(item, await ctx.engine.run_in_tokenizer_pool(tokenizer.encode, item)))
-        else:
-            prompts.append(Prepared(None, list(item)))
-    return prompts
-
-
-def validate_all(ctx: ServerContext, prompts: list[Prepared], params) -> None:
-    for prompt in prompts:
-        try:
-            ctx.engine.validate(prompt.token_ids, params)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "max_tokens" if "max_tokens" in str(exc) else "prompt") from None
-
-
-def _usage(prompts: list[Prepared], outputs: list[RequestOutput]) -> p.Usage:
+def _usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> p.Usage:
     prompt_tokens = sum(len(x.token_ids) for x in prompts)
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
@@ -107,14 +72,14 @@ def chat_logprobs(o: CompletionOutput, top: int, tokenizer) -> p.ChoiceLogprobs:
     return p.ChoiceLogprobs(content)
 
 
-async def submit_all(ctx: ServerContext, prompts: list[Prepared], params, request_id: str, priority: int,
+async def submit_all(ctx: ServerContext, prompts: list[Prompt], params, request_id: str, priority: int,
                      kind: str) -> list[RequestStream]:
     """Hand every prompt to the engine, or none: a refusal (bad input, a full queue) closes those already in."""
     streams: list[RequestStream] = []
     try:
         for i, x in enumerate(prompts):
-            streams.append(await ctx.engine.submit({"prompt": x.text, "prompt_token_ids": x.token_ids}, params,
-                                                   f"{request_id}-{i}", priority, kind, ctx.request_timeout))
+            streams.append(await ctx.engine.submit(x, params, f"{request_id}-{i}", priority, kind,
+                                                   ctx.request_timeout))
     except BaseException:
         close_all(streams)
         raise
@@ -163,8 +128,8 @@ async def completions(ctx: ServerContext, request: Request):
     req = await parse(request, p.CompletionRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
     params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
-    prompts = await prepare_prompts(ctx, req.prompt)
-    validate_all(ctx, prompts, params)
+    prompts = await ctx.engine.prepare_prompts(req.prompt)
+    validate_prompts(ctx.engine.facts, prompts, params)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     tokenizer = ctx.engine.tokenizer
     prefix = [(x.text if x.text is not None else tokenizer.decode(x.token_ids)) if req.echo else "" for x in prompts]
@@ -180,21 +145,6 @@ async def completions(ctx: ServerContext, request: Request):
             choices.append(p.CompletionChoice(i * params.n + o.index, prefix[i] + o.text, lp, o.finish_reason,
                                               o.stop_reason))
     return json_response(p.CompletionResponse(request_id, created, ctx.model_name, choices, _usage(prompts, finals)))
-
-
-STREAM_ERRORS = ((EngineDeadError, 503, "the engine is not available"),
-                 (RequestTimeoutError, 504, "the request timed out"),
-                 (RequestFailedError, 500, "the request failed"))
-
-
-def stream_error(exc: BaseException) -> p.ErrorResponse:
-    """The last event of a stream that cannot go on (its status line is long sent): an error in OpenAI's
-    shape, not a cut connection."""
-    for kind, status, what in STREAM_ERRORS:
-        if isinstance(exc, kind):
-            return p.ErrorResponse(p.ErrorInfo(message=f"{what}: {exc}", type=STATUS_TYPES[status], code=status))
-    log.error("a stream failed", exc_info=exc)
-    return p.ErrorResponse(p.ErrorInfo(message="internal error", type="internal_error", code=500))
 
 
 def ends_with_error_event(stream):
@@ -263,11 +213,11 @@ def render_chat(tokenizer, messages: list[p.ChatMessage], add_generation_prompt:
     return text + ("assistant:" if add_generation_prompt else "")
 
 
-async def chat_prompt(ctx: ServerContext, messages, add_generation_prompt: bool = True) -> Prepared:
+async def chat_prompt(ctx: ServerContext, messages, add_generation_prompt: bool = True) -> Prompt:
     tokenizer = ctx.engine.tokenizer
     text = await ctx.engine.run_in_tokenizer_pool(render_chat, tokenizer, messages, add_generation_prompt)
     ids = await ctx.engine.run_in_tokenizer_pool(lambda: tokenizer.encode(text, add_special_tokens=False))
-    return Prepared(text, ids)
+    return Prompt(text, ids)
 
 
 async def chat_completions(ctx: ServerContext, request: Request):
@@ -279,7 +229,7 @@ async def chat_completions(ctx: ServerContext, request: Request):
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
     params = req.sampling_params(max_tokens, logprobs, default_max_tokens=None)
-    validate_all(ctx, [prompt], params)
+    validate_prompts(ctx.engine.facts, [prompt], params)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     tokenizer = ctx.engine.tokenizer
     top = req.top_logprobs or 0

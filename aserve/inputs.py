@@ -1,0 +1,104 @@
+"""Prompts and requests on their way in: one normalization and one validation, shared by LLM, AsyncLLM
+and the server, so a prompt means the same everywhere and a bad one gets the same error (with the
+offending field as `param`) whichever door it came through.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from aserve.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from aserve.engine.engine_core import EngineFacts
+    from aserve.sampling_params import SamplingParams
+
+PROMPT_FORMS = "a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'"
+
+
+@dataclass
+class Prompt:
+    """One prompt: its text (None when it came as token ids) and its token ids (None until tokenized)."""
+    text: str | None
+    token_ids: list[int] | None = None
+
+
+def _is_token_ids(value) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def parse_prompt(item) -> Prompt:
+    """One prompt in any accepted form: a string, token ids, {"prompt": str} or {"prompt_token_ids": [...]}."""
+    if isinstance(item, Prompt):
+        return item
+    if isinstance(item, str):
+        return Prompt(item)
+    if isinstance(item, dict):
+        if "prompt_token_ids" in item and _is_token_ids(item["prompt_token_ids"]):
+            return Prompt(item.get("prompt"), list(item["prompt_token_ids"]))
+        if "prompt_token_ids" not in item and isinstance(item.get("prompt"), str):
+            return Prompt(item["prompt"])
+    elif _is_token_ids(item):
+        return Prompt(None, list(item))
+    raise InvalidRequestError(f"a prompt must be {PROMPT_FORMS}, got {type(item).__name__}", "prompt")
+
+
+def parse_prompts(raw) -> list[Prompt]:
+    """One prompt or a batch: a string, token ids or a dict is one prompt; a list of them is a batch."""
+    if isinstance(raw, (str, dict, Prompt)) or (_is_token_ids(raw) and raw):
+        return [parse_prompt(raw)]
+    if isinstance(raw, Sequence):
+        return [parse_prompt(item) for item in raw]
+    raise InvalidRequestError(f"a prompt must be {PROMPT_FORMS}, or a list of them; got {type(raw).__name__}",
+                              "prompt")
+
+
+def tokenize(prompts: list[Prompt], encode: Callable[[str], list[int]]) -> list[Prompt]:
+    """Fill in the token ids of the prompts that came as text."""
+    for prompt in prompts:
+        if prompt.token_ids is None:
+            prompt.token_ids = list(encode(prompt.text))
+    return prompts
+
+
+def validate_request(facts: "EngineFacts", prompt_token_ids: list[int], params: "SamplingParams") -> int:
+    """Raise InvalidRequestError for a request the engine could never serve; return its max_tokens."""
+    if params.n > facts.max_n:
+        raise InvalidRequestError(f"n must be at most {facts.max_n} on this server (max_n), got {params.n}", "n")
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise InvalidRequestError("the prompt is empty: it must contain at least one token", "prompt")
+    bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < facts.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad!r} is out of range: the vocabulary has {facts.vocab_size} "
+                                  f"tokens (ids 0..{facts.vocab_size - 1})", "prompt")
+    if num_prompt >= facts.max_model_len:
+        raise InvalidRequestError(f"the prompt has {num_prompt} tokens, but max_model_len is {facts.max_model_len}: "
+                                  f"it must be shorter, to leave room for at least one output token", "prompt")
+    max_tokens = params.max_tokens if params.max_tokens is not None else facts.max_model_len - num_prompt
+    if num_prompt + max_tokens > facts.max_model_len:
+        raise InvalidRequestError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                                  f"max_model_len ({facts.max_model_len}); lower max_tokens or shorten the prompt",
+                                  "max_tokens")
+    blocks = -(-(num_prompt + max_tokens) // facts.block_size)
+    if blocks > facts.num_blocks:
+        raise InvalidRequestError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {blocks} "
+                                  f"KV blocks, but the whole cache has {facts.num_blocks}; raise kv_cache_memory",
+                                  "max_tokens")
+    return max_tokens
+
+
+def validate_prompts(facts: "EngineFacts", prompts: list[Prompt],
+                     params: "SamplingParams | Sequence[SamplingParams]") -> None:
+    """Check every prompt of a batch before any is queued, so one bad prompt never leaves half a batch
+    behind; in a batch of several, the error says which prompt."""
+    per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    for i, (prompt, sp) in enumerate(zip(prompts, per_prompt)):
+        try:
+            validate_request(facts, prompt.token_ids, sp)
+        except InvalidRequestError as exc:
+            if len(prompts) == 1:
+                raise
+            raise InvalidRequestError(f"prompt {i}: {exc}", exc.param) from None
