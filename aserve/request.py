@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from aserve.sampling_params import SamplingParams
 
 
@@ -57,9 +55,7 @@ class Request:
         # n > 1: samples after the first wait for the first one's prefill, then share its blocks.
         self.fork_parent: Request | None = None
         self.pending_forks: list[Request] = []
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.sent_blocks: list[int] | None = None  # the block table as the worker last heard it (None: never sent)
         now = time.monotonic()
         self.arrival_time = arrival_time if arrival_time is not None else now
         self.scheduled_time: float | None = None

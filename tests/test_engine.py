@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.request import Request, RequestStatus
+from aserve.request import RequestStatus
+from aserve.worker.request_state import RequestState
 from aserve.worker.sampler import apply_penalties
 from conftest import kv_memory_for_blocks, load_reference, random_prompts
 
@@ -127,7 +128,7 @@ def test_penalties_follow_the_reference_formula():
              ([1, 2, 3], [5, 5], SamplingParams())]
     reqs = []
     for i, (prompt, output, params) in enumerate(cases):
-        req = Request(f"r{i}", prompt, params)
+        req = RequestState(f"r{i}", prompt, params)
         for token in output:
             req.append_token(token)
         reqs.append(req)

@@ -88,8 +88,10 @@ def test_fcfs_swap_really_swaps_and_restores_the_same_bytes(model_dirs, unpressu
     def schedule():
         out = real_schedule()
         if out.swap_in:
-            swapped_back = {r for r, _ in out.scheduled if r.num_output_tokens > 0 and r.num_preemptions}
-            resumed.extend(n for r, n in out.scheduled if r in swapped_back)
+            swapped_back = {r for r, _ in scheduler.scheduled if r.num_output_tokens > 0 and r.num_preemptions}
+            resumed.extend(n for r, n in scheduler.scheduled if r in swapped_back)
+            # the worker hears of a swapped-in request's new block table in full
+            assert all(d.replace_blocks for d in out.cached_requests if d.request_id in {r.request_id for r in swapped_back})
         return out
 
     scheduler.schedule = schedule

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from aserve.request import Request
+from aserve.worker.request_state import RequestState
 from aserve.sampling_params import SamplingParams
 from aserve.worker.sampler import sample
 
@@ -21,9 +21,9 @@ DRAWS = 40_000
 MIN_P_VALUE = 1e-4  # a correct sampler passes at this level; the draws are seeded, so it always does
 
 
-def draw_tokens(rows: list[Request], seed: int) -> torch.Tensor:
+def draw_tokens(rows: list[RequestState], seed: int) -> torch.Tensor:
     """One sampler call over len(rows) copies of LOGITS; the global generator is seeded, then restored.
-    Unseeded rows only read their request, so one Request object may stand for many rows."""
+    Unseeded rows only read their request, so one RequestState may stand for many rows."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         results = sample(LOGITS.expand(len(rows), -1).clone(), rows)
@@ -32,7 +32,7 @@ def draw_tokens(rows: list[Request], seed: int) -> torch.Tensor:
 
 def draw_counts(params: SamplingParams, draws: int = DRAWS, seed: int = 0) -> torch.Tensor:
     """How often each token is drawn in `draws` samples of LOGITS under `params`."""
-    tokens = draw_tokens([Request("row", [1], params)] * draws, seed)
+    tokens = draw_tokens([RequestState("row", [1], params)] * draws, seed)
     return torch.bincount(tokens, minlength=LOGITS.numel())
 
 
@@ -116,7 +116,7 @@ def test_a_mixed_batch_gives_each_row_its_own_distribution():
     """Rows with different options in one batch (and greedy rows among them) each keep their own filter."""
     greedy, hot, nucleus = (SamplingParams(temperature=0), SamplingParams(temperature=1.5),
                             SamplingParams(temperature=0.7, top_p=0.8, top_k=5))
-    rows = [Request(f"r{i}", [1], params) for i, params in enumerate((greedy, hot, nucleus))] * (DRAWS // 2)
+    rows = [RequestState(f"r{i}", [1], params) for i, params in enumerate((greedy, hot, nucleus))] * (DRAWS // 2)
     by_kind = draw_tokens(rows, seed=1).view(-1, 3)
     assert (by_kind[:, 0] == int(LOGITS.argmax())).all()
     assert_follows(torch.bincount(by_kind[:, 1], minlength=LOGITS.numel()), expected_distribution(temperature=1.5))
@@ -127,7 +127,7 @@ def test_a_mixed_batch_gives_each_row_its_own_distribution():
 def test_seeded_requests_follow_the_distribution_across_steps():
     """A seeded request draws from its own generator step after step; those draws follow the distribution too."""
     params = [SamplingParams(temperature=1.0, top_k=6, seed=seed) for seed in range(500)]
-    reqs = [Request(f"s{i}", [1], p) for i, p in enumerate(params)]
+    reqs = [RequestState(f"s{i}", [1], p) for i, p in enumerate(params)]
     counts = torch.zeros(LOGITS.numel(), dtype=torch.long)
     for _ in range(30):  # 15,000 draws: each request's generator advances once per step
         counts += torch.bincount(draw_tokens(reqs, seed=0), minlength=LOGITS.numel())

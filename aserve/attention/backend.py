@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,14 +42,24 @@ class AttentionBackend(Protocol):
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes key/value into `kv_cache` first."""
 
 
-BACKENDS = {"torch": ("aserve.attention.torch_backend", "TorchAttentionBackend")}
+BACKENDS = {"torch": ("aserve.attention.torch_backend", "TorchAttentionBackend"),
+            "triton": ("aserve.attention.triton_backend", "TritonAttentionBackend")}
 
 
 def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """`name` as given, or by device: the torch backend on the CPU (CUDA backends register here too)."""
+    """`name` as given, or by device: triton on CUDA where it is installed, else torch.
+
+    Backends are imported only when chosen, so triton is needed only where the triton backend runs."""
+    has_triton = importlib.util.find_spec("triton") is not None
     if name in (None, "auto"):
-        name = "torch"
+        name = "triton" if device.type == "cuda" and has_triton else "torch"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; available: {', '.join(sorted(BACKENDS))}")
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("attention backend 'triton' needs the triton package, which is not installed")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "").lower() not in ("1", "true", "on"):
+            raise ValueError(f"attention backend 'triton' runs on {device.type} only in Triton's interpreter: "
+                             "set TRITON_INTERPRET=1 before starting, or use attention_backend='torch'")
     module, cls = BACKENDS[name]
     return getattr(importlib.import_module(module), cls)()

@@ -15,23 +15,47 @@ from dataclasses import dataclass, field
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.policy import KVView, Policy, PreemptionMode
 from aserve.request import Request, RequestStatus
+from aserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen: everything it needs to keep its own state for it."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: what changed since the step it last ran in."""
+    request_id: str
+    num_computed_tokens: int
+    new_block_ids: list[int]  # blocks appended to its table, or the whole table when `replace_blocks`
+    replace_blocks: bool = False  # the table changed other than by appending (recompute, swap-in, copy-on-write)
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), batch order
+    """One step for the worker, as plain data: no Request objects cross this line, so the worker can live in
+    another process. Sampled tokens are appended by the worker itself (it sampled them)."""
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: list[tuple[str, int]] = field(default_factory=list)  # (request id, new tokens), batch order
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block pairs, before the forward
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), copied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), copied next
     fresh: list[int] = field(default_factory=list)  # newly allocated blocks, zeroed after swap-out (see KVCacheManager)
-    preempted: list[Request] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # requests the worker can forget
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(n for _, n in self.num_scheduled_tokens)
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled or self.swap_out)
+        return bool(self.num_scheduled_tokens or self.swap_out or self.finished_ids)
 
 
 @dataclass
@@ -63,6 +87,8 @@ class Scheduler:
         self.preemptions = {mode.value: 0 for mode in PreemptionMode}
         self.blocks_swapped_out = self.blocks_swapped_in = self.recomputed_tokens = 0
         self.finished_since_stats: list[Request] = []  # drained by the engine's stats hand-out
+        self.scheduled: list[tuple[Request, int]] = []  # the last step's batch, for update()
+        self._finished_ids: list[str] = []  # ended since the last step, for the worker to forget
 
     @property
     def num_preemptions(self) -> int:
@@ -88,6 +114,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        if req.sent_blocks is not None:
+            self._finished_ids.append(req.request_id)
+            req.sent_blocks = None
         req.status = status
         req.finished_time = time.monotonic()
         self.finished_since_stats.append(req)
@@ -108,6 +137,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        preempted: list[Request] = []
         scheduled: dict[Request, int] = {}
         budget = self.max_num_batched_tokens
 
@@ -120,14 +150,14 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.policy.select_victim(self.running, req) or req
                 budget += scheduled.pop(victim, 0)
-                self._preempt(victim, out)
+                self._preempt(victim, out, preempted)
                 if victim is req:
                     break
             else:
                 scheduled[req] = num_new
                 budget -= num_new
 
-        while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.can_swap_in(req, num_new):
@@ -141,7 +171,7 @@ class Scheduler:
             self._run(req, num_new, scheduled, "swapped_in")
             budget -= num_new
 
-        if not out.preempted and not self.swapped:  # swapped requests come back before anyone new
+        if not preempted and not self.swapped:  # swapped requests come back before anyone new
             while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
                 if len(self.running) < self.max_num_seqs:
@@ -156,12 +186,37 @@ class Scheduler:
                 if victim is None or victim is req or victim not in self.running:
                     break
                 budget += scheduled.pop(victim, 0)
-                self._preempt(victim, out)
+                self._preempt(victim, out, preempted)
 
-        out.scheduled = list(scheduled.items())
+        self.scheduled = list(scheduled.items())
         out.copies = self.kv.take_copies()
         out.fresh = self.kv.take_fresh()
+        self._describe(out)
         return out
+
+    def _describe(self, out: SchedulerOutput) -> None:
+        """The batch as the worker needs it: new requests in full, the others as what changed."""
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        for req, num_new in self.scheduled:
+            out.num_scheduled_tokens.append((req.request_id, num_new))
+            table, sent = req.block_table, req.sent_blocks
+            if sent is None:
+                req.sent_blocks = list(table)
+                out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params, list(table),
+                                                       req.num_computed_tokens))
+            elif len(table) >= len(sent) and table[:len(sent)] == sent:
+                new_ids = table[len(sent):]
+                sent.extend(new_ids)
+                out.cached_requests.append(CachedRequestData(req.request_id, req.num_computed_tokens, new_ids))
+            else:
+                req.sent_blocks = list(table)
+                out.cached_requests.append(CachedRequestData(req.request_id, req.num_computed_tokens, list(table),
+                                                             replace_blocks=True))
+
+    def take_finished_ids(self) -> list[str]:
+        """Requests that ended since the last step, for an engine that tells the worker outside a step."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
 
     def _run(self, req: Request, num_new: int, scheduled: dict[Request, int], event: str) -> None:
         req.status = RequestStatus.RUNNING
@@ -171,12 +226,12 @@ class Scheduler:
         scheduled[req] = num_new
         self.policy.on_event(req, event)
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Request, out: SchedulerOutput, preempted: list[Request]) -> None:
         """Swap the victim out if the policy asks and the host pool has room; else drop its K/V to recompute."""
         mode = self.policy.preemption_mode(victim, self.kv_view())
         self.running.remove(victim)
         victim.num_preemptions += 1
-        out.preempted.append(victim)
+        preempted.append(victim)
         if mode == PreemptionMode.SWAP and self.kv.can_swap_out(victim):
             pairs = self.kv.swap_out(victim)
             out.swap_out.extend(pairs)
@@ -193,16 +248,17 @@ class Scheduler:
         self.preemptions[PreemptionMode.RECOMPUTE.value] += 1
         self.policy.on_event(victim, "preempted")
 
-    def update(self, out: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
-        """Advance computed tokens, append sampled ones, and finish requests that hit a stop condition."""
+    def update(self, sampled: dict[str, int]) -> list[Request]:
+        """After the last step ran: advance computed tokens, append sampled ones (by request id), and finish
+        requests that hit a stop condition."""
         finished = []
         now = time.monotonic()
-        for req, num_new in out.scheduled:
+        for req, num_new in self.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += num_new
             self.kv.cache_full_blocks(req)
-            token = sampled.get(req)
+            token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.append_token(token)

@@ -15,23 +15,21 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.core.kv_cache_manager import KVCacheManager
-from aserve.core.scheduler import Scheduler
+from aserve.core.scheduler import Scheduler, SchedulerOutput
+from aserve.engine.errors import EngineOverloadedError  # noqa: F401 - also imported from here
 from aserve.engine.output_processor import OutputProcessor
 from aserve.hardware import cpu_info
+from aserve.inputs import validate_request
 from aserve.metrics.stats import FinishedRequestStats, IterationStats
-from aserve.models.loader import load_model, load_tokenizer
+from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
 from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import SamplingParams
 from aserve.worker.host_memory import heap_bytes, rss_bytes
-from aserve.worker.model_runner import ModelRunner
+from aserve.worker.executor import make_executor
 
 log = logging.getLogger("aserve")
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full: the request was refused, and may be retried later."""
 
 
 @dataclass(frozen=True)
@@ -48,28 +46,8 @@ class EngineFacts:
     max_n: int = 32
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError for a request the engine could never serve; return its max_tokens."""
-        if params.n > self.max_n:
-            raise ValueError(f"n must be at most {self.max_n} on this server (max_n), got {params.n}")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is out of range: the vocabulary has {self.vocab_size} "
-                             f"tokens (ids 0..{self.vocab_size - 1})")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens, but max_model_len is {self.max_model_len}: "
-                             f"it must be shorter, to leave room for at least one output token")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len}); lower max_tokens or shorten the prompt")
-        blocks = -(-(num_prompt + max_tokens) // self.block_size)
-        if blocks > self.num_blocks:
-            raise ValueError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {blocks} KV "
-                             f"blocks, but the whole cache has {self.num_blocks}; raise kv_cache_memory")
-        return max_tokens
+        """Raise InvalidRequestError for a request the engine could never serve; return its max_tokens."""
+        return validate_request(self, prompt_token_ids, params)
 
 
 class EngineCore:
@@ -77,20 +55,19 @@ class EngineCore:
         self.config = config
         torch.manual_seed(config.seed)
         t0 = time.monotonic()
-        loaded = load_model(config.model, config.dtype, max_model_len=config.max_model_len)
-        self.model_config = loaded.config
-        self.dtype = loaded.dtype
+        self.executor = make_executor(config)
+        info = self.executor.info
+        self.model_config = info.model_config
+        self.dtype = getattr(torch, info.dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.vocab_size = loaded.model.args.vocab_size
-        self.max_model_len = config.max_model_len or loaded.model.args.max_position_embeddings
-        eos = set(loaded.eos_token_ids)
+        self.vocab_size = info.vocab_size
+        self.max_model_len = config.max_model_len or info.max_position_embeddings
+        eos = set(info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
-                                  config.swap_space)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 self.runner.num_host_blocks)
+        self.kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 info.num_host_blocks)
         self.policy = load_policy(config.policy, config.policy_options)
         self.scheduler = Scheduler(self.kv, self.policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
@@ -98,14 +75,18 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer)
         self._stats = IterationStats()
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
-        tokens = self.runner.num_blocks * config.block_size
-        log.info("dtype %s (%s); %s", str(self.dtype).replace("torch.", ""), loaded.dtype_reason,
-                 cpu_info().describe())
-        log.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens, "
+        tokens = info.num_blocks * config.block_size
+        log.info("dtype %s (%s); %s", info.dtype, info.dtype_reason, cpu_info().describe())
+        log.info("loaded %s (%s, %s, attention %s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens, "
                  "max concurrency %.2fx at max_model_len %d; host swap pool: %d blocks; policy %s", config.model,
-                 type(loaded.model).__name__, str(self.dtype).replace("torch.", ""), time.monotonic() - t0,
-                 self.runner.num_blocks, config.block_size, tokens, tokens / self.max_model_len,
-                 self.max_model_len, self.runner.num_host_blocks, self.policy.name)
+                 info.model_class, info.dtype, info.attention_backend, time.monotonic() - t0,
+                 info.num_blocks, config.block_size, tokens, tokens / self.max_model_len,
+                 self.max_model_len, info.num_host_blocks, self.policy.name)
+
+    @property
+    def runner(self):
+        """The in-process worker's model runner (its model and KV cache), for tests and tools."""
+        return self.executor.worker.runner
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -158,6 +139,7 @@ class EngineCore:
             for req in samples:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             finals.append(self._finish_group(request_id))
+        self._release_finished()
         return finals
 
     def has_unfinished(self) -> bool:
@@ -174,12 +156,16 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        sampled = self.runner.execute(sched)
+        ran = self.executor.execute(sched)
+        by_id = {req.request_id: req for req, _ in self.scheduler.scheduled}
+        for request_id, entries in ran.prompt_logprobs.items():
+            by_id[request_id].prompt_logprobs.extend(entries)
+        sampled = {by_id[request_id]: result for request_id, result in ran.sampled.items()}
         for req, result in sampled.items():
             if result.error is not None:  # before update(), so no token is appended and its blocks go back now
                 self._fail(req, result.error)
-        tokens = {req: result.token_id for req, result in sampled.items() if result.error is None}
-        self.scheduler.update(sched, tokens)
+        tokens = {req.request_id: result.token_id for req, result in sampled.items() if result.error is None}
+        self.scheduler.update(tokens)
         stats = self._stats
         stats.num_steps += 1
         stats.iteration_tokens.append(sched.num_batched_tokens)
@@ -210,7 +196,16 @@ class EngineCore:
                 output = self.outputs.make_output(group_id)
                 if output is not None:
                     results.append(output)
+        self._release_finished()
         return results
+
+    def _release_finished(self) -> None:
+        """Once nothing is left to schedule, tell the worker at once which requests it can forget (otherwise
+        the next step's batch carries them)."""
+        if not self.scheduler.has_unfinished():
+            ids = self.scheduler.take_finished_ids()
+            if ids:
+                self.executor.execute(SchedulerOutput(finished_ids=ids))
 
     def _fail(self, req: Request, message: str) -> None:
         """End one request (and the samples still waiting to fork from it) with an error; the batch goes on."""
@@ -249,4 +244,6 @@ class EngineCore:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""
         if self.requests or self.scheduler.has_unfinished():
             raise AssertionError(f"live requests remain: {list(self.requests)[:8]}")
+        if self.runner.requests:
+            raise AssertionError(f"the worker still holds requests: {list(self.runner.requests)[:8]}")
         self.kv.check_all_free()

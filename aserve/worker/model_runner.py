@@ -7,14 +7,15 @@ sample are projected to logits.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from aserve.attention import AttentionBackend, BatchLayout, select_backend
 from aserve.core.scheduler import SchedulerOutput
 from aserve.models.interface import CausalLM
-from aserve.request import Request
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
+from aserve.worker.request_state import RequestState
 from aserve.worker.sampler import SampleResult, sample
 
 log = logging.getLogger("aserve")
@@ -25,10 +26,18 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * dtype.itemsize
 
 
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, by request id: a sampled token (or an error) and any new prompt logprobs."""
+    sampled: dict[str, SampleResult] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int,
                  swap_space: int = 0, attention_backend: str | AttentionBackend | None = None):
         self.model = model
+        self.requests: dict[str, RequestState] = {}  # the worker's own state of every request it has run
         self.device = next(model.parameters()).device
         self.backend = (attention_backend if not isinstance(attention_backend, (str, type(None)))
                         else select_backend(attention_backend, self.device))
@@ -76,8 +85,26 @@ class ModelRunner:
         src, dst = (t.to(self.device) for t in _index(pairs))
         self.kv_cache.index_copy_(self.block_dim, dst, self.kv_cache.index_select(self.block_dim, src))
 
+    # -- the worker's request states ---------------------------------------------------------------
+
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Fold the step's plain data into the persistent per-request states."""
+        for request_id in sched.finished_ids:
+            self.requests.pop(request_id, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = RequestState(new.request_id, new.prompt_token_ids, new.params,
+                                                         new.block_table, new.num_computed_tokens)
+        for diff in sched.cached_requests:
+            state = self.requests[diff.request_id]
+            state.num_computed_tokens = diff.num_computed_tokens
+            if diff.replace_blocks:
+                state.block_table = list(diff.new_block_ids)
+            else:
+                state.block_table.extend(diff.new_block_ids)
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[Request, SampleResult]:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(sched)
         # Order matters: save swapped-out blocks before anyone reuses them, then restore, then copy-on-write.
         if sched.swap_out:
             self.swap_out(sched.swap_out)
@@ -87,19 +114,27 @@ class ModelRunner:
             self.swap_in(sched.swap_in)
         if sched.copies:
             self.copy_blocks(sched.copies)
-        if not sched.scheduled:
-            return {}
-        batch = [x for x in sched.scheduled if x[1] == 1] + [x for x in sched.scheduled if x[1] > 1]
+        result = ModelRunnerOutput()
+        if not sched.num_scheduled_tokens:
+            return result
+        scheduled = [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens]
+        batch = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch)
+        if self.device.type != "cpu":  # built on the host; the backend moves its own metadata
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
-        self._prompt_logprobs(batch, hidden)
-        if not sample_reqs:  # only prefill chunks that do not reach the end of their prompts
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return dict(zip(sample_reqs, sample(logits, sample_reqs)))
+        result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if sample_reqs:  # else only prefill chunks that do not reach the end of their prompts
+            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)]).cpu()  # the sampler runs here
+            for state, sampled in zip(sample_reqs, sample(logits, sample_reqs)):
+                if sampled.error is None:
+                    state.append_token(sampled.token_id)
+                result.sampled[state.request_id] = sampled
+        return result
 
-    def _prompt_logprobs(self, batch: list[tuple[Request, int]], hidden: torch.Tensor) -> None:
+    def _prompt_logprobs(self, batch: list[tuple[RequestState, int]], hidden: torch.Tensor) -> dict[str, list]:
         """For requests that asked: the log-probability of each prompt token given the ones before it."""
+        found: dict[str, list] = {}
         row = 0
         for req, n in batch:
             k = req.params.prompt_logprobs
@@ -108,20 +143,23 @@ class ModelRunner:
                 continue
             start = req.num_computed_tokens
             # positions start..start+n-1 predict tokens start+1..; only those inside the prompt, once each
-            first = max(start, len(req.prompt_logprobs))
+            first = max(start, req.num_prompt_logprobs)
             last = min(start + n, req.num_prompt_tokens - 1)
             if first < last:
-                logprobs = self.model.compute_logits(hidden[row + first - start:row + last - start]).float()
+                logprobs = self.model.compute_logits(hidden[row + first - start:row + last - start]).float().cpu()
                 logprobs = logprobs.log_softmax(dim=-1)
                 targets = torch.tensor(req.all_token_ids[first + 1:last + 1])
                 chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
                 tops = logprobs.topk(k, dim=-1) if k else None
+                entries = found.setdefault(req.request_id, [])
                 for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
                     top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if k else []
-                    req.prompt_logprobs.append((token, lp, top))
+                    entries.append((token, lp, top))
+                req.num_prompt_logprobs = last
             row += n
+        return found
 
-    def _prepare(self, batch: list[tuple[Request, int]]):
+    def _prepare(self, batch: list[tuple[RequestState, int]]):
         bs = self.block_size
         token_ids: list[int] = []
         starts, counts, sample_rows, sample_reqs = [], [], [], []

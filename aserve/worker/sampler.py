@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aserve.request import Request
+from aserve.worker.request_state import RequestState
 
 
 @dataclass
@@ -27,7 +27,7 @@ def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> None:
     """Repetition (prompt and output), frequency and presence (output) penalties, in place."""
     vocab = logits.shape[-1]
     sub = [reqs[i] for i in rows]
@@ -46,7 +46,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request], rows: list[int]) 
     logits[index] = x
 
 
-def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
     """top-k, top-p and min-p on temperature-scaled logits [R, V], all rows at once."""
     vocab = logits.shape[-1]
     top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs]).unsqueeze(1)
@@ -71,7 +71,7 @@ def unusable_rows(logits: torch.Tensor) -> list[int]:
     return bad.nonzero().flatten().tolist() if bad.any() else []
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
+def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]:
     logits = logits.float()
     n = len(reqs)
     bad_rows = unusable_rows(logits)

@@ -1,0 +1,43 @@
+"""Worker: one rank's device, model and KV cache, driven by plain step data (see core.scheduler.SchedulerOutput).
+
+The engine core talks to it only through an Executor, with data that could cross a process boundary, so
+the multi-process executor of tensor parallelism is one more implementation, not a rewrite.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aserve.config import EngineConfig
+from aserve.core.scheduler import SchedulerOutput
+from aserve.models.loader import load_model
+from aserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine core needs to know of the loaded model and its cache (plain data)."""
+    model_class: str
+    model_config: dict
+    dtype: str
+    dtype_reason: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: frozenset[int]
+    num_blocks: int
+    num_host_blocks: int
+    attention_backend: str
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        loaded = load_model(config.model, config.dtype, max_model_len=config.max_model_len)
+        self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
+                                  config.swap_space, config.attention_backend)
+        shape = loaded.model.shape
+        self.info = WorkerInfo(type(loaded.model).__name__, loaded.config, str(loaded.dtype).replace("torch.", ""),
+                               loaded.dtype_reason, shape.vocab_size, shape.max_position_embeddings,
+                               loaded.eos_token_ids, self.runner.num_blocks, self.runner.num_host_blocks,
+                               self.runner.backend.name)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)
