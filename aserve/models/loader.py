@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -11,9 +12,10 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from aserve.hardware import resolve_dtype
+from aserve.hardware import native, resolve_dtype
 from aserve.models.interface import CausalLM
 from aserve.models.registry import architecture, model_class, read_config
+from aserve.ops.cpu_gemm import prepack_linears
 
 log = logging.getLogger("aserve")
 
@@ -86,6 +88,10 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     fill_weights(model, files)
     model.prepare(max_model_len or 0, torch_dtype)
     model.eval().requires_grad_(False)
+    if device.type == "cpu" and native(torch_dtype, device) and os.environ.get("ASERVE_PREPACK", "1") != "0":
+        packed = prepack_linears(model, torch_dtype)
+        if packed:
+            log.info("prepacked %d linear layers for oneDNN (%s)", packed, str(torch_dtype).replace("torch.", ""))
 
     eos: set[int] = set()
     for source in (config, _optional_json(model_dir / "generation_config.json")):

@@ -1,0 +1,53 @@
+"""Prepacked 16-bit linear layers compute what nn.Linear computes, and swap in without changing the model's state."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from aserve import LLM, SamplingParams
+from aserve.ops.cpu_gemm import PackedLinear, prepack_linears
+from conftest import random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_linear_equals_linear(bias, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    expected = linear(x).float()
+    got = PackedLinear(linear)(x).float()
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # bf16 sums in another order
+
+
+def test_prepack_swaps_16_bit_linears_and_keeps_the_parameters():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).float())
+    model[0].to(torch.bfloat16), model[1].to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert prepack_linears(model, torch.bfloat16) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+    assert type(model[2]) is nn.Linear  # float32 is left to F.linear (packing measured no faster there)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert prepack_linears(nn.Sequential(nn.Linear(2, 2)), torch.float32) == 0
+
+
+def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monkeypatch):
+    """The same engine before and after packing (forced here, whatever the CPU): the top logprob of every greedy
+    step agrees to bf16 precision."""
+    monkeypatch.setenv("ASERVE_PREPACK", "0")
+    llm = LLM(str(model_dirs["llama-untied"]), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, lengths=(5, 30), seed=7)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    assert prepack_linears(llm.engine.runner.model, torch.bfloat16) > 0
+    packed = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, packed):
+        token = a.outputs[0].token_ids[0]
+        top_a, top_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert token in top_b and abs(top_b[token].logprob - top_a[token].logprob) < 0.05
+    llm.engine.check_idle()
