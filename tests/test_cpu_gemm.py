@@ -19,7 +19,7 @@ def test_packed_linear_equals_linear(bias, rows):
     linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     expected = linear(x).float()
-    got = PackedLinear(linear)(x).float()
+    got = PackedLinear.of(linear)(x).float()
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # bf16 sums in another order
 
@@ -36,15 +36,18 @@ def test_prepack_swaps_16_bit_linears_and_keeps_the_parameters():
     assert prepack_linears(nn.Sequential(nn.Linear(2, 2)), torch.float32) == 0
 
 
-def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monkeypatch):
-    """The same engine before and after packing (forced here, whatever the CPU): the top logprob of every greedy
-    step agrees to bf16 precision."""
+@pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])
+def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monkeypatch, family):
+    """The same engine before and after packing (forced here, whatever the CPU), with an untied head (a Linear) and
+    a tied one (the embedding, packed apart): the chosen token's logprob agrees to bf16 precision."""
     monkeypatch.setenv("ASERVE_PREPACK", "0")
-    llm = LLM(str(model_dirs["llama-untied"]), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    llm = LLM(str(model_dirs[family]), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, lengths=(5, 30), seed=7)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     plain = llm.generate(prompts, params, use_tqdm=False)
-    assert prepack_linears(llm.engine.runner.model, torch.bfloat16) > 0
+    model = llm.engine.runner.model
+    assert prepack_linears(model, torch.bfloat16) == 4 * 2 + 1  # qkv, o, gate_up, down per layer, and the head
+    assert (model.packed_head is not None) == (model.lm_head is None)
     packed = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(plain, packed):
         token = a.outputs[0].token_ids[0]

