@@ -23,7 +23,33 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ERROR)
 
 
-class Request:
+class TokenSequence:
+    """A prompt and the tokens generated after it: what the scheduler's Request and the worker's RequestState
+    both count and extend."""
+
+    def __init__(self, prompt_token_ids: list[int]):
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+class Request(TokenSequence):
     """Token state, cache state and timestamps of one sequence.
 
     `num_computed_tokens` counts tokens whose K/V sit in the cache; the scheduler schedules the
@@ -33,12 +59,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, group_id: str | None = None, index: int = 0, priority: int = 0,
                  arrival_time: float | None = None, max_tokens: int = 16):
+        super().__init__(prompt_token_ids)
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens
         self.priority = priority
@@ -65,24 +89,8 @@ class Request:
         self.finished_time: float | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "

@@ -8,7 +8,7 @@ for a dtype and length by `prepare`, and run as `forward` (hidden states of a fl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -75,3 +75,16 @@ class ParamFiller:
                 if (ours, shard) not in self.filled:
                     raise ValueError(f"the checkpoint lacks weights for {ours!r}"
                                      + (f" (shard {shard})" if shard is not None else ""))
+
+
+def fill_from_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         checkpoint_name: Callable[[str], tuple[str, int | None] | None],
+                         shards: dict[str, list[int]] | None = None) -> None:
+    """The usual `load_weights`: map each checkpoint name to (our name, shard) or None to skip, fill, then check
+    that nothing is missing."""
+    filler = ParamFiller(module, shards)
+    for name, tensor in weights:
+        target = checkpoint_name(name)
+        if target is not None:
+            filler.fill(target[0], tensor, name, target[1])
+    filler.check_complete()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from aserve.attention import Attention
-from aserve.models.interface import ModelShape, ParamFiller, need
+from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import RMSNorm, RotaryEmbedding, activation, rope_parameters
 
 
@@ -169,12 +169,7 @@ class LlamaForCausalLM(nn.Module):
         qkv = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
         fused = {name: qkv if ".qkv_proj." in name else [a.intermediate_size] * 2
                  for name, _ in self.named_parameters() if ".qkv_proj." in name or ".gate_up_proj." in name}
-        filler = ParamFiller(self, fused)
-        for name, tensor in weights:
-            target = self.checkpoint_name(name)
-            if target is not None:
-                filler.fill(target[0], tensor, name, target[1])
-        filler.check_complete()
+        fill_from_checkpoint(self, weights, self.checkpoint_name, fused)
 
     def checkpoint_name(self, name: str) -> tuple[str, int | None] | None:
         """Our parameter name (and fused shard) for a checkpoint tensor name; None to skip it."""

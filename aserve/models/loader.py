@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from aserve.hardware import native, resolve_dtype
 from aserve.models.interface import CausalLM
-from aserve.models.registry import architecture, model_class, read_config
+from aserve.models.registry import architecture, model_class, read_config, read_json
 from aserve.ops.cpu_gemm import prepack_linears
 
 log = logging.getLogger("aserve")
@@ -26,15 +26,6 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_ids: frozenset[int]
     dtype_reason: str = ""  # why this dtype (auto's choice from the hardware), for the start-up log
-
-
-def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path.name} not found in {path.parent}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from aserve.attention import Attention
-from aserve.models.interface import ModelShape, ParamFiller, need
+from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import activation
 
 POSITION_OFFSET = 2  # fairseq reserved the first two rows of the position table: position p uses row p + 2
@@ -150,12 +150,7 @@ class OPTForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         h = self.args.hidden_size
         fused = {name: [h, h, h] for name, _ in self.named_parameters() if ".qkv_proj." in name}
-        filler = ParamFiller(self, fused)
-        for name, tensor in weights:
-            target = self.checkpoint_name(name)
-            if target is not None:
-                filler.fill(target[0], tensor, name, target[1])
-        filler.check_complete()
+        fill_from_checkpoint(self, weights, self.checkpoint_name, fused)
 
     def checkpoint_name(self, name: str) -> tuple[str, int | None] | None:
         """Our parameter name (and fused shard) for a checkpoint tensor name; None to skip it."""

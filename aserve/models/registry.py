@@ -30,9 +30,13 @@ def read_config(model_dir: str | Path) -> dict:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model folder {model_dir} does not exist")
-    path = model_dir / "config.json"
+    return read_json(model_dir / "config.json")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file of the model folder; a missing or broken one is named."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path.name} not found in {model_dir}")
+        raise FileNotFoundError(f"{path.name} not found in {path.parent}")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
