@@ -64,6 +64,8 @@ class EngineConfig:
     max_waiting_requests: int | None = option(None, "refuse new requests (503 + Retry-After when serving) while "
                                                     "this many are waiting (default: no bound)")
     attention_backend: str = option("auto", "attention kernels: auto (by device), torch or triton")
+    device: str = option("auto", "where the model and its KV cache run: auto (the GPU when torch sees one, else "
+                                 "cpu), cpu, cuda or cuda:N")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -78,6 +80,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

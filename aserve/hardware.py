@@ -90,3 +90,15 @@ def resolve_dtype(option: str, config: dict, device: torch.device = torch.device
         return torch.bfloat16, f"auto: the checkpoint is float16, emulated on {where}; bfloat16 is native"
     return torch.float32, (f"auto: the checkpoint is {name(wanted)}, but {where} has no native {name(wanted)} "
                            f"(AVX512-BF16/AMX or AVX512-FP16) and emulating it is far slower than float32")
+
+
+def resolve_device(option: str = "auto") -> torch.device:
+    """The device the `device` option names: `auto` is the current CUDA GPU when torch sees one, else the CPU."""
+    if option == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(option)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {option!r} was asked for, but torch sees no CUDA GPU here: use device='cpu'")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    return device

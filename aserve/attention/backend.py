@@ -55,6 +55,9 @@ def select_backend(name: str | None, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" and has_triton else "torch"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown; available: {', '.join(sorted(BACKENDS))}")
+    if name == "torch" and device.type != "cpu":  # its step metadata (slots, masks, gather rows) stays on the host
+        raise ValueError(f"attention backend 'torch' runs on the CPU only, not on {device.type}: use "
+                         "attention_backend='triton' (or auto) there")
     if name == "triton":
         if not has_triton:
             raise ValueError("attention backend 'triton' needs the triton package, which is not installed")

@@ -77,7 +77,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     files = checkpoint_files(model_dir)
     model = model.to_empty(device=device).to(torch_dtype)
     fill_weights(model, files)
-    model.prepare(max_model_len or 0, torch_dtype)
+    with device:  # tables made here (rotary cos/sin) are plain tensors that .to() would not move
+        model.prepare(max_model_len or 0, torch_dtype)
     model.eval().requires_grad_(False)
     if device.type == "cpu" and native(torch_dtype, device) and os.environ.get("ASERVE_PREPACK", "1") != "0":
         packed = prepack_linears(model, torch_dtype)

@@ -74,7 +74,8 @@ class ModelRunner:
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         device, host = _index(pairs)
         blocks = self.kv_cache.index_select(self.block_dim, device.to(self.device))
-        self.host_cache.index_copy_(self.block_dim, host, blocks.to("cpu", non_blocking=True))
+        # A blocking copy: index_copy_ reads the host tensor at once, before a non-blocking copy would land.
+        self.host_cache.index_copy_(self.block_dim, host, blocks.to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         host, device = _index(pairs)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from aserve.config import EngineConfig
 from aserve.core.scheduler import SchedulerOutput
+from aserve.hardware import resolve_device
 from aserve.models.loader import load_model
 from aserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -30,7 +33,10 @@ class WorkerInfo:
 
 class Worker:
     def __init__(self, config: EngineConfig):
-        loaded = load_model(config.model, config.dtype, max_model_len=config.max_model_len)
+        device = resolve_device(config.device)
+        if device.type == "cuda":  # Triton launches on the current device, whatever its tensors' device is
+            torch.cuda.set_device(device)
+        loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len)
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
                                   config.swap_space, config.attention_backend)
         shape = loaded.model.shape
