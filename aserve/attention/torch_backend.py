@@ -1,7 +1,8 @@
 """The torch backend: the CPU path, and the reference every other backend is tested against.
 
-Decode requests attend in one batched call through a head-major gather of their blocks; each prefill
-chunk attends through SDPA (causal, after any cached context). Masks for sliding-window layers are built
+Decode requests attend in one call: on the CPU, aserve's fused kernel reads each request's blocks in place
+(ops.cpu_kernels); elsewhere, or without the kernels, a head-major gather of their blocks and two batched
+matmuls. Each prefill chunk attends through SDPA (causal, after any cached context). Masks for sliding-window layers are built
 once per step and window size, and shared by the layers that use them.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aserve.attention.backend import BatchLayout
+from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention, write_kv
 
 
@@ -37,11 +39,21 @@ class TorchAttentionMetadata:
     backend: "TorchAttentionBackend"
     slot_mapping: torch.Tensor
     num_decode_tokens: int = 0
-    decode_rows: torch.Tensor | None = None  # gather_index of the decode requests' block tables
+    decode_tables: torch.Tensor | None = None  # [num_decode, blocks] the decode requests' block tables
     decode_context: torch.Tensor | None = None  # [num_decode] context length including the new token
     decode_width: int = 0  # gathered tokens per decode request
+    num_kv_heads: int = 0
+    num_physical_blocks: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
+    _decode_rows: torch.Tensor | None = None
+
+    @property
+    def decode_rows(self) -> torch.Tensor:
+        """gather_index of the decode block tables, for the unfused path; built once per step."""
+        if self._decode_rows is None:
+            self._decode_rows = gather_index(self.decode_tables, self.num_kv_heads, self.num_physical_blocks)
+        return self._decode_rows
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[1, num_decode, 1, width] bool; with a window only the last `window` positions are attended."""
@@ -74,13 +86,14 @@ class TorchAttentionBackend:
 
     def build_metadata(self, layout: BatchLayout, num_kv_heads: int) -> TorchAttentionMetadata:
         bs, tables = layout.block_size, layout.block_tables
-        meta = TorchAttentionMetadata(self, layout.slot_mapping)
+        meta = TorchAttentionMetadata(self, layout.slot_mapping, num_kv_heads=num_kv_heads,
+                                      num_physical_blocks=layout.num_physical_blocks)
         nd = layout.num_decode
         if nd:
             context = torch.tensor(layout.starts[:nd]) + 1
-            num_blocks = int((context.max().item() + bs - 1) // bs)
+            num_blocks = -(-(max(layout.starts[:nd]) + 1) // bs)
             meta.num_decode_tokens = nd
-            meta.decode_rows = gather_index(tables[:nd, :num_blocks], num_kv_heads, layout.num_physical_blocks)
+            meta.decode_tables = tables[:nd, :num_blocks].contiguous()
             meta.decode_context = context
             meta.decode_width = num_blocks * bs
         row = nd
@@ -100,7 +113,10 @@ class TorchAttentionBackend:
         window, cap = layer.sliding_window, layer.logit_softcap
         out = torch.empty_like(query)
         nd = meta.num_decode_tokens
-        if nd:
+        if nd and cpu_kernels.usable(query, k_cache) and not torch.is_grad_enabled():
+            torch.ops.aserve.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.decode_tables,
+                                                    meta.decode_context, layer.scale, window or 0, cap or 0.0)
+        elif nd:
             out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta.decode_rows, meta.decode_mask(window),
                                         layer.scale, cap)
         for i, chunk in enumerate(meta.prefills):

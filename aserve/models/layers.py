@@ -1,10 +1,21 @@
-"""Building blocks shared by the model families: RMSNorm, rotary position embeddings, activations."""
+"""Building blocks shared by the model families: RMSNorm, rotary position embeddings, activations.
+
+On the CPU, RMSNorm, the rotary embedding and SiLU-and-mul run as aserve's fused kernels (ops.cpu_kernels)
+when those are built; the torch code beside each is the fallback and the reference they are tested against.
+"""
 from __future__ import annotations
 
 import math
 
 import torch
 from torch import nn
+
+from aserve.ops import cpu_kernels
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the CPU kernels can take these tensors now (they have no autograd: inference only)."""
+    return not torch.is_grad_enabled() and cpu_kernels.usable(*tensors)
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and fused(x):
+            return torch.ops.aserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -42,6 +55,14 @@ ACTIVATIONS = {
     "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
 }
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] (gate | up) -> silu(gate) * up: SwiGLU's product."""
+    if fused(x) and x.dim() == 2:
+        return torch.ops.aserve.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
 
 
 def activation(name: str):
@@ -97,6 +118,10 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype)
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq, D] and k [T, Hkv, D] rotated; on the fused path in place."""
+        if q.dtype == self.cos.dtype and fused(q, k):
+            torch.ops.aserve.rotary_embedding(positions, q, k, self.cos, self.sin, self.rotary_dim)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         if self.partial:

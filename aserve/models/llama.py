@@ -15,7 +15,7 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
-from aserve.models.layers import RMSNorm, RotaryEmbedding, activation, rope_parameters
+from aserve.models.layers import RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
 
 
 @dataclass
@@ -96,8 +96,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.act = activation(args.hidden_act)
+        self.swiglu = args.hidden_act == "silu"
 
     def forward(self, x):
+        if self.swiglu:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

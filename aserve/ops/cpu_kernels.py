@@ -1,0 +1,97 @@
+"""aserve's CPU kernels (csrc/cpu_kernels.cpp) as torch ops: built once per CPU kind, cached on disk.
+
+Fused decode attention over the paged cache, RMSNorm, rotary embedding and SiLU-and-mul, each one pass
+instead of a chain of small torch ops. The source is compiled with -march=native, so the build is cached per
+CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
+The first use on a machine compiles it (about 10 s); later start-ups load the cached library. Where no
+compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and every caller keeps its torch path.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("aserve")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+
+
+def cflags() -> list[str]:
+    """-march=native, the CPU_CAPABILITY macros that make at::vec::Vectorized use AVX-512 or AVX2 lanes, and
+    OpenMP, without which at::parallel_for (inlined from the headers) runs on one thread. The libgomp it links
+    is the one torch already loaded (same soname), so both share one thread pool."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+    if capability in ("AVX512", "AVX2"):
+        flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    return flags
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    """One folder per (source, flags, torch, CPU features): a changed CPU gets its own build."""
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(cflags()), torch.__version__,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    root = os.environ.get("ASERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "aserve")
+    return Path(root) / "cpu_kernels" / key
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja wheel installs it beside the interpreter, which is not on PATH
+    when the venv's `aserve` is run without activating the venv."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def available() -> bool:
+    """Load (building first if needed) the kernels; False, with one warning, where they cannot be had."""
+    if os.environ.get("ASERVE_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        _put_ninja_on_path()
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        load(name="aserve_cpu_kernels", sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
+             is_python_module=False, verbose=False)
+        took = time.perf_counter() - start
+        if took > 1.0:
+            log.info("built aserve's CPU kernels in %.1fs (cached in %s)", took, folder)
+        return True
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        reason = next((line for line in lines if "error" in line.lower() and "building extension" not in line),
+                      lines[0])
+        log.warning("aserve's CPU kernels are unavailable (%s); using the torch path", reason.strip()[:300])
+        return False
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True where the kernels serve these tensors: all on the CPU, in a dtype the kernels take."""
+    return (all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                for t in tensors) and available())

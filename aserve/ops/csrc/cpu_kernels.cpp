@@ -1,0 +1,406 @@
+// aserve's CPU kernels: fused decode attention over the paged KV cache, RMSNorm, rotary embedding and
+// SiLU-and-mul. Each replaces a chain of small torch ops (and, for attention, a gather that copied every
+// request's context once per layer) with one pass over the data. Registered as torch ops (torch.ops.aserve.*);
+// aserve/ops/cpu_kernels.py builds this file once per CPU kind and falls back to the torch path without it.
+//
+// Arithmetic is in fp32 whatever the storage dtype (float, bfloat16, half); results are rounded where the
+// torch path rounds, so the two agree to the last bit in fp32 up to summation order.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;  // 16 lanes with AVX-512, 8 with AVX2 (CPU_CAPABILITY_* at build)
+
+// Rows are converted to fp32 scratch once and worked on there (at::vec's generic convert is scalar for
+// 16-bit -> fp32, so the widening is spelled out with Vectorized<T>; the narrowing one is vectorized).
+template <typename T> inline void load_row(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    using bVec = at::vec::Vectorized<T>;
+    int64_t i = 0;
+    for (; i + bVec::size() <= n; i += bVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(bVec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + fVec::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+template <typename T> inline void store_row(const float* src, T* dst, int64_t n) { at::vec::convert(src, dst, n); }
+
+// A row as fp32: the row itself when it is fp32, else widened into `scratch`.
+template <typename T> inline const float* row_as_float(const T* src, float* scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    load_row(src, scratch, n);
+    return scratch;
+  }
+}
+
+// Round a fp32 row through T and back: where the torch path stores an intermediate in the model's dtype.
+template <typename T> inline void round_row(float* row, T* tmp, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    store_row(row, tmp, n);
+    load_row(tmp, row, n);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  fVec acc(0.f);
+  int64_t i = 0;
+  for (; i + fVec::size() <= n; i += fVec::size()) acc = at::vec::fmadd(fVec::loadu(a + i), fVec::loadu(b + i), acc);
+  float total = at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, acc);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha * x
+  const fVec a(alpha);
+  int64_t i = 0;
+  for (; i + fVec::size() <= n; i += fVec::size()) at::vec::fmadd(a, fVec::loadu(x + i), fVec::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+inline void scale_row(float* x, float alpha, int64_t n) {
+  const fVec a(alpha);
+  int64_t i = 0;
+  for (; i + fVec::size() <= n; i += fVec::size()) (fVec::loadu(x + i) * a).store(x + i);
+  for (; i < n; ++i) x[i] *= alpha;
+}
+
+// ---- decode attention ------------------------------------------------------------------------------------
+// One query token per request. Work items are (request, kv head, group of query heads): each reads its
+// request's keys once for the queries of its group (scores, then softmax), then the values once. Tokens
+// are walked block by block; for the common head sizes the row loops are unrolled at compile time
+// (HeadDim > 0) so a key or value row lives in registers, else a runtime-sized path does the same work.
+
+// A cached row as fp32 vectors, D a multiple of twice the fp32 vector width.
+template <typename T, int D> inline void widen(const T* p, fVec* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int c = 0; c < D / fVec::size(); ++c) out[c] = fVec::loadu(p + c * fVec::size());
+  } else {
+    using bVec = at::vec::Vectorized<T>;
+    for (int c = 0; c < D / bVec::size(); ++c) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(bVec::loadu(p + c * bVec::size()));
+      out[2 * c] = lo;
+      out[2 * c + 1] = hi;
+    }
+  }
+}
+
+inline float reduce_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
+}
+
+// Calls fn(t, row) for tokens first..len-1 of a request, `row` pointing at the token's cached row.
+template <typename T, typename Fn>
+inline void for_each_token(const T* head, const int64_t* table, int64_t block_size, int64_t row_size,
+                           int64_t first, int64_t len, Fn&& fn) {
+  for (int64_t t = first; t < len;) {
+    const int64_t offset = t % block_size;
+    const int64_t stop = std::min(len, t - offset + block_size);
+    const T* row = head + (table[t / block_size] * block_size + offset) * row_size;
+    for (; t < stop; ++t, row += row_size) fn(t, row);
+  }
+}
+
+// scores[g][t - first] = q[g] . k[t] (q already scaled), soft-capped when cap > 0.
+template <typename T, int HeadDim>
+void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head, const int64_t* table,
+                int64_t block_size, int64_t first, int64_t len, float cap, float* scores, float* scratch) {
+  const int64_t n = len - first;
+  for_each_token(k_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* k) {
+    if constexpr (HeadDim > 0) {
+      constexpr int C = HeadDim / fVec::size();
+      fVec kv[C];
+      widen<T, HeadDim>(k, kv);
+      for (int64_t g = 0; g < heads; ++g) {
+        const float* qg = q + g * HeadDim;
+        fVec acc = kv[0] * fVec::loadu(qg);
+        for (int c = 1; c < C; ++c) acc = at::vec::fmadd(kv[c], fVec::loadu(qg + c * fVec::size()), acc);
+        float s = reduce_sum(acc);
+        scores[g * n + t - first] = cap > 0.f ? std::tanh(s / cap) * cap : s;
+      }
+    } else {
+      const float* kf = row_as_float(k, scratch, head_dim);
+      for (int64_t g = 0; g < heads; ++g) {
+        float s = dot(q + g * head_dim, kf, head_dim);
+        scores[g * n + t - first] = cap > 0.f ? std::tanh(s / cap) * cap : s;
+      }
+    }
+  });
+}
+
+// acc[g] = sum_t p[g][t - first] * v[t].
+template <typename T, int HeadDim>
+void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head, const int64_t* table,
+               int64_t block_size, int64_t first, int64_t len, float* acc, float* scratch) {
+  const int64_t n = len - first;
+  std::fill(acc, acc + heads * head_dim, 0.f);
+  for_each_token(v_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* v) {
+    if constexpr (HeadDim > 0) {
+      constexpr int C = HeadDim / fVec::size();
+      fVec vv[C];
+      widen<T, HeadDim>(v, vv);
+      for (int64_t g = 0; g < heads; ++g) {
+        const fVec w(p[g * n + t - first]);
+        float* a = acc + g * HeadDim;
+        for (int c = 0; c < C; ++c)
+          at::vec::fmadd(w, vv[c], fVec::loadu(a + c * fVec::size())).store(a + c * fVec::size());
+      }
+    } else {
+      const float* vf = row_as_float(v, scratch, head_dim);
+      for (int64_t g = 0; g < heads; ++g) axpy(p[g * n + t - first], vf, acc + g * head_dim, head_dim);
+    }
+  });
+}
+
+template <typename T, int HeadDim>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
+  // Split each group of query heads when there are too few (request, kv head) pairs to keep every thread busy.
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = batch * num_kv_heads >= 2 * threads ? 1 : group;
+  const int64_t heads_per_item = group / splits;
+  const T* q_ptr = query.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t q_stride0 = query.stride(0), q_stride1 = query.stride(1);
+  const int64_t o_stride0 = out.stride(0), o_stride1 = out.stride(1);
+  const int64_t head_stride = num_blocks * block_size * head_dim;  // one kv head's slab of the cache
+  const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(heads_per_item * head_dim), row(head_dim), acc(heads_per_item * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (num_kv_heads * splits);
+      const int64_t kvh = (item / splits) % num_kv_heads;
+      const int64_t h0 = kvh * group + (item % splits) * heads_per_item;
+      const int64_t len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = tables + b * table_width;
+      for (int64_t g = 0; g < heads_per_item; ++g) {
+        load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, q.data() + g * head_dim, head_dim);
+        scale_row(q.data() + g * head_dim, fscale, head_dim);
+      }
+      scores.resize(heads_per_item * n);
+      key_scores<T, HeadDim>(q.data(), heads_per_item, head_dim, k_ptr + kvh * head_stride, table, block_size,
+                             first, len, cap, scores.data(), row.data());
+      for (int64_t g = 0; g < heads_per_item; ++g) {  // softmax in place
+        float* s = scores.data() + g * n;
+        const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
+        at::vec::map([peak](fVec x) { return (x - fVec(peak)).exp(); }, s, s, n);
+        const float total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
+        scale_row(s, 1.f / total, n);
+      }
+      value_sum<T, HeadDim>(scores.data(), heads_per_item, head_dim, v_ptr + kvh * head_stride, table, block_size,
+                            first, len, acc.data(), row.data());
+      for (int64_t g = 0; g < heads_per_item; ++g)
+        store_row(acc.data() + g * head_dim, o_ptr + b * o_stride0 + (h0 + g) * o_stride1, head_dim);
+    }
+  });
+}
+
+// Head sizes the unrolled path takes: multiples of two 16-bit vectors (32 lanes with AVX-512, 16 with AVX2).
+template <typename T>
+void decode_attention_dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+  constexpr int64_t unit = 2 * fVec::size();
+  switch (query.size(2)) {
+    case 64: if constexpr (64 % unit == 0) return decode_attention_impl<T, 64>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap); break;
+    case 128: if constexpr (128 % unit == 0) return decode_attention_impl<T, 128>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap); break;
+    case 256: if constexpr (256 % unit == 0) return decode_attention_impl<T, 256>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap); break;
+  }
+  decode_attention_impl<T, 0>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            double scale, int64_t window, double softcap) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [batch, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(query.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "head_dim differs between query and cache");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need unit stride in head_dim");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.size(0) == query.size(0),
+              "block_tables must be contiguous int64 [batch, width]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+                  context_lens.size(0) == query.size(0),
+              "context_lens must be contiguous int64 [batch]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, cache and out must share a dtype");
+  switch (query.scalar_type()) {
+    case at::kFloat: return decode_attention_dispatch<float>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
+    case at::kBFloat16: return decode_attention_dispatch<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
+    case at::kHalf: return decode_attention_dispatch<c10::Half>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------------------------
+// out = weight * T(x / rms(x)), the normalisation in fp32 and the product rounded once, as the torch path does.
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* x_ptr = x.data_ptr<T>();
+  const T* w_ptr = weight.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim), w(dim);
+    std::vector<T> tmp(dim);
+    load_row(w_ptr, w.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(x_ptr + r * xs, row.data(), dim);
+      const float inv = 1.f / std::sqrt(dot(row.data(), row.data(), dim) / static_cast<float>(dim) +
+                                        static_cast<float>(eps));
+      scale_row(row.data(), inv, dim);
+      round_row(row.data(), tmp.data(), dim);
+      at::vec::map2([](fVec x, fVec y) { return x * y; }, row.data(), row.data(), w.data(), dim);
+      store_row(row.data(), o_ptr + r * os, dim);
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, dim] with unit inner stride");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be a contiguous [dim] vector of x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_impl<float>(out, x, weight, eps); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(out, x, weight, eps); break;
+    case at::kHalf: rms_norm_impl<c10::Half>(out, x, weight, eps); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+// ---- rotary embedding (rotate-half convention), in place ---------------------------------------------------
+// x[t, h, :rotary_dim] = x * cos + rotate_half(x) * sin with cos/sin rows [max_pos, rotary_dim] taken at
+// positions[t]; features past rotary_dim (partial rotary) are left as they are.
+template <typename T>
+void rotary_impl(at::Tensor& x, const int64_t* positions, const at::Tensor& cos, const at::Tensor& sin,
+                 int64_t rotary_dim) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = rotary_dim / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  T* x_ptr = x.data_ptr<T>();
+  const T* c_ptr = cos.data_ptr<T>();
+  const T* s_ptr = sin.data_ptr<T>();
+  const int64_t cs = cos.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(rotary_dim), s(rotary_dim), v(rotary_dim), out(rotary_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      load_row(c_ptr + positions[t] * cs, c.data(), rotary_dim);
+      load_row(s_ptr + positions[t] * cs, s.data(), rotary_dim);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = x_ptr + t * s0 + h * s1;
+        load_row(x, v.data(), rotary_dim);
+        for (int64_t i = 0; i < half; ++i) {
+          out[i] = v[i] * c[i] - v[i + half] * s[i];
+          out[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+        }
+        store_row(out.data(), x, rotary_dim);
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t rotary_dim) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be contiguous int64");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "q and k must be [tokens, heads, head_dim] with unit inner stride");
+  TORCH_CHECK(cos.stride(1) == 1 && sin.stride(1) == 1 && cos.sizes() == sin.sizes() && cos.size(1) >= rotary_dim,
+              "cos and sin must be [max_positions, >= rotary_dim] rows");
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= q.size(2), "rotary_dim must be even and at most head_dim");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type(),
+              "q, k, cos and sin must share a dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  switch (q.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(q, pos, cos, sin, rotary_dim); rotary_impl<float>(k, pos, cos, sin, rotary_dim); break;
+    case at::kBFloat16: rotary_impl<c10::BFloat16>(q, pos, cos, sin, rotary_dim); rotary_impl<c10::BFloat16>(k, pos, cos, sin, rotary_dim); break;
+    case at::kHalf: rotary_impl<c10::Half>(q, pos, cos, sin, rotary_dim); rotary_impl<c10::Half>(k, pos, cos, sin, rotary_dim); break;
+    default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", q.scalar_type());
+  }
+}
+
+// ---- SiLU and mul ----------------------------------------------------------------------------------------
+// [rows, 2 * d] (gate | up) -> T(T(silu(gate)) * up), the two roundings of the torch path.
+template <typename T> void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), d = out.size(1);
+  const T* x_ptr = x.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(d), up(d);
+    std::vector<T> tmp(d);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(x_ptr + r * xs, gate.data(), d);
+      load_row(x_ptr + r * xs + d, up.data(), d);
+      at::vec::map([](fVec g) { return g / (fVec(1.f) + g.neg().exp()); }, gate.data(), gate.data(), d);
+      round_row(gate.data(), tmp.data(), d);
+      at::vec::map2([](fVec a, fVec b) { return a * b; }, gate.data(), gate.data(), up.data(), d);
+      store_row(gate.data(), o_ptr + r * d, d);
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [rows, 2 * d]");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: silu_and_mul_impl<float>(out, x); break;
+    case at::kBFloat16: silu_and_mul_impl<c10::BFloat16>(out, x); break;
+    case at::kHalf: silu_and_mul_impl<c10::Half>(out, x); break;
+    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(aserve, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window, float softcap) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int rotary_dim) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,161 @@
+"""aserve's fused CPU kernels (ops.cpu_kernels) against the torch path they replace.
+
+Decode attention over the paged cache at block sizes 1/16/32, with GQA and without, mixed context lengths
+(one token, inside a block, on and past block edges), sliding windows and soft-capping; RMSNorm, rotary
+embedding (full and partial) and SiLU-and-mul. fp32 must agree to rounding; bf16/fp16 within their precision.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from aserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from aserve.ops import cpu_kernels
+from aserve.ops.attention import decode_attention, gather_index
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="aserve's CPU kernels could not be built here")
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def paged_case(lengths, block_size, heads, head_dim, dtype, gen):
+    """A cache over a random permutation of blocks, tables padded with the null (last) block."""
+    num_heads, num_kv_heads = heads
+    need = [-(-n // block_size) for n in lengths]
+    null = sum(need) + 3  # a few blocks nobody owns: the kernel must not read them
+    physical = torch.randperm(null, generator=gen)
+    tables = torch.full((len(lengths), max(need)), null, dtype=torch.long)
+    used = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = physical[used:used + k]
+        used += k
+    shape = (num_kv_heads, null + 1, block_size, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, tables, torch.tensor(lengths), null + 1
+
+
+def reference(query, k_cache, v_cache, tables, lengths, num_physical, block_size, scale, window, softcap):
+    """The torch path (gather + two matmuls) in fp32 on the same rounded inputs."""
+    num_kv_heads = k_cache.shape[0]
+    width = tables.shape[1] * block_size
+    pos = torch.arange(width).unsqueeze(0)
+    mask = pos < lengths.unsqueeze(1)
+    if window is not None:
+        mask &= pos >= lengths.unsqueeze(1) - window
+    rows = gather_index(tables, num_kv_heads, num_physical)
+    return decode_attention(query.float(), k_cache.float(), v_cache.float(), rows, mask[None, :, None, :], scale,
+                            softcap)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # the unrolled sizes and the runtime-sized path
+def test_decode_attention_matches_torch_path(block_size, heads, dtype, head_dim):
+    gen = torch.Generator().manual_seed(block_size * 100 + heads[0])
+    lengths = [1, 7, block_size, block_size + 1, 3 * block_size - 1, 70]
+    query, k_cache, v_cache, tables, lens, num_physical = paged_case(lengths, block_size, heads, head_dim, dtype, gen)
+    scale = head_dim ** -0.5
+    out = torch.empty_like(query)
+    with torch.inference_mode():
+        torch.ops.aserve.paged_decode_attention(out, query, k_cache, v_cache, tables, lens, scale, 0, 0.0)
+    expected = reference(query, k_cache, v_cache, tables, lens, num_physical, block_size, scale, None, None)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("batch", [1, 2, 40])  # few requests split each group of query heads across threads
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0), (17, 50.0)])
+def test_decode_attention_windows_softcap_and_batch_sizes(batch, window, softcap):
+    gen = torch.Generator().manual_seed(batch)
+    lengths = [int(x) for x in torch.randint(1, 90, (batch,), generator=gen)]
+    query, k_cache, v_cache, tables, lens, num_physical = paged_case(lengths, 16, (8, 2), 32, torch.float32, gen)
+    out = torch.empty_like(query)
+    with torch.inference_mode():
+        torch.ops.aserve.paged_decode_attention(out, query, k_cache, v_cache, tables, lens, 0.2, window or 0,
+                                                softcap or 0.0)
+    expected = reference(query, k_cache, v_cache, tables, lens, num_physical, 16, 0.2, window, softcap)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_reads_strided_query_and_writes_into_a_view():
+    """The backend passes a slice of the fused QKV output as the query and a slice of its output buffer."""
+    gen = torch.Generator().manual_seed(3)
+    query, k_cache, v_cache, tables, lens, num_physical = paged_case([5, 33], 16, (4, 2), 16, torch.float32, gen)
+    wide = torch.randn(2, 4 * 16 + 64, generator=gen)
+    wide[:, :64] = query.reshape(2, 64)
+    strided = wide[:, :64].view(2, 4, 16)
+    out = torch.zeros(3, 4, 16)
+    with torch.inference_mode():
+        torch.ops.aserve.paged_decode_attention(out[:2], strided, k_cache, v_cache, tables, lens, 0.25, 0, 0.0)
+    expected = reference(query, k_cache, v_cache, tables, lens, num_physical, 16, 0.25, None, None)
+    torch.testing.assert_close(out[:2], expected, atol=2e-5, rtol=2e-5)
+    assert out[2].abs().sum() == 0
+
+
+def test_decode_attention_rejects_bad_input():
+    gen = torch.Generator().manual_seed(4)
+    query, k_cache, v_cache, tables, lens, _ = paged_case([5], 16, (4, 2), 16, torch.float32, gen)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        torch.ops.aserve.paged_decode_attention(torch.empty_like(query), query, k_cache, v_cache, tables.int(), lens,
+                                                1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.aserve.paged_decode_attention(torch.empty_like(query), query, k_cache.double(),
+                                                v_cache.double(), tables, lens, 1.0, 0, 0.0)
+
+
+def torch_path(fn):
+    """Run `fn` with the kernels switched off: the reference."""
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "usable", lambda *tensors: False)
+        return fn()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_rotary_and_silu_match_torch_path(dtype):
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(40, 1e-6)
+    norm.weight.data = torch.randn(40, generator=gen)
+    norm = norm.to(dtype)
+    x = torch.randn(7, 40, generator=gen).to(dtype)
+    x3 = torch.randn(5, 3, 40, generator=gen).to(dtype)[:, :2]  # a strided [T, H, D] view, as Qwen3's q_norm gets
+    gate_up = torch.randn(9, 2 * 24, generator=gen).to(dtype)
+    tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
+    with torch.inference_mode():
+        for fn in (lambda: norm(x), lambda: norm(x3), lambda: silu_and_mul(gate_up)):
+            torch.testing.assert_close(fn(), torch_path(fn), **tol)
+        positions = torch.tensor([0, 1, 5, 17, 200, 3])
+        for rotary_dim in (None, 16):  # full and partial (Phi-3) rotation
+            rope = RotaryEmbedding(32, 256, 10000.0, {"rope_type": "default"}, dtype, rotary_dim=rotary_dim)
+            qkv = torch.randn(6, 4 * 32 + 2 * 2 * 32, generator=gen).to(dtype)
+            q, k = qkv[:, :128].view(6, 4, 32), qkv[:, 128:192].view(6, 2, 32)  # strided views of one matmul
+            want_q, want_k = torch_path(lambda: rope(positions, q.clone(), k.clone()))
+            got_q, got_k = rope(positions, q, k)
+            torch.testing.assert_close(got_q, want_q, **tol)
+            torch.testing.assert_close(got_k, want_k, **tol)
+            torch.testing.assert_close(qkv[:, :128].view(6, 4, 32), want_q, **tol)  # in place, into the matmul output
+
+
+def test_kernels_are_built_per_cpu_kind(monkeypatch):
+    """A different CPU feature set (or torch) must get its own build: -march=native code can crash elsewhere."""
+    here = cpu_kernels.build_dir()
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "fpu sse sse2 avx avx2")
+    assert cpu_kernels.build_dir() != here
+
+
+def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
+    """Without a working compiler the build fails once, with one warning, and the engine runs on the torch path."""
+    script = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+              "from aserve.ops import cpu_kernels\n"
+              "assert not cpu_kernels.available()\n"
+              "from aserve import LLM, SamplingParams\n"
+              "out = LLM(dtype='float32').generate(['Hello'], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)\n"
+              "assert len(out[0].outputs[0].token_ids) == 3\n")
+    env = {**os.environ, "CXX": "/bin/false", "ASERVE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("CPU kernels are unavailable") == 1
