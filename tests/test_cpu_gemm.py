@@ -1,4 +1,4 @@
-"""Prepacked 16-bit linear layers compute what nn.Linear computes, and swap in without changing the model's state."""
+"""Prepacked linear layers compute what nn.Linear computes, and swap in without changing the model's state."""
 from __future__ import annotations
 
 import pytest
@@ -14,26 +14,27 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_packed_linear_equals_linear(bias, rows):
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])  # sums in another order
+def test_packed_linear_equals_linear(bias, rows, dtype, tol):
     torch.manual_seed(0)
-    linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    linear = nn.Linear(96, 160, bias=bias).to(dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
     expected = linear(x).float()
     got = PackedLinear.of(linear)(x).float()
     assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # bf16 sums in another order
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
-def test_prepack_swaps_16_bit_linears_and_keeps_the_parameters():
+def test_prepack_swaps_the_linears_of_the_dtype_and_keeps_the_parameters():
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).float())
     model[0].to(torch.bfloat16), model[1].to(torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert prepack_linears(model, torch.bfloat16) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
-    assert type(model[2]) is nn.Linear  # float32 is left to F.linear (packing measured no faster there)
+    assert type(model[2]) is nn.Linear  # another dtype: left alone
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert prepack_linears(nn.Sequential(nn.Linear(2, 2)), torch.float32) == 0
+    assert prepack_linears(nn.Sequential(nn.Linear(2, 2)), torch.float64) == 0
 
 
 @pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])
