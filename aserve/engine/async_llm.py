@@ -124,7 +124,10 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, **options):
         self.config = EngineConfig.from_kwargs(model, **options)
         self.config.verify()  # a wrong policy or model folder fails here, not after the core loads weights
-        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+        # The tokenizer (transformers' import is most of its ~3 s) loads while the core process loads weights.
+        loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aserve-tokenizer-load")
+        tokenizer = loading.submit(load_tokenizer, self.config.tokenizer or self.config.model)
+        loading.shutdown(wait=False)
         self._collectors: dict[str, RequestCollector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None
@@ -132,7 +135,15 @@ class AsyncLLM:
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aserve-tokenizer")
         self.dead_error: BaseException | None = None
         self.on_death: list[Callable[[BaseException], None]] = []  # called on the event loop when the core dies
-        self.core = CoreProcess(self.config, self._from_core, self._core_died, self._record_stats)
+        try:
+            self.core = CoreProcess(self.config, self._from_core, self._core_died, self._record_stats)
+        finally:
+            concurrent.futures.wait([tokenizer])
+        try:
+            self.tokenizer = tokenizer.result()
+        except BaseException:
+            self.core.stop()
+            raise
         self.facts = self.core.facts
         self.stats = StatLoggers(self.config.model_name, self.facts, self.facts.policy_name,
                                  self.facts.priority_classes, log_stats=self.config.disable_log_stats is not True)

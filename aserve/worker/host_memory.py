@@ -41,6 +41,11 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: attention walks blocks all over it
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
