@@ -90,6 +90,30 @@ def random_prompts(count: int, lengths=(3, 60), seed: int = 0, prefix: list[int]
     return [prefix + [rng.randrange(1, VOCAB) for _ in range(rng.randint(*lengths))] for _ in range(count)]
 
 
+def watch_swaps(runner, nonzero: bool = False) -> list[int]:
+    """Wrap the runner's swap_out/swap_in: each block swapped out must land byte-exact in the host pool and come
+    back byte-exact (with `nonzero`, hold real K/V, not zeros). Returns the host blocks checked on the way back."""
+    saved, checked = {}, []
+    real_out, real_in = runner.swap_out, runner.swap_in
+
+    def swap_out(pairs):
+        before = {h: runner.kv_cache[:, :, :, d].cpu().clone() for d, h in pairs}  # the cache may be on a GPU
+        real_out(pairs)
+        for h, content in before.items():
+            assert torch.equal(runner.host_cache[:, :, :, h], content)
+            assert not nonzero or content.abs().sum() > 0
+            saved[h] = content
+
+    def swap_in(pairs):
+        real_in(pairs)
+        for h, d in pairs:
+            assert torch.equal(runner.kv_cache[:, :, :, d].cpu(), saved.pop(h))
+            checked.append(h)
+
+    runner.swap_out, runner.swap_in = swap_out, swap_in
+    return checked
+
+
 def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:
     """KV cache bytes for exactly `num_blocks` blocks, from the model's own shape (config names differ by family)."""
     from aserve.models.registry import architecture, model_class, read_config

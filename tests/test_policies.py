@@ -10,7 +10,7 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.policy import PolicyError, load_policy
-from conftest import kv_memory_for_blocks, random_prompts
+from conftest import kv_memory_for_blocks, random_prompts, watch_swaps
 
 PROMPTS = random_prompts(10, lengths=(5, 60), seed=31)
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -65,23 +65,7 @@ def test_fcfs_swap_really_swaps_and_restores_the_same_bytes(model_dirs, unpressu
     llm = LLM(str(path), dtype="float32", policy="fcfs-swap", kv_cache_memory=kv_memory_for_blocks(path, 8),
               swap_space=str(kv_memory_for_blocks(path, 40)))
     runner, scheduler = llm.engine.runner, llm.engine.scheduler
-    saved, checked = {}, []
-    real_out, real_in = runner.swap_out, runner.swap_in
-
-    def swap_out(pairs):
-        before = {h: runner.kv_cache[:, :, :, d].cpu().clone() for d, h in pairs}  # the cache may be on a GPU
-        real_out(pairs)
-        for h, content in before.items():
-            assert torch.equal(runner.host_cache[:, :, :, h], content)
-            saved[h] = content
-
-    def swap_in(pairs):
-        real_in(pairs)
-        for h, d in pairs:
-            assert torch.equal(runner.kv_cache[:, :, :, d].cpu(), saved.pop(h))
-            checked.append(h)
-
-    runner.swap_out, runner.swap_in = swap_out, swap_in
+    checked = watch_swaps(runner)
     resumed = []
     real_schedule = scheduler.schedule
 

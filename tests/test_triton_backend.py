@@ -161,7 +161,7 @@ CASES = {  # name -> engine options; kv_cache_memory is in blocks of the model's
 
 
 def engine_run(path, device, backend, case):
-    from conftest import kv_memory_for_blocks
+    from conftest import kv_memory_for_blocks, watch_swaps
 
     options = dict(CASES[case])
     block_size = options.get("block_size", 16)
@@ -212,31 +212,14 @@ def test_gpu_engine_matches_the_cpu(model_dirs, cpu_reference, family, case):
 @needs_cuda
 def test_gpu_swap_restores_the_same_bytes(model_dirs):
     """Blocks swapped out to pinned host memory and back hold exactly what the GPU held."""
-    from conftest import kv_memory_for_blocks
+    from conftest import kv_memory_for_blocks, watch_swaps
 
     path = model_dirs["llama-gqa-tied"]
     llm = LLM(str(path), dtype="float32", device="cuda", policy="fcfs-swap",
               kv_cache_memory=kv_memory_for_blocks(path, 8), swap_space=str(kv_memory_for_blocks(path, 40)))
     runner = llm.engine.runner
     assert runner.kv_cache.is_cuda and runner.host_cache.is_pinned()
-    saved, checked = {}, []
-    real_out, real_in = runner.swap_out, runner.swap_in
-
-    def swap_out(pairs):
-        before = {h: runner.kv_cache[:, :, :, d].cpu() for d, h in pairs}
-        real_out(pairs)
-        for h, content in before.items():
-            assert torch.equal(runner.host_cache[:, :, :, h], content)
-            assert content.abs().sum() > 0  # real K/V, not zeros
-            saved[h] = content
-
-    def swap_in(pairs):
-        real_in(pairs)
-        for h, d in pairs:
-            assert torch.equal(runner.kv_cache[:, :, :, d].cpu(), saved.pop(h))
-            checked.append(h)
-
-    runner.swap_out, runner.swap_in = swap_out, swap_in
+    checked = watch_swaps(runner, nonzero=True)  # real K/V, not zeros
     llm.generate([{"prompt_token_ids": p} for p in GPU_PROMPTS[:8]],
                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert checked

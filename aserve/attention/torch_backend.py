@@ -2,8 +2,8 @@
 
 Decode requests attend in one call: on the CPU, aserve's fused kernel reads each request's blocks in place
 (ops.cpu_kernels); elsewhere, or without the kernels, a head-major gather of their blocks and two batched
-matmuls. Each prefill chunk attends through SDPA (causal, after any cached context). Masks for sliding-window layers are built
-once per step and window size, and shared by the layers that use them.
+matmuls. Each prefill chunk attends through SDPA (causal, after any cached context). Masks for sliding-window
+layers are built once per step and window size, and shared by the layers that use them.
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ class TorchAttentionBackend:
         window, cap = layer.sliding_window, layer.logit_softcap
         out = torch.empty_like(query)
         nd = meta.num_decode_tokens
-        if nd and cpu_kernels.usable(query, k_cache) and not torch.is_grad_enabled():
+        if nd and cpu_kernels.usable(query, k_cache):
             torch.ops.aserve.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.decode_tables,
                                                     meta.decode_context, layer.scale, window or 0, cap or 0.0)
         elif nd:

@@ -13,11 +13,6 @@ from torch import nn
 from aserve.ops import cpu_kernels
 
 
-def fused(*tensors: torch.Tensor) -> bool:
-    """Whether the CPU kernels can take these tensors now (they have no autograd: inference only)."""
-    return not torch.is_grad_enabled() and cpu_kernels.usable(*tensors)
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 like the reference implementation."""
 
@@ -27,7 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype and fused(x):
+        if x.dtype == self.weight.dtype and cpu_kernels.usable(x):
             return torch.ops.aserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x = x.float()
@@ -59,7 +54,7 @@ ACTIVATIONS = {
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] (gate | up) -> silu(gate) * up: SwiGLU's product."""
-    if fused(x) and x.dim() == 2:
+    if x.dim() == 2 and cpu_kernels.usable(x):
         return torch.ops.aserve.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
@@ -119,7 +114,7 @@ class RotaryEmbedding:
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D] and k [T, Hkv, D] rotated; on the fused path in place."""
-        if q.dtype == self.cos.dtype and fused(q, k):
+        if q.dtype == self.cos.dtype and cpu_kernels.usable(q, k):
             torch.ops.aserve.rotary_embedding(positions, q, k, self.cos, self.sin, self.rotary_dim)
             return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]

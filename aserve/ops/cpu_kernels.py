@@ -77,8 +77,8 @@ def available() -> bool:
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        load(name="aserve_cpu_kernels", sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
-             is_python_module=False, verbose=False)
+        load(name="aserve_cpu_kernels", sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
+             build_directory=str(folder), is_python_module=False, verbose=False)
         took = time.perf_counter() - start
         if took > 1.0:
             log.info("built aserve's CPU kernels in %.1fs (cached in %s)", took, folder)
@@ -92,6 +92,8 @@ def available() -> bool:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """True where the kernels serve these tensors: all on the CPU, in a dtype the kernels take."""
-    return (all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                for t in tensors) and available())
+    """True where the kernels serve these tensors now: all on the CPU, in a dtype the kernels take, and no
+    gradient being recorded (the ops have no autograd: inference only)."""
+    return (not torch.is_grad_enabled()
+            and all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                    for t in tensors) and available())
