@@ -15,6 +15,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -113,63 +117,116 @@ inline float reduce_sum(const fVec& v) {
 template <typename T, typename Fn>
 inline void for_each_token(const T* head, const int64_t* table, int64_t block_size, int64_t row_size,
                            int64_t first, int64_t len, Fn&& fn) {
+  const int64_t last_block = (len - 1) / block_size;
   for (int64_t t = first; t < len;) {
-    const int64_t offset = t % block_size;
+    const int64_t offset = t % block_size, block = t / block_size;
     const int64_t stop = std::min(len, t - offset + block_size);
-    const T* row = head + (table[t / block_size] * block_size + offset) * row_size;
+    const T* row = head + (table[block] * block_size + offset) * row_size;
+    if (block < last_block) {  // blocks lie anywhere in the cache: fetch the next one while this one is read
+      const char* next = reinterpret_cast<const char*>(head + table[block + 1] * block_size * row_size);
+      const int64_t bytes = block_size * row_size * static_cast<int64_t>(sizeof(T));
+      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(next + i, 0, 3);
+    }
     for (; t < stop; ++t, row += row_size) fn(t, row);
   }
 }
 
-// scores[g][t - first] = q[g] . k[t] (q already scaled), soft-capped when cap > 0.
+// Lane i of the result = the sum of v[i]'s lanes, for W = fVec::size() vectors: one transposing tree of
+// shuffles and adds (about 3 instructions a vector) in place of W horizontal sums (about 8 each).
+inline fVec reduce_lanes(const fVec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 s[8], u[4];
+  for (int j = 0; j < 8; ++j)  // 128-bit quarters: [v0 q0+q2, v0 q1+q3, v1 q0+q2, v1 q1+q3]
+    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // quarter k holds four partial sums of v[4j + k]
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+  const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));  // [v k, v 8+k, v 4+k, v 12+k]
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15), z);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+#else
+  float sums[fVec::size()];
+  for (int i = 0; i < fVec::size(); ++i) sums[i] = reduce_sum(v[i]);
+  return fVec::loadu(sums);
+#endif
+}
+
+// scores[g][t - first] = q[g] . k[t] (q already scaled), soft-capped when cap > 0. The unrolled path keeps
+// each head's products for W tokens and sums them W at a time (reduce_lanes).
 template <typename T, int HeadDim>
 void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head, const int64_t* table,
                 int64_t block_size, int64_t first, int64_t len, float cap, float* scores, float* scratch) {
   const int64_t n = len - first;
-  for_each_token(k_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* k) {
-    if constexpr (HeadDim > 0) {
-      constexpr int C = HeadDim / fVec::size();
+  if constexpr (HeadDim > 0) {
+    constexpr int C = HeadDim / fVec::size(), W = fVec::size();
+    std::vector<fVec> pending(heads * W);  // pending[g * W + i]: head g's products with the i-th held token
+    int64_t held = 0;
+    for_each_token(k_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* k) {
       fVec kv[C];
       widen<T, HeadDim>(k, kv);
       for (int64_t g = 0; g < heads; ++g) {
         const float* qg = q + g * HeadDim;
         fVec acc = kv[0] * fVec::loadu(qg);
         for (int c = 1; c < C; ++c) acc = at::vec::fmadd(kv[c], fVec::loadu(qg + c * fVec::size()), acc);
-        float s = reduce_sum(acc);
-        scores[g * n + t - first] = cap > 0.f ? std::tanh(s / cap) * cap : s;
+        pending[g * W + held] = acc;
       }
-    } else {
+      if (++held == W) {
+        for (int64_t g = 0; g < heads; ++g) reduce_lanes(&pending[g * W]).store(scores + g * n + t + 1 - W - first);
+        held = 0;
+      }
+    });
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t i = 0; i < held; ++i) scores[g * n + n - held + i] = reduce_sum(pending[g * W + i]);
+  } else {
+    for_each_token(k_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* k) {
       const float* kf = row_as_float(k, scratch, head_dim);
-      for (int64_t g = 0; g < heads; ++g) {
-        float s = dot(q + g * head_dim, kf, head_dim);
-        scores[g * n + t - first] = cap > 0.f ? std::tanh(s / cap) * cap : s;
-      }
-    }
-  });
+      for (int64_t g = 0; g < heads; ++g) scores[g * n + t - first] = dot(q + g * head_dim, kf, head_dim);
+    });
+  }
+  if (cap > 0.f)
+    for (int64_t i = 0; i < heads * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
 }
 
-// acc[g] = sum_t p[g][t - first] * v[t].
+// acc[g] = sum_t p[g][t - first] * v[t]. The unrolled path walks the values once per group of heads whose
+// sums fit in half the vector registers, so the sums stay in registers (re-reads hit the L1/L2 cache).
 template <typename T, int HeadDim>
 void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head, const int64_t* table,
                int64_t block_size, int64_t first, int64_t len, float* acc, float* scratch) {
   const int64_t n = len - first;
-  std::fill(acc, acc + heads * head_dim, 0.f);
-  for_each_token(v_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* v) {
-    if constexpr (HeadDim > 0) {
-      constexpr int C = HeadDim / fVec::size();
-      fVec vv[C];
-      widen<T, HeadDim>(v, vv);
-      for (int64_t g = 0; g < heads; ++g) {
-        const fVec w(p[g * n + t - first]);
-        float* a = acc + g * HeadDim;
-        for (int c = 0; c < C; ++c)
-          at::vec::fmadd(w, vv[c], fVec::loadu(a + c * fVec::size())).store(a + c * fVec::size());
-      }
-    } else {
+  if constexpr (HeadDim > 0) {
+    constexpr int C = HeadDim / fVec::size();
+    constexpr int registers = fVec::size() == 16 ? 32 : 16;
+    constexpr int HG = C >= registers / 2 ? 1 : registers / 2 / C;  // heads per pass
+    for (int64_t g0 = 0; g0 < heads; g0 += HG) {
+      const int64_t nh = std::min<int64_t>(HG, heads - g0);
+      fVec sums[HG][C];
+      for (int h = 0; h < HG; ++h)
+        for (int c = 0; c < C; ++c) sums[h][c] = fVec(0.f);
+      for_each_token(v_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* v) {
+        fVec vv[C];
+        widen<T, HeadDim>(v, vv);
+        for (int h = 0; h < HG; ++h) {
+          if (h >= nh) break;
+          const fVec w(p[(g0 + h) * n + t - first]);
+          for (int c = 0; c < C; ++c) sums[h][c] = at::vec::fmadd(w, vv[c], sums[h][c]);
+        }
+      });
+      for (int64_t h = 0; h < nh; ++h)
+        for (int c = 0; c < C; ++c) sums[h][c].store(acc + (g0 + h) * HeadDim + c * fVec::size());
+    }
+  } else {
+    std::fill(acc, acc + heads * head_dim, 0.f);
+    for_each_token(v_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* v) {
       const float* vf = row_as_float(v, scratch, head_dim);
       for (int64_t g = 0; g < heads; ++g) axpy(p[g * n + t - first], vf, acc + g * head_dim, head_dim);
-    }
-  });
+    });
+  }
 }
 
 template <typename T, int HeadDim>
