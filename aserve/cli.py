@@ -1,6 +1,6 @@
 """The `aserve` command. Alone (or as `aserve serve ...`) it serves the OpenAI-compatible API on
 127.0.0.1:8000, by default on the embedded model; `aserve generate` runs an offline generation;
-`aserve bench throughput|serve ...` measure."""
+`aserve bench throughput|serve|policies|quality ...` measure."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ from aserve.engine.errors import AserveError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aserve.bench import policies as bench_policies, serve as bench_serve, throughput
+    from aserve.bench import policies as bench_policies, quality, serve as bench_serve, throughput
     from aserve.server import launch
 
     common = argparse.ArgumentParser(add_help=False)
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    help="online serving benchmark against a running server"))
     bench_policies.add_arguments(bench_sub.add_parser("policies", parents=[common],
                                                       help="replay one workload against several policies"))
+    quality.add_arguments(bench_sub.add_parser("quality", parents=[common],
+                                               help="perplexity, KL and greedy agreement of a lossy option "
+                                                    "(--quantization) against the fp32 model"))
     return parser
 
 
@@ -77,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
             from aserve.bench import throughput
 
             throughput.main(args)
+        elif args.command == "bench" and args.bench_command == "quality":
+            from aserve.bench import quality
+
+            quality.main(args)
         elif args.command == "bench" and args.bench_command == "policies":
             from aserve.bench import policies as bench_policies
 

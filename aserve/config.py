@@ -31,6 +31,8 @@ def parse_memory(value: int | float | str) -> int:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is fp8_e4m3
+QUANTIZATION_METHODS = ("int8", "gptq", "awq")  # aserve.quantization.METHODS, without importing it here
 
 
 def option(default, help: str, **cli):
@@ -66,6 +68,17 @@ class EngineConfig:
     attention_backend: str = option("auto", "attention kernels: auto (by device), torch or triton")
     device: str = option("auto", "where the model and its KV cache run: auto (the GPU when torch sees one, else "
                                  "cpu), cpu, cuda or cuda:N")
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (the model's dtype), or fp8 (= fp8_e4m3) / "
+                                         "fp8_e5m2: one byte a value with per-layer scales, so the same "
+                                         "--kv-cache-memory holds 2x the blocks of a 16-bit cache (4x fp32)",
+                                 choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = option(False, "with an fp8 KV cache and no scales in the checkpoint: estimate each "
+                                              "layer's K and V scales from the first batch it sees (else 1.0)")
+    quantization: str | None = option(None, "weights: int8 quantizes a 16/32-bit checkpoint at load (weight-only, "
+                                            "per-output-channel scales); gptq and awq 4-bit checkpoints are "
+                                            "recognised from config.json without it", choices=QUANTIZATION_METHODS)
+    quantize_lm_head: bool = option(False, "with --quantization int8: the logits projection too (a quantized copy "
+                                           "when it is tied to the embedding)")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -84,10 +97,16 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                             f"got {self.quantization!r}")
 
     def verify(self) -> None:
-        """Refuse a policy or a model folder that cannot work, before any weights load (see check_before_loading)."""
-        check_before_loading(self.model, self.policy, self.policy_options)
+        """Refuse a policy, a model folder or a weight format that cannot work, before any weights load (see
+        check_before_loading)."""
+        check_before_loading(self.model, self.policy, self.policy_options, self.quantization, self.quantize_lm_head)
 
     @property
     def model_name(self) -> str:
@@ -109,17 +128,20 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
 
-def check_before_loading(model: str | None, policy, policy_options: dict | None = None) -> None:
-    """Refuse a policy or a model folder that cannot work: both checks read only config.json and the
-    policy's class, so a wrong flag fails in well under a second instead of after the weights load."""
+def check_before_loading(model: str | None, policy, policy_options: dict | None = None,
+                         quantization: str | None = None, quantize_lm_head: bool = False) -> None:
+    """Refuse a policy, a model folder or a weight format that cannot work: the checks read only config.json and
+    the policy's class, so a wrong flag fails in well under a second instead of after the weights load."""
     from aserve.engine.errors import ModelLoadError, ModelNotFoundError
-    from aserve.models.registry import check_model_dir
+    from aserve.models.registry import check_model_dir, read_config
     from aserve.policy import resolve_policy
+    from aserve.quantization import resolve as resolve_quantization
 
     resolve_policy(policy, policy_options)
     model = model or str(DEFAULT_MODEL_DIR)
     try:
         check_model_dir(model)
+        resolve_quantization(read_config(model), quantization, quantize_lm_head)
     except FileNotFoundError as exc:
         raise ModelNotFoundError(str(exc)) from None  # it names the missing path already
     except ValueError as exc:

@@ -1,6 +1,7 @@
 """Tiny random models built with transformers' own config classes, and transformers as the reference."""
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -57,6 +58,13 @@ def build_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
     return path
+
+
+@pytest.fixture
+def caplog(caplog, monkeypatch):
+    """The aserve logger has its own handler and does not propagate; let caplog see it for the test."""
+    monkeypatch.setattr(logging.getLogger("aserve"), "propagate", True)
+    return caplog
 
 
 @pytest.fixture(scope="session")

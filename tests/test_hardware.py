@@ -34,13 +34,6 @@ def test_the_config_field_names_and_a_missing_dtype():
     assert resolve_dtype("auto", {}, CPU, AVX512_BF16)[0] == torch.float32
 
 
-@pytest.fixture
-def caplog(caplog, monkeypatch):
-    """The aserve logger has its own handler and does not propagate; let caplog see it for the test."""
-    monkeypatch.setattr(logging.getLogger("aserve"), "propagate", True)
-    return caplog
-
-
 def test_an_explicit_emulated_dtype_is_honoured_with_one_warning(caplog, monkeypatch):
     monkeypatch.setattr(hardware, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="aserve"):

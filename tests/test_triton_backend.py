@@ -17,6 +17,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 from aserve import LLM, SamplingParams  # noqa: E402
 from aserve.attention import BatchLayout, select_backend  # noqa: E402
+from aserve.attention.kv_quant import FP8_FORMATS, quantize  # noqa: E402
 from aserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from aserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from conftest import random_prompts  # noqa: E402
@@ -46,23 +47,30 @@ def make_layout(requests, block_size: int, gen: torch.Generator) -> BatchLayout:
 
 
 def compare(requests, block_size=16, heads=(4, 2), head_dim=16, window=None, softcap=None,
-            dtype=torch.float32, atol=1e-5):
+            dtype=torch.float32, atol=1e-5, fp8=None):
     """The Triton backend on DEVICE in `dtype` against the torch backend on the CPU in float32, both from the
-    same `dtype`-rounded inputs: the cache each writes must be equal, their outputs within `atol`."""
+    same `dtype`-rounded inputs: the cache each writes must be equal, their outputs within `atol`. With `fp8`
+    (a format name) both write and read an FP8 cache of bytes."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads = heads
     layout = make_layout(requests, block_size, gen)
     layer = SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                            scale=head_dim ** -0.5, sliding_window=window, logit_softcap=softcap)
+                            scale=head_dim ** -0.5, sliding_window=window, logit_softcap=softcap,
+                            k_scale=0.02, v_scale=0.02, kv_scales_pending=False)
     tokens = len(layout.positions)
     query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
     key, value = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     shape = TorchAttentionBackend().kv_cache_shape(1, layout.num_physical_blocks, block_size, num_kv_heads, head_dim)
     cache = torch.randn(shape, generator=gen).to(dtype)  # stale values everywhere: only masks keep them out
+    fmt = FP8_FORMATS[fp8] if fp8 else None
+    if fmt:  # stale bytes that are real FP8 values (the engine's cache starts zeroed, never NaN)
+        cache = quantize(cache, 0.02, fmt)
     outs, caches = [], []
     for backend, device, kind in ((TorchAttentionBackend(), "cpu", torch.float32),
                                   (TritonAttentionBackend(), DEVICE, dtype)):
-        q, k, v, kv = (t.to(device, kind, copy=True) for t in (query, key, value, cache))
+        backend.kv_format = fmt
+        q, k, v = (t.to(device, kind, copy=True) for t in (query, key, value))
+        kv = cache.to(device, cache.dtype if fmt else kind, copy=True)
         meta = backend.build_metadata(layout, num_kv_heads)
         out = backend.forward(layer, q, k, v, (kv[0, 0], kv[0, 1]), meta)
         assert out.dtype == kind and out.device.type == device
@@ -83,6 +91,12 @@ def test_mixed_batch_matches_torch(block_size, heads, head_dim):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_window_and_softcap_match_torch(block_size, window, softcap):
     compare(MIXED, block_size, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fp8_cache_matches_torch(fmt, dtype, atol):
+    compare(MIXED, 16, (6, 2), 16, dtype=dtype, atol=atol, fp8=fmt)
 
 
 def test_decode_only_and_single_prefill():

@@ -7,6 +7,11 @@ from torch import nn
 
 
 class Attention(nn.Module):
+    # An FP8 KV cache's per-tensor scales (attention.kv_quant.set_scales); unused with a cache in the model's dtype.
+    k_scale = 1.0
+    v_scale = 1.0
+    kv_scales_pending = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()

@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from functools import partial
+
+from aserve.attention import kv_quant
 from aserve.attention.backend import BatchLayout
 from aserve.ops import cpu_kernels
-from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention, write_kv
+from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention
 
 
 @dataclass
@@ -77,6 +80,7 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend:
     name = "torch"
     block_dim = 3  # [layers, 2, kv_heads, blocks, block_size, head_dim]
+    kv_format: kv_quant.FP8Format | None = None  # an FP8 cache (set by the runner), else the model's dtype
 
     def kv_cache_shape(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):
         return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
@@ -109,16 +113,23 @@ class TorchAttentionBackend:
 
     def forward(self, layer, query, key, value, kv_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        fmt = self.kv_format
+        kv_quant.write(layer, kv_cache, key, value, meta.slot_mapping, fmt)
         window, cap = layer.sliding_window, layer.logit_softcap
+        # An FP8 cache is read back through these (the torch path); the C++ kernel dequantizes as it reads.
+        widen = None if fmt is None else (partial(kv_quant.dequantize, scale=layer.k_scale, fmt=fmt, dtype=query.dtype),
+                                          partial(kv_quant.dequantize, scale=layer.v_scale, fmt=fmt, dtype=query.dtype))
+        if fmt is not None and meta.prefills:  # fresh prefill keys, as the cache holds them
+            key, value = kv_quant.as_stored(key, layer.k_scale, fmt), kv_quant.as_stored(value, layer.v_scale, fmt)
         out = torch.empty_like(query)
         nd = meta.num_decode_tokens
-        if nd and cpu_kernels.usable(query, k_cache):
+        if nd and cpu_kernels.usable(query) and (fmt is not None or k_cache.dtype == query.dtype):
             torch.ops.aserve.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.decode_tables,
-                                                    meta.decode_context, layer.scale, window or 0, cap or 0.0)
+                                                    meta.decode_context, layer.scale, window or 0, cap or 0.0,
+                                                    layer.k_scale, layer.v_scale, 0 if fmt is None else fmt.code)
         elif nd:
             out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta.decode_rows, meta.decode_mask(window),
-                                        layer.scale, cap)
+                                        layer.scale, cap, widen)
         for i, chunk in enumerate(meta.prefills):
             q = query[chunk.start:chunk.end].transpose(0, 1)  # [Hq, n, D]
             if chunk.context_len == 0:
@@ -128,6 +139,8 @@ class TorchAttentionBackend:
                 total = chunk.context_len + chunk.end - chunk.start
                 k = gather(k_cache, chunk.rows)[:, :total]
                 v = gather(v_cache, chunk.rows)[:, :total]
+                if widen is not None:
+                    k, v = widen[0](k), widen[1](v)
             out[chunk.start:chunk.end] = prefill_attention(q, k, v, meta.prefill_mask(i, window), layer.scale,
                                                            cap).transpose(0, 1)
         return out

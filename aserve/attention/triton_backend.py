@@ -10,8 +10,8 @@ from itertools import accumulate
 
 import torch
 
+from aserve.attention import kv_quant
 from aserve.attention.backend import BatchLayout
-from aserve.ops.attention import write_kv
 from aserve.ops.triton_attention import query_tiles, tokens_per_tile, unified_attention
 
 
@@ -42,6 +42,7 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend:
     name = "triton"
     block_dim = 3  # [layers, 2, kv_heads, blocks, block_size, head_dim], as the torch backend
+    kv_format: kv_quant.FP8Format | None = None  # an FP8 cache (set by the runner), else the model's dtype
 
     def kv_cache_shape(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):
         return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
@@ -57,8 +58,9 @@ class TritonAttentionBackend:
     def forward(self, layer, query, key, value, kv_cache, meta: TritonAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         meta.move_to(query.device)
-        write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        fmt = self.kv_format
+        kv_quant.write(layer, kv_cache, key, value, meta.slot_mapping, fmt)
         block_q = tokens_per_tile(layer.num_heads // layer.num_kv_heads)
         return unified_attention(query, k_cache, v_cache, meta.block_tables, meta.positions,
                                  meta.tiles(block_q, query.device), block_q, layer.scale, layer.sliding_window,
-                                 layer.logit_softcap)
+                                 layer.logit_softcap, layer.k_scale, layer.v_scale, 0 if fmt is None else fmt.code)

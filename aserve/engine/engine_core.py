@@ -44,6 +44,7 @@ class EngineFacts:
     policy_name: str = ""
     priority_classes: bool = False
     max_n: int = 32
+    kv_cache_dtype: str = ""  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InvalidRequestError for a request the engine could never serve; return its max_tokens."""
@@ -77,9 +78,10 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
         tokens = info.num_blocks * config.block_size
         log.info("dtype %s (%s); %s", info.dtype, info.dtype_reason, cpu_info().describe())
-        log.info("loaded %s (%s, %s, attention %s) in %.1fs; KV cache: %d blocks of %d tokens = %d tokens, "
+        self.kv_cache_dtype = info.kv_cache_dtype
+        log.info("loaded %s (%s, %s, attention %s) in %.1fs; KV cache (%s): %d blocks of %d tokens = %d tokens, "
                  "max concurrency %.2fx at max_model_len %d; host swap pool: %d blocks; policy %s", config.model,
-                 info.model_class, info.dtype, info.attention_backend, time.monotonic() - t0,
+                 info.model_class, info.dtype, info.attention_backend, time.monotonic() - t0, info.kv_cache_dtype,
                  info.num_blocks, config.block_size, tokens, tokens / self.max_model_len,
                  self.max_model_len, info.num_host_blocks, self.policy.name)
 
@@ -94,7 +96,8 @@ class EngineCore:
     def facts(self) -> "EngineFacts":
         return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
                            self.eos_token_ids, self.kv.num_host_blocks, self.policy.name,
-                           bool(getattr(self.policy, "priority_classes", False)), self.config.max_n)
+                           bool(getattr(self.policy, "priority_classes", False)), self.config.max_n,
+                           self.kv_cache_dtype)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         return self.facts.validate(prompt_token_ids, params)
@@ -238,7 +241,8 @@ class EngineCore:
                 "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests),
                 "core_rss_bytes": rss_bytes(), "core_heap_bytes": heap_bytes(),
                 "core_python_objects": len(gc.get_objects()),
-                "dtype": str(self.dtype).replace("torch.", ""), "hardware": cpu_info().describe()}
+                "dtype": str(self.dtype).replace("torch.", ""), "kv_cache_dtype": self.kv_cache_dtype,
+                "hardware": cpu_info().describe()}
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""

@@ -33,7 +33,8 @@ class PrometheusStatLogger:
     """The engine's metrics in a registry of their own (several engines may share a process)."""
 
     def __init__(self, model_name: str, *, max_model_len: int, policy: str, block_size: int, num_blocks: int,
-                 num_host_blocks: int, priority_classes: bool = False, registry: CollectorRegistry | None = None):
+                 num_host_blocks: int, priority_classes: bool = False, registry: CollectorRegistry | None = None,
+                 kv_cache_dtype: str = ""):
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model_name}
         self.priority_classes = priority_classes
@@ -82,7 +83,8 @@ class PrometheusStatLogger:
         info = Info("aserve:policy", "The scheduling policy and the KV cache it manages.", base, registry=r)
         info.labels(**self.labels).info({"policy": policy, "block_size": str(block_size),
                                          "num_device_blocks": str(num_blocks),
-                                         "num_host_blocks": str(num_host_blocks)})
+                                         "num_host_blocks": str(num_host_blocks),
+                                         "kv_cache_dtype": kv_cache_dtype})
         # the scheduler's counters are totals since start: remember what was already counted
         self._seen = {"recompute": 0, "swap": 0, "out": 0, "in": 0, "recomputed": 0, "queries": 0, "hits": 0}
         for reason in ("stop", "length", "abort"):
@@ -176,7 +178,8 @@ class StatLoggers:
                  log_interval: float = 10.0):
         self.prometheus = PrometheusStatLogger(
             model_name, max_model_len=facts.max_model_len, policy=policy_name, block_size=facts.block_size,
-            num_blocks=facts.num_blocks, num_host_blocks=facts.num_host_blocks, priority_classes=priority_classes)
+            num_blocks=facts.num_blocks, num_host_blocks=facts.num_host_blocks, priority_classes=priority_classes,
+            kv_cache_dtype=facts.kv_cache_dtype)
         self.logging = LoggingStatLogger(log_interval) if log_stats else None
 
     def record(self, stats: IterationStats) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, ParamFiller, need
-from aserve.models.layers import activation
+from aserve.models.layers import Linear, activation
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # the causal mask, saved as tensors by old checkpoints
@@ -66,8 +66,8 @@ class SelfAttention(nn.Module):
     def __init__(self, args: GPT2Args, layer: int):
         super().__init__()
         self.hidden_size = args.hidden_size
-        self.c_attn = nn.Linear(args.hidden_size, 3 * args.hidden_size)
-        self.c_proj = nn.Linear(args.hidden_size, args.hidden_size)
+        self.c_attn = Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
+        self.c_proj = Linear(args.hidden_size, args.hidden_size, bias=True)
         self.attn = Attention(args.num_heads, args.num_heads, args.head_dim, args.attention_scale(layer))
 
     def forward(self, x, kv_cache, meta):
@@ -78,8 +78,8 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: GPT2Args):
         super().__init__()
-        self.c_fc = nn.Linear(args.hidden_size, args.inner_size)
-        self.c_proj = nn.Linear(args.inner_size, args.hidden_size)
+        self.c_fc = Linear(args.hidden_size, args.inner_size, bias=True)
+        self.c_proj = Linear(args.inner_size, args.hidden_size, bias=True)
         self.act = activation(args.activation_function)
 
     def forward(self, x):
@@ -109,7 +109,8 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = nn.Embedding(args.max_position_embeddings, args.hidden_size)
         self.h = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.ln_f = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_epsilon)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
+        self.packed_head: nn.Module | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> "GPT2LMHeadModel":
@@ -127,9 +128,16 @@ class GPT2LMHeadModel(nn.Module):
             x = block(x, kv_cache, meta)
         return self.ln_f(x)
 
+    def output_weight(self) -> torch.Tensor:
+        """The logits projection: the embedding when tied."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if self.packed_head is not None:  # the tied head's own copy: oneDNN-packed (ops.cpu_gemm) or quantized
+            return self.packed_head(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return torch.nn.functional.linear(hidden, self.wte.weight)
 
     # -- loading Hugging Face checkpoints ---------------------------------------------------------
 

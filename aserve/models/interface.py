@@ -47,34 +47,58 @@ def need(config: dict, name: str):
 
 class ParamFiller:
     """Copies checkpoint tensors into a module's parameters, whole or as one shard of a fused parameter,
-    checking shapes, and finally that every parameter (every shard) was filled."""
+    checking shapes, and finally that every parameter (every shard) was filled.
+
+    Shards are concatenated along dim 0 unless the parameter's layer records another layout (a `ParamLayout` in
+    its `param_layouts`, as quantized formats do): the output dimension, how many outputs one stored element packs,
+    or no output dimension at all (every shard carries the same whole tensor, which must then agree)."""
 
     def __init__(self, module: nn.Module, shards: dict[str, list[int]] | None = None):
         self.params = dict(module.named_parameters())
-        self.shards = shards or {}  # fused parameter name -> its shards' sizes along dim 0
+        self.layouts = {f"{prefix}.{name}" if prefix else name: layout for prefix, m in module.named_modules()
+                        for name, layout in getattr(m, "param_layouts", {}).items()}
+        self.shards = shards or {}  # fused parameter name -> its shards' sizes along the output dimension
         self.filled: set[tuple[str, int | None]] = set()
+        self.touched: set[str] = set()  # names with at least one shard filled
 
     def fill(self, ours: str, tensor: torch.Tensor, source: str, shard: int | None = None) -> None:
         param = self.params.get(ours)
         if param is None:
             raise ValueError(f"unexpected tensor {source!r}")
         dest = param.data
-        if shard is not None:
+        layout = self.layouts.get(ours)
+        if shard is not None and layout is not None and layout.output_dim is None:
+            if ours in self.touched and not torch.equal(dest, tensor.to(dest.dtype)):
+                raise ValueError(f"tensor {source!r} differs from the other shards fused into {ours!r}, "
+                                 "which must hold the same values")
+        elif shard is not None:
+            dim, pack = (layout.output_dim, layout.pack_factor) if layout is not None else (0, 1)
             sizes = self.shards[ours]
-            dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if any(size % pack for size in sizes):
+                raise ValueError(f"tensor {source!r}: the fused shards of {ours!r} ({sizes} outputs) do not divide "
+                                 f"into the {pack} outputs one packed element holds")
+            dest = dest.narrow(dim, sum(sizes[:shard]) // pack, sizes[shard] // pack)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"tensor {source!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}")
         dest.copy_(tensor.to(dest.dtype))
         self.filled.add((ours, shard))
+        self.touched.add(ours)
 
     def check_complete(self) -> None:
-        for ours in self.params:
+        for ours, param in self.params.items():
             if (ours, None) in self.filled:  # whole, even where the checkpoint is fused too (Phi-3)
                 continue
-            for shard in range(len(self.shards[ours])) if ours in self.shards else [None]:
-                if (ours, shard) not in self.filled:
-                    raise ValueError(f"the checkpoint lacks weights for {ours!r}"
-                                     + (f" (shard {shard})" if shard is not None else ""))
+            layout = self.layouts.get(ours)
+            shards = range(len(self.shards[ours])) if ours in self.shards else [None]
+            if layout is not None and layout.output_dim is None and ours in self.touched:
+                continue  # one shard carries the whole tensor
+            missing = [shard for shard in shards if (ours, shard) not in self.filled]
+            if missing and layout is not None and layout.fill_default is not None and len(missing) == len(shards):
+                layout.fill_default(param.data)
+                continue
+            if missing:
+                raise ValueError(f"the checkpoint lacks weights for {ours!r}"
+                                 + (f" (shard {missing[0]})" if missing[0] is not None else ""))
 
 
 def fill_from_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

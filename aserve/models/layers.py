@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, rotary position embeddings, activations.
+"""Building blocks shared by the model families: linear layers, RMSNorm, rotary position embeddings, activations.
 
 On the CPU, RMSNorm, the rotary embedding and SiLU-and-mul run as aserve's fused kernels (ops.cpu_kernels)
 when those are built; the torch code beside each is the fallback and the reference they are tested against.
@@ -6,11 +6,46 @@ when those are built; the torch code beside each is the fallback and the referen
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from aserve.ops import cpu_kernels
+from aserve.quantization.base import UNQUANTIZED, LinearMethod, ParamLayout
+
+
+class Linear(nn.Module):
+    """y = x W^T + b, whatever form W takes: dense, int8 or GPTQ/AWQ int4 is the business of its `LinearMethod`
+    (aserve.quantization), set once per model at load. `out_features` may be a list: the shards of a fused
+    projection (q|k|v, gate|up), concatenated along the output dimension in that order."""
+
+    def __init__(self, in_features: int, out_features: int | Sequence[int], bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = [out_features] if isinstance(out_features, int) else list(out_features)
+        self.out_features = sum(self.output_sizes)
+        self.param_layouts: dict[str, ParamLayout] = {"bias": ParamLayout()}
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+        self.method: LinearMethod = UNQUANTIZED
+        self.method.create_weights(self, torch.get_default_dtype())
+
+    def set_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
+        """Trade the dense weight for `method`'s checkpoint tensors (before the weights are filled)."""
+        for name in [n for n in self.param_layouts if n != "bias"]:
+            self._parameters.pop(name, None)
+            del self.param_layouts[name]
+        self.method = method
+        method.create_weights(self, dtype)
+
+    def prepack(self, dtype: torch.dtype) -> bool:
+        return self.method.prepack(self, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.method.name}"
 
 
 class RMSNorm(nn.Module):

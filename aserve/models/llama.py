@@ -15,7 +15,7 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
-from aserve.models.layers import RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
+from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
 
 
 @dataclass
@@ -68,8 +68,8 @@ class SelfAttention(nn.Module):
                  logit_softcap: float | None = None):
         super().__init__()
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = Linear(args.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -93,8 +93,8 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.act = activation(args.hidden_act)
         self.swiglu = args.hidden_act == "silu"
 
@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
         self.rope: RotaryEmbedding | None = None
         self.packed_head: nn.Module | None = None
 
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:  # a tied head packed by ops.cpu_gemm.prepack_linears
+        if self.packed_head is not None:  # the tied head's own copy: oneDNN-packed (ops.cpu_gemm) or quantized
             return self.packed_head(hidden)
         if self.lm_head is not None:
             return self.lm_head(hidden)

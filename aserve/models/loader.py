@@ -12,10 +12,12 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from aserve.attention.kv_quant import is_scale_tensor
 from aserve.hardware import native, resolve_dtype
 from aserve.models.interface import CausalLM
 from aserve.models.registry import architecture, model_class, read_config, read_json
 from aserve.ops.cpu_gemm import prepack_linears
+from aserve.quantization import resolve as resolve_quantization
 
 log = logging.getLogger("aserve")
 
@@ -44,6 +46,13 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
+def checkpoint_names(files: list[Path]) -> Iterator[str]:
+    """Every tensor name of the checkpoint, read from the files' headers only."""
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            yield from f.keys()
+
+
 def checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(file name, tensor name, tensor) for every tensor of every file, read one at a time; errors name the file."""
     for file in files:
@@ -58,7 +67,8 @@ def fill_weights(model: CausalLM, files: list[Path]) -> None:
     def tensors():
         for file_name, name, tensor in checkpoint_tensors(files):
             current[0] = file_name
-            yield name, tensor
+            if not is_scale_tensor(name):  # KV cache scales: the worker reads them for an FP8 cache
+                yield name, tensor
     try:
         model.load_weights(tensors())
     except ValueError as exc:
@@ -67,16 +77,26 @@ def fill_weights(model: CausalLM, files: list[Path]) -> None:
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device = torch.device("cpu"),
-               max_model_len: int | None = None) -> LoadedModel:
+               max_model_len: int | None = None, quantization: str | None = None,
+               quantize_lm_head: bool = False) -> LoadedModel:
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     cls = model_class(architecture(config))
+    spec = resolve_quantization(config, quantization, quantize_lm_head)
+    if spec is not None:
+        from aserve.quantization import loading
+
+        loading.check_device(spec, device)
     torch_dtype, reason = resolve_dtype(dtype, config, device)
-    with torch.device("meta"):
-        model = cls.from_config(config)
     files = checkpoint_files(model_dir)
-    model = model.to_empty(device=device).to(torch_dtype)
+    with torch.device("meta"):
+        model = cls.from_config(config).to(torch_dtype)
+        if spec is not None:  # before the weights are allocated: a GPTQ/AWQ layer never holds a dense one
+            method = loading.attach(model, spec, torch_dtype, checkpoint_names(files))
+    model = model.to_empty(device=device)
     fill_weights(model, files)
+    if spec is not None:
+        loading.finish(model, spec, method, torch_dtype)
     with device:  # tables made here (rotary cos/sin) are plain tensors that .to() would not move
         model.prepare(max_model_len or 0, torch_dtype)
     model.eval().requires_grad_(False)

@@ -14,7 +14,7 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
-from aserve.models.layers import activation
+from aserve.models.layers import Linear, activation
 
 POSITION_OFFSET = 2  # fairseq reserved the first two rows of the position table: position p uses row p + 2
 
@@ -67,8 +67,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.hidden_size = args.hidden_size
         self.scale = args.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=args.enable_bias)
-        self.out_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=args.enable_bias)
+        self.qkv_proj = Linear(args.hidden_size, [args.hidden_size] * 3, bias=args.enable_bias)
+        self.out_proj = Linear(args.hidden_size, args.hidden_size, bias=args.enable_bias)
         # the reference scales the projected query, not the scores; the same order keeps fp32 results equal
         self.attn = Attention(args.num_heads, args.num_heads, args.head_dim, 1.0)
 
@@ -84,8 +84,8 @@ class DecoderLayer(nn.Module):
         self.self_attn_layer_norm = layer_norm(args)
         self.self_attn = SelfAttention(args)
         self.final_layer_norm = layer_norm(args)
-        self.fc1 = nn.Linear(args.hidden_size, args.ffn_dim, bias=args.enable_bias)
-        self.fc2 = nn.Linear(args.ffn_dim, args.hidden_size, bias=args.enable_bias)
+        self.fc1 = Linear(args.hidden_size, args.ffn_dim, bias=args.enable_bias)
+        self.fc2 = Linear(args.ffn_dim, args.hidden_size, bias=args.enable_bias)
         self.act = activation(args.activation_function)
 
     def forward(self, x, kv_cache, meta):
@@ -111,12 +111,12 @@ class OPTForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.word_embed_proj_dim)
         self.embed_positions = nn.Embedding(args.max_position_embeddings + POSITION_OFFSET, args.hidden_size)
         projected = args.word_embed_proj_dim != args.hidden_size
-        self.project_in = nn.Linear(args.word_embed_proj_dim, args.hidden_size, bias=False) if projected else None
+        self.project_in = Linear(args.word_embed_proj_dim, args.hidden_size) if projected else None
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.final_layer_norm = layer_norm(args) if args.final_layer_norm else None
-        self.project_out = nn.Linear(args.hidden_size, args.word_embed_proj_dim, bias=False) if projected else None
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.word_embed_proj_dim, args.vocab_size,
-                                                                       bias=False)
+        self.project_out = Linear(args.hidden_size, args.word_embed_proj_dim) if projected else None
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.word_embed_proj_dim, args.vocab_size)
+        self.packed_head: nn.Module | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> "OPTForCausalLM":
@@ -141,9 +141,16 @@ class OPTForCausalLM(nn.Module):
             x = self.project_out(x)
         return x
 
+    def output_weight(self) -> torch.Tensor:
+        """The logits projection: the embedding when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if self.packed_head is not None:  # the tied head's own copy: oneDNN-packed (ops.cpu_gemm) or quantized
+            return self.packed_head(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
 
     # -- loading Hugging Face checkpoints ---------------------------------------------------------
 

@@ -8,6 +8,8 @@ callers' masks and an optional `softcap`.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -41,17 +43,20 @@ def softcap_(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rows: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+                     rows: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None = None,
+                     widen: tuple[Callable, Callable] | None = None) -> torch.Tensor:
     """One query per request: [B, Hq, D] against each request's cached context.
 
     The context is gathered head-major ([Hkv * B, L, D]), so both products are single batched matmuls
     with the query heads of a group as rows; no copy of K or V beyond the gather. `mask` is
-    [1, B, 1, L] bool."""
+    [1, B, 1, L] bool. `widen` turns gathered keys and values into the query's dtype (an FP8 cache)."""
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
     k = gather(k_cache, rows).view(num_kv_heads * batch, -1, head_dim)
     v = gather(v_cache, rows).view(num_kv_heads * batch, -1, head_dim)
+    if widen is not None:
+        k, v = widen[0](k), widen[1](v)
     q = query.view(batch, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads * batch, group, head_dim)
     scores = softcap_(torch.bmm(q, k.transpose(1, 2)).view(num_kv_heads, batch, group, -1) * scale, softcap)
     scores = scores.masked_fill(~mask, float("-inf"))

@@ -18,12 +18,27 @@ BLOCK_N = 32  # keys per step of the walk
 
 
 @triton.jit
+def _widen_fp8(bits, FP8: tl.constexpr):
+    """FP8 bytes -> fp32 through fp16 bit patterns (FP8 1 = e4m3, 2 = e5m2), as attention.kv_quant describes."""
+    b = bits.to(tl.uint16)
+    if FP8 == 2:
+        h = b << 8
+    else:
+        h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    x = h.to(tl.float16, bitcast=True).to(tl.float32)
+    if FP8 == 1:
+        x = x * 256.0
+    return x
+
+
+@triton.jit
 def _unified_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr,
                        tile_request_ptr, tile_first_ptr, tile_len_ptr,
-                       scale, softcap, window, group, head_dim, block_size,
+                       scale, softcap, window, group, head_dim, block_size, k_scale, v_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cb, stride_cs, stride_table,
                        GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       FP8: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     request = tl.load(tile_request_ptr + tile)
@@ -39,6 +54,8 @@ def _unified_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     pos = tl.load(positions_ptr + token, mask=row_ok, other=0)
+    if FP8 != 0:  # FP8 keys and values widen to fp32: the products run in fp32 (memory, not math, is the point)
+        q = q.to(tl.float32)
 
     # The tile's tokens are consecutive positions of one request: the last one bounds the keys any row sees,
     # the first one (less the window) the earliest.
@@ -59,7 +76,9 @@ def _unified_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
         key_ok = keys < key_end
         block = tl.load(table + keys // block_size, mask=key_ok, other=0)
         slot = block * stride_cb + (keys % block_size) * stride_cs
-        k = tl.load(k_base + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        k = tl.load(k_base + slot[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0)
+        if FP8 != 0:
+            k = _widen_fp8(k, FP8) * k_scale
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if USE_SOFTCAP:  # cap * tanh(scores / cap), tanh written with exp (no tanh in tl)
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
@@ -72,7 +91,9 @@ def _unified_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_base + slot[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0)
+        if FP8 != 0:
+            v = _widen_fp8(v, FP8) * v_scale
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -98,10 +119,12 @@ def query_tiles(query_starts: list[int], counts: list[int], block_q: int) -> tup
 
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       positions: torch.Tensor, tiles: tuple[torch.Tensor, ...], block_q: int, scale: float,
-                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0, fp8: int = 0) -> torch.Tensor:
     """query [T, Hq, D] (head dim contiguous) against the paged cache -> [T, Hq, D].
 
-    k_cache / v_cache are one layer's [Hkv, num_blocks, block_size, D] views with the same strides;
+    k_cache / v_cache are one layer's [Hkv, num_blocks, block_size, D] views with the same strides, in the
+    query's dtype or (fp8 = 1 e4m3, 2 e5m2) FP8 bytes read as bytes * k_scale / v_scale;
     `tiles` is query_tiles(..., block_q) on the query's device."""
     _, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -110,11 +133,12 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     grid = (len(tiles[0]), num_kv_heads)
     _unified_attention[grid](
         out, query, k_cache, v_cache, block_tables, positions, *tiles,
-        scale, softcap or 1.0, window or 0, group, head_dim, block_size,
+        scale, softcap or 1.0, window or 0, group, head_dim, block_size, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None)  # fp32 models stay fp32, not tf32
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 models stay fp32, not tf32
+        FP8=fp8)
     return out

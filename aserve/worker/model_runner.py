@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aserve.attention import AttentionBackend, BatchLayout, select_backend
+from aserve.attention import Attention, AttentionBackend, BatchLayout, kv_quant, select_backend
 from aserve.core.scheduler import SchedulerOutput
 from aserve.models.interface import CausalLM
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
@@ -35,14 +35,23 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int,
-                 swap_space: int = 0, attention_backend: str | AttentionBackend | None = None):
+                 swap_space: int = 0, attention_backend: str | AttentionBackend | None = None,
+                 kv_cache_dtype: str = "auto", kv_scales: dict[int, tuple[float, float]] | None = None,
+                 calculate_kv_scales: bool = False):
         self.model = model
         self.requests: dict[str, RequestState] = {}  # the worker's own state of every request it has run
         self.device = next(model.parameters()).device
         self.backend = (attention_backend if not isinstance(attention_backend, (str, type(None)))
                         else select_backend(attention_backend, self.device))
         self.dtype = dtype
-        self.kv_dtype = self.backend.kv_cache_dtype(dtype)
+        # An FP8 cache holds bytes (uint8): blocks, swaps and copies are byte copies; the backend dequantizes.
+        self.kv_format = kv_quant.resolve(kv_cache_dtype)
+        self.backend.kv_format = self.kv_format
+        self.kv_dtype = torch.uint8 if self.kv_format else self.backend.kv_cache_dtype(dtype)
+        self.kv_cache_dtype = self.kv_format.name if self.kv_format else str(self.kv_dtype).replace("torch.", "")
+        if self.kv_format:
+            kv_quant.set_scales([m for m in model.modules() if isinstance(m, Attention)], kv_scales or {},
+                                calculate_kv_scales)
         self.block_size = block_size
         per_block = kv_bytes_per_block(model, block_size, self.kv_dtype)
         self.num_blocks = kv_cache_memory // per_block

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aserve.attention import kv_quant
 from aserve.config import EngineConfig
 from aserve.core.scheduler import SchedulerOutput
 from aserve.hardware import resolve_device
@@ -29,6 +30,7 @@ class WorkerInfo:
     num_blocks: int
     num_host_blocks: int
     attention_backend: str
+    kv_cache_dtype: str  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
 
 
 class Worker:
@@ -36,14 +38,17 @@ class Worker:
         device = resolve_device(config.device)
         if device.type == "cuda":  # Triton launches on the current device, whatever its tensors' device is
             torch.cuda.set_device(device)
-        loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len)
+        loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len,
+                            quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
+        scales = kv_quant.checkpoint_scales(config.model) if config.kv_cache_dtype != "auto" else None
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
-                                  config.swap_space, config.attention_backend)
+                                  config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,
+                                  config.calculate_kv_scales)
         shape = loaded.model.shape
         self.info = WorkerInfo(type(loaded.model).__name__, loaded.config, str(loaded.dtype).replace("torch.", ""),
                                loaded.dtype_reason, shape.vocab_size, shape.max_position_embeddings,
                                loaded.eos_token_ids, self.runner.num_blocks, self.runner.num_host_blocks,
-                               self.runner.backend.name)
+                               self.runner.backend.name, self.runner.kv_cache_dtype)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)

@@ -1,5 +1,5 @@
-// aserve's CPU kernels: fused decode attention over the paged KV cache, RMSNorm, rotary embedding and
-// SiLU-and-mul. Each replaces a chain of small torch ops (and, for attention, a gather that copied every
+// aserve's CPU kernels: fused decode attention over the paged KV cache, KV cache writes (FP8 quantization
+// included), RMSNorm, rotary embedding and SiLU-and-mul. Each replaces a chain of small torch ops (and, for attention, a gather that copied every
 // request's context once per layer) with one pass over the data. Registered as torch ops (torch.ops.aserve.*);
 // aserve/ops/cpu_kernels.py builds this file once per CPU kind and falls back to the torch path without it.
 //
@@ -12,6 +12,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -30,11 +32,33 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;  // 16 lanes with AVX-512, 8 with AVX2 (CPU_CAPABILITY_* at build)
 
+// An FP8 KV cache stores bytes; these tags say how to read them. Bytes are widened through fp16 bit
+// patterns: e5m2 is an fp16's top byte; e4m3's exponent and mantissa moved into fp16's place read as the value
+// times 2^-8 (bias 7 against 15, subnormals included). decode_attention_by_cache folds that 2^8 into the
+// scales, so a row widens with no multiply. Saturated writes mean e4m3's NaN pattern never occurs.
+struct E4M3 { uint8_t bits; };
+struct E5M2 { uint8_t bits; };
+template <typename T> constexpr bool is_fp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+
+template <typename T> inline uint16_t fp8_to_fp16_bits(uint8_t b) {
+  if constexpr (std::is_same_v<T, E5M2>) {
+    return static_cast<uint16_t>(b) << 8;
+  } else {
+    return static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+  }
+}
+
+template <typename T> inline float fp8_to_float(uint8_t b) {
+  return static_cast<float>(c10::Half(fp8_to_fp16_bits<T>(b), c10::Half::from_bits()));
+}
+
 // Rows are converted to fp32 scratch once and worked on there (at::vec's generic convert is scalar for
 // 16-bit -> fp32, so the widening is spelled out with Vectorized<T>; the narrowing one is vectorized).
 template <typename T> inline void load_row(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
+  } else if constexpr (is_fp8<T>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_to_float<T>(src[i].bits);
   } else {
     using bVec = at::vec::Vectorized<T>;
     int64_t i = 0;
@@ -99,6 +123,33 @@ inline void scale_row(float* x, float alpha, int64_t n) {
 template <typename T, int D> inline void widen(const T* p, fVec* out) {
   if constexpr (std::is_same_v<T, float>) {
     for (int c = 0; c < D / fVec::size(); ++c) out[c] = fVec::loadu(p + c * fVec::size());
+  } else if constexpr (is_fp8<T>) {
+    for (int c = 0; c < D / fVec::size(); ++c) {
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p) + c * fVec::size();
+#if defined(CPU_CAPABILITY_AVX512)
+      __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+      if constexpr (std::is_same_v<T, E5M2>) {
+        w = _mm256_slli_epi16(w, 8);
+      } else {
+        w = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                            _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+      }
+      out[c] = _mm512_cvtph_ps(w);
+#elif defined(CPU_CAPABILITY_AVX2)
+      __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+      if constexpr (std::is_same_v<T, E5M2>) {
+        w = _mm_slli_epi16(w, 8);
+      } else {
+        w = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
+                         _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+      }
+      out[c] = _mm256_cvtph_ps(w);
+#else
+      float lanes[fVec::size()];
+      for (int i = 0; i < fVec::size(); ++i) lanes[i] = fp8_to_float<T>(bytes[i]);
+      out[c] = fVec::loadu(lanes);
+#endif
+    }
   } else {
     using bVec = at::vec::Vectorized<T>;
     for (int c = 0; c < D / bVec::size(); ++c) {
@@ -229,10 +280,12 @@ void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head,
   }
 }
 
-template <typename T, int HeadDim>
+// T: the query's and output's type; C: the cache's (T, or an FP8 tag with k_scale / v_scale folded in).
+template <typename T, typename C, int HeadDim>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                           double k_scale, double v_scale) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
@@ -241,15 +294,16 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t splits = batch * num_kv_heads >= 2 * threads ? 1 : group;
   const int64_t heads_per_item = group / splits;
   const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
+  const C* k_ptr = reinterpret_cast<const C*>(k_cache.const_data_ptr());
+  const C* v_ptr = reinterpret_cast<const C*>(v_cache.const_data_ptr());
   T* o_ptr = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t q_stride0 = query.stride(0), q_stride1 = query.stride(1);
   const int64_t o_stride0 = out.stride(0), o_stride1 = out.stride(1);
   const int64_t head_stride = num_blocks * block_size * head_dim;  // one kv head's slab of the cache
-  const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale * k_scale);
+  const float vscale = static_cast<float>(v_scale);
 
   at::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads_per_item * head_dim), row(head_dim), acc(heads_per_item * head_dim), scores;
@@ -266,7 +320,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         scale_row(q.data() + g * head_dim, fscale, head_dim);
       }
       scores.resize(heads_per_item * n);
-      key_scores<T, HeadDim>(q.data(), heads_per_item, head_dim, k_ptr + kvh * head_stride, table, block_size,
+      key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_ptr + kvh * head_stride, table, block_size,
                              first, len, cap, scores.data(), row.data());
       for (int64_t g = 0; g < heads_per_item; ++g) {  // softmax in place
         float* s = scores.data() + g * n;
@@ -275,8 +329,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         const float total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
         scale_row(s, 1.f / total, n);
       }
-      value_sum<T, HeadDim>(scores.data(), heads_per_item, head_dim, v_ptr + kvh * head_stride, table, block_size,
+      value_sum<C, HeadDim>(scores.data(), heads_per_item, head_dim, v_ptr + kvh * head_stride, table, block_size,
                             first, len, acc.data(), row.data());
+      if (vscale != 1.f) scale_row(acc.data(), vscale, heads_per_item * head_dim);
       for (int64_t g = 0; g < heads_per_item; ++g)
         store_row(acc.data() + g * head_dim, o_ptr + b * o_stride0 + (h0 + g) * o_stride1, head_dim);
     }
@@ -284,22 +339,39 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 }
 
 // Head sizes the unrolled path takes: multiples of two 16-bit vectors (32 lanes with AVX-512, 16 with AVX2).
-template <typename T>
+template <typename T, typename C>
 void decode_attention_dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+                               const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                               double k_scale, double v_scale) {
   constexpr int64_t unit = 2 * fVec::size();
   switch (query.size(2)) {
-    case 64: if constexpr (64 % unit == 0) return decode_attention_impl<T, 64>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap); break;
-    case 128: if constexpr (128 % unit == 0) return decode_attention_impl<T, 128>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap); break;
-    case 256: if constexpr (256 % unit == 0) return decode_attention_impl<T, 256>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap); break;
+    case 64: if constexpr (64 % unit == 0) return decode_attention_impl<T, C, 64>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale); break;
+    case 128: if constexpr (128 % unit == 0) return decode_attention_impl<T, C, 128>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale); break;
+    case 256: if constexpr (256 % unit == 0) return decode_attention_impl<T, C, 256>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale); break;
   }
-  decode_attention_impl<T, 0>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
+  decode_attention_impl<T, C, 0>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale);
+}
+
+// The cache in the query's dtype (kv_format 0), or FP8 bytes with their scales (1 = e4m3, whose widening
+// through fp16 reads 2^-8 of the value: the 2^8 goes into the scales here; 2 = e5m2).
+template <typename T>
+void decode_attention_by_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                               double k_scale, double v_scale, int64_t kv_format) {
+  switch (kv_format) {
+    case 0: return decode_attention_dispatch<T, T>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale);
+    case 1: return decode_attention_dispatch<T, E4M3>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale * 256.0, v_scale * 256.0);
+    case 2: return decode_attention_dispatch<T, E5M2>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale);
+  }
+  TORCH_CHECK(false, "paged_decode_attention: kv_format must be 0 (the query's dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2)");
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale, int64_t window, double softcap) {
+                            double scale, int64_t window, double softcap, double k_scale, double v_scale,
+                            int64_t kv_format) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [batch, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -313,13 +385,89 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
                   context_lens.size(0) == query.size(0),
               "context_lens must be contiguous int64 [batch]");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, cache and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "query and out must share a dtype, and so must the two caches");
+  TORCH_CHECK(kv_format == 0 ? k_cache.scalar_type() == query.scalar_type() : k_cache.scalar_type() == at::kByte,
+              "the cache must be in the query's dtype, or uint8 (FP8 bytes) with kv_format 1 or 2");
   switch (query.scalar_type()) {
-    case at::kFloat: return decode_attention_dispatch<float>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
-    case at::kBFloat16: return decode_attention_dispatch<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
-    case at::kHalf: return decode_attention_dispatch<c10::Half>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap);
+    case at::kFloat: return decode_attention_by_cache<float>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
+    case at::kBFloat16: return decode_attention_by_cache<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
+    case at::kHalf: return decode_attention_by_cache<c10::Half>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+// ---- KV cache writes ----------------------------------------------------------------------------------------
+// key/value [tokens, kv_heads, head_dim] into the caches [kv_heads, blocks, block_size, head_dim] at slot
+// (block * block_size + offset) per token: copied in the cache's dtype (kv_format 0), or stored as FP8 bytes
+// of x / scale saturated to the format's range (1 = e4m3, 2 = e5m2): the bytes torch's own conversion gives.
+template <typename T, typename C>
+void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const int64_t* slots, double k_scale, double v_scale) {
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * dim;
+  const T* k_src = key.data_ptr<T>();
+  const T* v_src = value.data_ptr<T>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  C* k_dst = reinterpret_cast<C*>(k_cache.data_ptr());
+  C* v_dst = reinterpret_cast<C*>(v_cache.data_ptr());
+  const float inv_k = static_cast<float>(1.0 / k_scale), inv_v = static_cast<float>(1.0 / v_scale);
+  auto store = [dim](const T* src, C* dst, float inv) {
+    if constexpr (std::is_same_v<C, T>) {
+      std::memcpy(dst, src, dim * sizeof(T));
+    } else {
+      using F8 = std::conditional_t<std::is_same_v<C, E4M3>, c10::Float8_e4m3fn, c10::Float8_e5m2>;
+      const float top = static_cast<float>(std::numeric_limits<F8>::max());
+      for (int64_t i = 0; i < dim; ++i) {
+        const float x = std::clamp(static_cast<float>(src[i]) * inv, -top, top);
+        dst[i].bits = F8(x).x;
+      }
+    }
+  };
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        store(k_src + t * ks0 + h * ks1, k_dst + h * head_stride + slots[t] * dim, inv_k);
+        store(v_src + t * vs0 + h * vs1, v_dst + h * head_stride + slots[t] * dim, inv_v);
+      }
+    }
+  });
+}
+
+template <typename T>
+void write_kv_by_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const int64_t* slots, double k_scale, double v_scale, int64_t kv_format) {
+  switch (kv_format) {
+    case 0: return write_kv_impl<T, T>(key, value, k_cache, v_cache, slots, k_scale, v_scale);
+    case 1: return write_kv_impl<T, E4M3>(key, value, k_cache, v_cache, slots, k_scale, v_scale);
+    case 2: return write_kv_impl<T, E5M2>(key, value, k_cache, v_cache, slots, k_scale, v_scale);
+  }
+  TORCH_CHECK(false, "write_kv: kv_format must be 0 (the keys' dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2)");
+}
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping, double k_scale, double v_scale, int64_t kv_format) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              "write_kv: key and value must be [tokens, kv_heads, head_dim] with unit inner stride");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == key.size(1) &&
+                  k_cache.size(3) == key.size(2),
+              "write_kv: caches must be contiguous [kv_heads, blocks, block_size, head_dim] matching the keys");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "write_kv: slot_mapping must be contiguous int64 [tokens]");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (kv_format == 0 ? k_cache.scalar_type() == key.scalar_type() : k_cache.scalar_type() == at::kByte),
+              "write_kv: the caches must be in the keys' dtype, or uint8 (FP8 bytes) with kv_format 1 or 2");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot ", slots[t], " is outside the cache");
+  switch (key.scalar_type()) {
+    case at::kFloat: return write_kv_by_cache<float>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format);
+    case at::kBFloat16: return write_kv_by_cache<c10::BFloat16>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format);
+    case at::kHalf: return write_kv_by_cache<c10::Half>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format);
+    default: TORCH_CHECK(false, "write_kv: unsupported dtype ", key.scalar_type());
   }
 }
 
@@ -449,10 +597,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 TORCH_LIBRARY(aserve, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window, float softcap) -> ()");
+        "Tensor context_lens, float scale, int window, float softcap, float k_scale=1.0, float v_scale=1.0, "
+        "int kv_format=0) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int rotary_dim) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "float k_scale=1.0, float v_scale=1.0, int kv_format=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
@@ -460,4 +611,5 @@ TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv", &write_kv);
 }

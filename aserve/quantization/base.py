@@ -1,0 +1,103 @@
+"""The linear-method seam: how a linear layer holds its weights and multiplies by them.
+
+A model builds `aserve.models.layers.Linear` modules and never asks what is inside. Each one has a
+`LinearMethod`, chosen once per model from the config (aserve.quantization.resolve): the method registers the
+layer's parameters in the checkpoint's own layout (`create_weights`), turns them into the form it computes with
+once they are filled (`process_after_loading`: quantize, repack) and multiplies (`apply`). A new weight format is a
+new method, not an `if` in the model code.
+
+Fused projections (q|k|v, gate|up) are one layer whose shards are concatenated along the output dimension. Each
+parameter says how a shard lands in it: `output_dim` (the dimension that holds outputs, None when every shard
+carries the whole tensor, as GPTQ's g_idx) and `pack_factor` (outputs per stored element along it, 8 for int4
+packed eight to an int32): a `ParamLayout` in `layer.param_layouts`, read by `aserve.models.interface.ParamFiller`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from aserve.ops import cpu_gemm
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How fused shards land in one checkpoint-layout parameter (see the module docstring)."""
+    output_dim: int | None = 0
+    pack_factor: int = 1
+    fill_default: Callable[[torch.Tensor], None] | None = None  # fills it when the checkpoint lacks it
+
+
+def add_checkpoint_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                         layout: ParamLayout = ParamLayout()) -> None:
+    """Register a parameter in the checkpoint's layout and record its layout on the layer (attributes set on a
+    parameter would not survive `to_empty`)."""
+    setattr(layer, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+    layer.param_layouts[name] = layout
+
+
+def replace_params(layer: nn.Module, **tensors: torch.Tensor | None) -> None:
+    """Swap the layer's checkpoint-layout tensors for its compute-form ones (None deletes): after loading they are
+    plain buffers, so nothing mistakes them for checkpoint parameters."""
+    for name, tensor in tensors.items():
+        if name in layer._parameters:
+            del layer._parameters[name]
+        if name in layer._buffers:
+            del layer._buffers[name]
+        if tensor is not None:
+            layer.register_buffer(name, tensor)
+
+
+class LinearMethod:
+    """One weight format of `Linear` layers. Stateless per layer: what a layer needs lives on the layer."""
+
+    name = "unquantized"
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        """Register the layer's parameters in the checkpoint's layout, shapes from `layer.in_features` and
+        `layer.output_sizes`, on the current device (meta while a model is built)."""
+        raise NotImplementedError
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Turn the filled checkpoint tensors into what `apply` computes with."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features], the layer's bias added."""
+        raise NotImplementedError
+
+    def prepack(self, layer: nn.Module, dtype: torch.dtype) -> bool:
+        """Reorder the weight for oneDNN (ops.cpu_gemm) if this format can; whether it did."""
+        return False
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """What the layer's weights occupy once processed (for the start-up log)."""
+        return sum(t.numel() * t.element_size() for name, t in layer.named_buffers(recurse=False)
+                   if name != "bias") + sum(p.numel() * p.element_size() for name, p in
+                                            layer.named_parameters(recurse=False) if name != "bias")
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The dense weight [out, in] as the checkpoint holds it, prepacked for oneDNN on the CPU at load."""
+
+    name = "unquantized"
+
+    def create_weights(self, layer, dtype):
+        add_checkpoint_param(layer, "weight", (layer.out_features, layer.in_features), dtype)
+        layer.packed = None
+
+    def prepack(self, layer, dtype):
+        w = layer.weight
+        if layer.packed is not None or w.dtype != dtype or w.device.type != "cpu" or not cpu_gemm.can_pack(dtype):
+            return False
+        layer.packed = cpu_gemm.pack_weight(w)
+        return True
+
+    def apply(self, layer, x):
+        if layer.packed is not None:
+            return cpu_gemm.packed_linear(x, layer.packed, layer.bias)
+        return nn.functional.linear(x, layer.weight, layer.bias)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()

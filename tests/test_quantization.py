@@ -1,0 +1,347 @@
+"""Quantized weights: int8 quantized at load, and GPTQ/AWQ 4-bit checkpoints written here from the formats'
+definitions (the packing below is the test's own, not aserve's), checked against dequantized fp32 references."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.engine.errors import ModelLoadError
+from aserve.models.layers import Linear
+from aserve.models.loader import load_model
+from aserve.quantization import int4
+from aserve.quantization.base import UNQUANTIZED
+from conftest import random_prompts
+
+FAMILY = "llama-gqa-tied"  # hidden 64, intermediate 128, q 64 + k 32 + v 32: shapes the int4 kernel takes
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM layout: the j-th nibble holds output 8c + AWQ_ORDER[j]
+PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(4, lengths=(5, 30), seed=3)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+# -- the formats, written from their definitions ----------------------------------------------------------
+
+def quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int):
+    """Asymmetric 4-bit per (group, output) as GPTQ's quantizer does it: codes [out, in], zeros and fp16-exact
+    scales [groups, out]."""
+    out_features = w.shape[0]
+    zeros, scales = torch.zeros(groups, out_features), torch.zeros(groups, out_features)
+    codes = torch.zeros_like(w, dtype=torch.int64)
+    for g in range(groups):
+        cols = (g_idx == g).nonzero().flatten()
+        part = w[:, cols]
+        low, high = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
+        scale = ((high - low) / 15).half().float()
+        zero = torch.round(-low / scale).clamp(0, 15)
+        codes[:, cols] = torch.clamp(torch.round(part / scale[:, None]) + zero[:, None], 0, 15).long()
+        zeros[g], scales[g] = zero, scale
+    return codes, zeros.long(), scales
+
+
+def dequantized(codes, zeros, scales, g_idx):
+    return (codes.float() - zeros.float()[g_idx].t()) * scales[g_idx].t()
+
+
+def to_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] -> [rows / 8, cols] int32: row 8r + j in bits 4j.. of row r."""
+    v = values.long().view(-1, 8, values.shape[1])
+    return to_int32(sum(v[:, j] << (4 * j) for j in range(8)))
+
+
+def pack_cols(values: torch.Tensor, order=range(8)) -> torch.Tensor:
+    """[rows, cols] -> [rows, cols / 8] int32: col 8c + order[j] in bits 4j.. of col c."""
+    v = values.long().view(values.shape[0], -1, 8)
+    return to_int32(sum(v[:, :, o] << (4 * j) for j, o in enumerate(order)))
+
+
+def write_quantized(src, dst, method: str, group_size: int, desc_act: bool = False, v2: bool = False, seed: int = 0,
+                    tamper_g_idx: bool = False):
+    """A GPTQ (v1, or with `v2` gptq_v2 without g_idx tensors) or AWQ (GEMM) copy of `src` at `dst`, and beside it
+    at `dst`-reference the same model with the dequantized weights as plain fp32 tensors."""
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(src / "model.safetensors")
+    quantized, reference = {}, {}
+    perms = {}  # act-order: one input order per input (q/k/v share theirs, as their Hessians agree)
+    for name, w in weights.items():
+        piece = next((p for p in LINEARS if f".{p}.weight" in name), None)
+        if piece is None:
+            quantized[name] = reference[name] = w
+            continue
+        prefix = name[:-len(".weight")]
+        k = w.shape[1]
+        group = k if group_size == -1 else group_size
+        order = torch.arange(k)
+        if desc_act:
+            key = (prefix.rsplit(".", 1)[0], k, piece in ("q_proj", "k_proj", "v_proj"))
+            order = perms.setdefault(key, torch.randperm(k, generator=gen))
+            if tamper_g_idx and piece == "k_proj":
+                order = torch.randperm(k, generator=gen)
+        g_idx = torch.empty(k, dtype=torch.long)
+        g_idx[order] = torch.arange(k) // group
+        codes, zeros, scales = quantize(w.float(), g_idx, k // group)
+        reference[name] = dequantized(codes, zeros, scales, g_idx)
+        if method == "gptq":
+            quantized[f"{prefix}.qweight"] = pack_rows(codes.t().contiguous())
+            quantized[f"{prefix}.qzeros"] = pack_cols(zeros if v2 else (zeros - 1) & 15)  # v1: zero points minus one
+            if not v2:
+                quantized[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
+        else:
+            quantized[f"{prefix}.qweight"] = pack_cols(codes.t().contiguous(), AWQ_ORDER)
+            quantized[f"{prefix}.qzeros"] = pack_cols(zeros, AWQ_ORDER)
+        quantized[f"{prefix}.scales"] = scales.half()
+    ref_dir = dst.parent / f"{dst.name}-reference"
+    for folder, tensors in ((dst, quantized), (ref_dir, reference)):
+        shutil.copytree(src, folder)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": False,
+         "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq" else {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                  "zero_point": True, "version": "gemm"})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst, ref_dir
+
+
+CASES = {"gptq-g32": ("gptq", 32, False), "gptq-desc-act": ("gptq", 32, True), "gptq-row": ("gptq", -1, False),
+         "gptq-v2-no-g_idx": ("gptq", 64, False, True), "awq-g64": ("awq", 64, False)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    return {case: write_quantized(model_dirs[FAMILY], root / case, *spec) for case, spec in CASES.items()}
+
+
+@pytest.fixture
+def kernel_in_fp32(monkeypatch):
+    """Run torch's int4 kernel in fp32 too (it is slow there, so aserve dequantizes instead): the kernel path can
+    then be compared with an fp32 reference at fp32 precision."""
+    monkeypatch.setattr(int4, "KERNEL_DTYPES", (torch.bfloat16, torch.float32))
+
+
+def linears(model) -> dict[str, Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+# -- GPTQ and AWQ ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int4_layers_compute_the_dequantized_weights(checkpoints, kernel_in_fp32, case):
+    """Every linear layer of the loaded checkpoint, on torch's int4 kernel (fp32 activations), multiplies by the
+    dequantized reference weights; the fused q|k|v and gate|up layers included."""
+    quantized_dir, reference_dir = checkpoints[case]
+    quant = linears(load_model(quantized_dir, dtype="float32").model)
+    ref = linears(load_model(reference_dir, dtype="float32").model)
+    assert quant.keys() == ref.keys() and len(quant) == 2 * 4
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    for name, layer in quant.items():
+        assert layer.method.name == f"{CASES[case][0]} int4", name
+        assert (layer.perm is not None) == CASES[case][2], name
+        dense = ref[name].weight.float()
+        inputs = x[:, :layer.in_features]
+        torch.testing.assert_close(layer(inputs), inputs @ dense.t() + (0 if layer.bias is None else layer.bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gptq-desc-act", "awq-g64"])
+def test_int4_layers_dequantize_exactly_without_the_kernel(checkpoints, case):
+    """In fp32 aserve dequantizes at load (torch's kernel is fast only in bf16): the weights equal the reference."""
+    quantized_dir, reference_dir = checkpoints[case]
+    quant = linears(load_model(quantized_dir, dtype="float32").model)
+    ref = linears(load_model(reference_dir, dtype="float32").model)
+    for name, layer in quant.items():
+        assert layer.method is UNQUANTIZED
+        torch.testing.assert_close(layer.weight, ref[name].weight, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["gptq-desc-act", "awq-g64"])
+def test_int4_bf16_kernel_is_within_bf16_rounding(checkpoints, case):
+    """bf16 activations, scales and zero terms: the output error stays at bf16's (2^-8 relative) scale."""
+    quantized_dir, reference_dir = checkpoints[case]
+    quant = linears(load_model(quantized_dir, dtype="bfloat16").model)
+    ref = linears(load_model(reference_dir, dtype="float32").model)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    for name, layer in quant.items():
+        assert layer.method.name.endswith("int4")
+        inputs = x[:, :layer.in_features]
+        expected = inputs @ ref[name].weight.t()
+        got = layer(inputs.bfloat16()).float()
+        assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), name
+
+
+@pytest.mark.parametrize("case", ["gptq-desc-act", "gptq-row", "awq-g64"])
+def test_int4_greedy_equals_the_dequantized_model(checkpoints, kernel_in_fp32, case):
+    """End to end, fp32 activations on the int4 kernel: token for token the greedy output of the model whose
+    weights are the dequantized values."""
+    quantized_dir, reference_dir = checkpoints[case]
+    options = dict(dtype="float32", kv_cache_memory="16MiB")
+    ours = LLM(str(quantized_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
+    theirs = LLM(str(reference_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
+def test_fused_shards_with_different_input_orders_are_refused(model_dirs, tmp_path):
+    quantized_dir, _ = write_quantized(model_dirs[FAMILY], tmp_path / "bad", "gptq", 32, desc_act=True,
+                                       tamper_g_idx=True)
+    with pytest.raises(ValueError, match=r"self_attn\.[qkv]_proj\.g_idx. differs from the other shards"):
+        load_model(quantized_dir, dtype="float32")
+
+
+# -- int8 -----------------------------------------------------------------------------------------------------
+
+def test_int8_weights_are_round_to_nearest_per_output_channel(model_dirs):
+    dense = linears(load_model(model_dirs["llama-untied"], dtype="float32").model)
+    model = load_model(model_dirs["llama-untied"], dtype="float32", quantization="int8").model
+    quant = linears(model)
+    assert model.lm_head.method is UNQUANTIZED  # the head stays dense by default
+    for name, layer in quant.items():
+        if name == "lm_head":
+            continue
+        assert layer.method.name == "int8" and layer.qweight.dtype == torch.int8
+        w = dense[name].weight
+        scale = w.abs().amax(1) / 127
+        torch.testing.assert_close(layer.scales, scale)
+        assert ((layer.qweight.float() * layer.scales[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+def test_int8_kernel_rows_and_dequantized_rows_agree():
+    """bf16: the weight-only kernel (up to 8 rows) and the convert-then-GEMM path (more) compute the same."""
+    from aserve.quantization.int8 import KERNEL_MAX_ROWS, Int8LinearMethod
+
+    layer = Linear(96, 160, bias=True).bfloat16()
+    layer.set_method(Int8LinearMethod(), torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(160, 96))
+    layer.bias.data.copy_(torch.randn(160))
+    layer.method.process_after_loading(layer)
+    x = torch.randn(2 * KERNEL_MAX_ROWS, 96, dtype=torch.bfloat16)
+    few, many = layer(x[:KERNEL_MAX_ROWS]).float(), layer(x)[:KERNEL_MAX_ROWS].float()
+    expected = x[:KERNEL_MAX_ROWS].float() @ (layer.qweight.float() * layer.scales.float()[:, None]).t() + layer.bias
+    for got in (few, many):
+        assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])
+def test_int8_logits_and_greedy_stay_close_to_fp32(model_dirs, family):
+    """Along the common greedy path the chosen tokens' logprobs move by 0.03 on average (at most 0.1; measured
+    0.010-0.014 and 0.033-0.053 on these models), and a continuation may part from fp32's only at a near tie: where
+    fp32 itself rates the int8 choice within 0.1 of its own (these random tiny models' distributions are nearly
+    flat, so ties happen; the one measured was 0.001 apart)."""
+    options = dict(dtype="float32", kv_cache_memory="16MiB")
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5)
+    plain = LLM(str(model_dirs[family]), **options).generate(PROMPTS, params, use_tqdm=False)
+    int8 = LLM(str(model_dirs[family]), quantization="int8", **options).generate(PROMPTS, params, use_tqdm=False)
+    drift = []
+    for a, b in zip(plain, int8):
+        ours, theirs = b.outputs[0], a.outputs[0]
+        for step, (mine, token) in enumerate(zip(ours.token_ids, theirs.token_ids)):
+            if mine != token:
+                assert mine in theirs.logprobs[step]
+                assert theirs.logprobs[step][token].logprob - theirs.logprobs[step][mine].logprob < 0.1
+                break
+            drift.append(abs(ours.logprobs[step][token].logprob - theirs.logprobs[step][token].logprob))
+    assert len(drift) >= len(PROMPTS) * 12 // 2
+    assert sum(drift) / len(drift) < 0.03 and max(drift) < 0.1
+
+
+@pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])
+def test_quantize_lm_head_quantizes_the_head_only(model_dirs, family):
+    model = load_model(model_dirs[family], dtype="float32", quantization="int8", quantize_lm_head=True).model
+    head = model.lm_head if model.lm_head is not None else model.packed_head
+    assert isinstance(head, Linear) and head.method.name == "int8"
+    assert model.embed_tokens.weight.dtype == torch.float32  # a tied embedding keeps its own dense copy
+    hidden = torch.randn(3, 64)
+    dense = load_model(model_dirs[family], dtype="float32").model
+    torch.testing.assert_close(model.compute_logits(hidden), dense.compute_logits(hidden), rtol=0.05, atol=0.05)
+
+
+# -- refusals -------------------------------------------------------------------------------------------------
+
+def broken_copy(model_dirs, tmp_path, **config_changes):
+    """A copy of a tiny model whose weights file is garbage: a refusal must come before any weight is read."""
+    path = tmp_path / "model"
+    shutil.copytree(model_dirs[FAMILY], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(config_changes)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    return path
+
+
+@pytest.mark.parametrize("changes,option,message", [
+    ({"quantization_config": {"quant_method": "fp8"}}, None, "quant_method 'fp8' is not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 8, "group_size": 128}}, None,
+     "gptq with 8 bits is not supported"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}}, None,
+     "AWQ version 'gemv' is not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}, "int8",
+     "already quantized with gptq"),
+    ({}, "awq", "no quantization_config"),
+])
+def test_unsupported_formats_are_refused_before_loading(model_dirs, tmp_path, changes, option, message):
+    path = broken_copy(model_dirs, tmp_path, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(path), quantization=option)
+    with pytest.raises(ValueError, match=message):
+        load_model(path, quantization=option)
+
+
+def test_int4_on_cuda_is_refused_before_loading(model_dirs, tmp_path):
+    path = broken_copy(model_dirs, tmp_path, quantization_config={"quant_method": "awq", "bits": 4,
+                                                                   "group_size": 64, "version": "gemm"})
+    with pytest.raises(ValueError, match="no cuda kernel"):
+        load_model(path, device=torch.device("cuda"))
+
+
+def test_option_values_are_checked():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(quantization="fp4")
+    with pytest.raises(ModelLoadError, match="--quantize-lm-head needs --quantization int8"):
+        LLM(quantize_lm_head=True)
+
+
+# -- the quality tool and its round-to-nearest writer -----------------------------------------------------------
+
+def test_round_to_nearest_gptq_and_awq_copies_hold_the_same_weights(model_dirs, tmp_path):
+    """The quality tool's writer: its GPTQ and AWQ copies of one model load to the same weights (the two packings
+    of one quantization), each within half a step of the original."""
+    from aserve.quantization.rtn import write_rtn_checkpoint
+
+    loaded = {}
+    for method in ("gptq", "awq"):
+        assert write_rtn_checkpoint(model_dirs[FAMILY], tmp_path / method, method) == 64
+        loaded[method] = linears(load_model(tmp_path / method, dtype="float32").model)
+    original = linears(load_model(model_dirs[FAMILY], dtype="float32").model)
+    for name, layer in loaded["gptq"].items():
+        torch.testing.assert_close(layer.weight, loaded["awq"][name].weight, rtol=0, atol=0)
+        w = original[name].weight.view(layer.out_features, -1, 64)
+        step = (w.amax(-1).clamp(min=0) - w.amin(-1).clamp(max=0)) / 15
+        assert ((layer.weight.view_as(w) - w).abs() <= step[..., None] * 0.51).all(), name
+
+
+def test_quality_tool_reports_no_loss_for_the_reference_and_some_for_int4(model_dirs, tmp_path):
+    from aserve.bench import quality
+    from aserve.cli import build_parser
+
+    figures = {}
+    for option in ([], ["--quantization", "gptq", "--dtype", "bfloat16"]):
+        out = tmp_path / f"{len(option)}.json"
+        quality.main(build_parser().parse_args(["bench", "quality", "--model", str(model_dirs[FAMILY]),
+                                                "--num-prompts", "6", "--max-tokens", "8", "--kv-cache-memory",
+                                                "16MiB", "--json", str(out), *option]))
+        figures[len(option)] = json.loads(out.read_text())
+    same, int4 = figures[0], figures[4]
+    assert same["mean_kl"] == 0 and same["perplexity"] == same["perplexity_reference"]
+    assert same["greedy_identical"] == 1 and same["greedy_tokens_before_difference"] == 8
+    assert 0 < int4["mean_kl"] < 0.5 and int4["positions"] == same["positions"] > 1000
+    assert "round-to-nearest copy, group size 64" in int4["candidate"]
