@@ -12,6 +12,7 @@ from aserve.inputs import parse_prompts, tokenize, validate_prompts
 from aserve.metrics.loggers import StatLoggers
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
+from aserve.structured_output.grammar import check as check_constraint
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
 
@@ -55,6 +56,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params and "
                              f"{len(priorities)} priorities")
         validate_prompts(self.engine.facts, prompts, params)
+        for constraint in {id(sp.structured_outputs): sp.structured_outputs for sp in params}.values():
+            if constraint is not None:
+                check_constraint(constraint)  # an invalid schema or regex fails here, before anything is queued
 
         ids_in_order = []
         for prompt, sp, prio in zip(prompts, params, priorities):

@@ -39,6 +39,7 @@ class RequestOutput:
     finished: bool = False
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's shape: None for the first token
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (None until admitted)
 
     def merge(self, newer: "RequestOutput") -> None:
         """Fold a later delta into this one (what a slow consumer's collector does instead of queueing)."""
@@ -58,6 +59,8 @@ class RequestOutput:
         self.outputs.sort(key=lambda o: o.index)
         self.finished = newer.finished
         self.metrics = newer.metrics or self.metrics
+        if newer.num_cached_tokens is not None:
+            self.num_cached_tokens = newer.num_cached_tokens
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "

@@ -76,6 +76,8 @@ class Request(TokenSequence):
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why it ended with FINISHED_ERROR
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+        self.grammar = None  # its structured-output matcher (structured_output.grammar.RequestGrammar), if any
         # n > 1: samples after the first wait for the first one's prefill, then share its blocks.
         self.fork_parent: Request | None = None
         self.pending_forks: list[Request] = []

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from aserve.engine.errors import InvalidRequestError
+from aserve.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -29,6 +30,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # log-probabilities of the prompt's own tokens (+ top k); no prefix cache
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar to match
     # Filled in by the engine: the model's eos ids, which end a request unless ignore_eos.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -71,6 +73,8 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "a list of non-negative token ids")
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ from aserve.models.registry import architecture, supported
 from aserve.sampling_params import SamplingParams as Params
 from conftest import kv_memory_for_blocks, random_prompts
 
-PLAIN = (str, int, float, bool, type(None), Params)
+PLAIN = (str, int, float, bool, bytes, type(None), Params)  # bytes: a structured-output bitmask's rows
 
 
 def test_the_core_imports_no_torch():

@@ -56,6 +56,11 @@ OVERVIEW = [
     ("Tokens per engine step (mean)", "How full each batch is: scheduled tokens per step.",
      [(f"{rate('aserve:iteration_tokens_total_sum')} / {rate('aserve:iteration_tokens_total_count')}", "tokens")],
      "short"),
+    ("Structured output requests by kind (req/s)", "New requests constrained by a JSON schema, JSON object, "
+     "regex, choice or grammar (tool calls with required or named choice count as json).",
+     [(rate("aserve:structured_output_requests_total", "kind"), "{{kind}}")], "reqps"),
+    ("Grammar compile time (s)", "p50/p90/p99 and mean time to compile a grammar (cache misses only).",
+     quantiles("aserve:grammar_compile_seconds"), "s"),
 ]
 
 SCHEDULER = [

@@ -3,6 +3,10 @@
 Random token ids, `ignore_eos` and fixed output lengths, so every engine does the same work. With
 `--compare-transformers` the same workload then runs through transformers' `generate` in this process,
 and the ratio is printed: a baseline measured in the same command, on the same machine state.
+With `--json-schema FILE` the same prompts then run again constrained by that schema (its grammar compiled
+before the clock starts), and the ratio of output tokens/s constrained/free is printed: the cost of
+structured output. A constrained request ends where its JSON ends, so pick a schema with room for
+--output-len tokens (examples/structured_output/bench_schema.json has a free-text field).
 """
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--compare-transformers", action="store_true",
                         help="then run transformers' generate on the same workload (batched) and print the ratio")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="then run the same prompts constrained by this JSON schema and print the ratio of "
+                             "output tokens/s constrained/free")
     add_engine_arguments(parser)
 
 
@@ -71,12 +78,37 @@ def main(args: argparse.Namespace) -> None:
     output_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     total = sum(len(p) for p in prompts) + output_tokens
     ours = report("", len(prompts), total, output_tokens, elapsed)
+    if args.json_schema:
+        run_constrained(llm, prompts, params, args.json_schema, ours)
+        report("", len(prompts), total, output_tokens, elapsed)  # vLLM's format stays the last line
     if args.compare_transformers:
         dtype = str(engine.dtype).replace("torch.", "")  # the same dtype auto chose for aserve, not the checkpoint's
         del llm, engine
         theirs = run_transformers(engine_model_dir(args.model), prompts, args.output_len, dtype)
         print(f"output tokens/s ratio aserve/transformers = {ours / theirs:.2f}")
         report("", len(prompts), total, output_tokens, elapsed)  # vLLM's format stays the last line
+
+
+def run_constrained(llm, prompts: list[list[int]], params, schema_file: str, free_rate: float) -> None:
+    """The same prompts, each constrained by the schema; prints its throughput and the ratio to the free run."""
+    import json
+
+    from aserve.structured_output import StructuredOutputsParams
+
+    with open(schema_file) as f:
+        constrained = params.clone(structured_outputs=StructuredOutputsParams(json=json.load(f)))
+    start = time.perf_counter()  # compile (and cache) the grammar before the clock starts
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], constrained.clone(max_tokens=4), use_tqdm=False)
+    print(f"grammar compiled and warmed up in {time.perf_counter() - start:.2f} s", flush=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], constrained)
+    elapsed = time.perf_counter() - start
+    lengths = [len(o.token_ids) for out in outputs for o in out.outputs]
+    rate = report("constrained ", len(prompts), sum(len(p) for p in prompts) + sum(lengths), sum(lengths), elapsed)
+    finished = sum(o.finish_reason == "stop" for out in outputs for o in out.outputs)
+    print(f"constrained outputs: mean {sum(lengths) / len(lengths):.1f} tokens, {finished}/{len(lengths)} ended "
+          f"by their grammar")
+    print(f"output tokens/s ratio constrained/free = {rate / free_rate:.2f}", flush=True)
 
 
 def engine_model_dir(model: str | None) -> str:

@@ -49,6 +49,10 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), copied next
     fresh: list[int] = field(default_factory=list)  # newly allocated blocks, zeroed after swap-out (see KVCacheManager)
     finished_ids: list[str] = field(default_factory=list)  # requests the worker can forget
+    # Structured output: the constrained requests that sample this step, in row order, and their rows of allowed
+    # tokens as raw bytes: int32 words, a bit per token of the tokenizer (see structured_output.manager).
+    structured_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: bytes = b""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -179,6 +183,8 @@ class Scheduler:
                     num_new = min(req.num_tokens - num_computed, budget)
                     if self.kv.allocate_slots(req, num_new, computed, num_computed):
                         self.waiting.pop()
+                        if req.num_cached_tokens is None:  # for usage.prompt_tokens_details
+                            req.num_cached_tokens = num_computed
                         self._run(req, num_new, scheduled, "admitted")
                         budget -= num_new
                         continue

@@ -26,6 +26,7 @@ from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
+from aserve.structured_output.grammar import check as check_constraint
 from aserve.worker.host_memory import rss_bytes
 
 log = logging.getLogger("aserve")
@@ -259,6 +260,8 @@ class AsyncLLM:
         if request_id in self._collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt.token_ids, params)
+        if params.structured_outputs is not None:  # parsing a schema may take a while: off the event loop
+            await self.run_in_tokenizer_pool(check_constraint, params.structured_outputs)
         collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
         stream = RequestStream(self, request_id, collector, timeout, arrival)
         admitted = self.core.call(AddRequest(prompt_token_ids=prompt.token_ids, params=params, request_id=request_id,

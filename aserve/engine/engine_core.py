@@ -26,10 +26,12 @@ from aserve.outputs import RequestOutput
 from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import SamplingParams
+from aserve.structured_output.manager import StructuredOutputManager
 from aserve.worker.host_memory import heap_bytes, rss_bytes
 from aserve.worker.executor import make_executor
 
 log = logging.getLogger("aserve")
+GRAMMAR_WAIT_S = 0.05  # an engine with only constrained prompts waiting blocks this long on their grammars
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._stats = IterationStats()
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
         tokens = info.num_blocks * config.block_size
@@ -111,8 +114,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
         limit = self.config.max_waiting_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting "
+        num_waiting = len(self.scheduler.waiting) + self.structured.num_awaiting
+        if limit is not None and num_waiting >= limit:
+            raise EngineOverloadedError(f"{num_waiting} requests are already waiting "
                                         f"(max_waiting_requests={limit}); retry later")
         params = params.clone(eos_token_ids=self.eos_token_ids)
         samples = []
@@ -127,7 +131,11 @@ class EngineCore:
         first.pending_forks = samples[1:]
         self.requests[request_id] = samples
         self.outputs.add_group(request_id, prompt, prompt_token_ids, samples, output_kind)
-        self.scheduler.add_request(first)
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled (see step)
+            self.structured.add(request_id, samples, params.structured_outputs)
+            self._stats.structured_requests.append(params.structured_outputs.kind)
+        else:
+            self.scheduler.add_request(first)
         return request_id
 
     def abort(self, request_ids) -> list[RequestOutput]:
@@ -139,6 +147,7 @@ class EngineCore:
             samples = self.requests.get(request_id)
             if samples is None:
                 continue
+            self.structured.discard(request_id)
             for req in samples:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             finals.append(self._finish_group(request_id))
@@ -156,9 +165,11 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output, in each request's output kind, for each prompt that advanced."""
+        results = self._admit_constrained() if self.structured.num_awaiting else []
         sched = self.scheduler.schedule()
         if not sched:
-            return []
+            return results
+        sched.structured_request_ids, sched.grammar_bitmask = self.structured.bitmask(self.scheduler.scheduled)
         ran = self.executor.execute(sched)
         by_id = {req.request_id: req for req, _ in self.scheduler.scheduled}
         for request_id, entries in ran.prompt_logprobs.items():
@@ -191,7 +202,8 @@ class EngineCore:
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-        results = []
+            if req.grammar is not None:
+                self._follow_grammar(req)
         for group_id in touched:
             if all(r.is_finished for r in self.requests[group_id]):
                 results.append(self._finish_group(group_id))
@@ -201,6 +213,32 @@ class EngineCore:
                     results.append(output)
         self._release_finished()
         return results
+
+    def _admit_constrained(self) -> list[RequestOutput]:
+        """Queue the constrained prompts whose grammar is compiled; end those whose grammar failed."""
+        if not self.scheduler.has_unfinished():  # nothing else to run: wait on the compile thread, not spin
+            self.structured.wait(GRAMMAR_WAIT_S)
+        finals = []
+        for samples, error in self.structured.take_ready():
+            if error is None:
+                self.scheduler.add_request(samples[0])
+                continue
+            for sample in samples:
+                sample.error = error
+                self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR)
+            finals.append(self._finish_group(samples[0].group_id))
+        return finals
+
+    def _follow_grammar(self, req: Request) -> None:
+        """Advance the sample's matcher by its new token; a grammar that has ended ends the request ("stop")."""
+        if not self.structured.advance(req):
+            if not req.is_finished:  # the bitmask allows only what the grammar does: this is a bug, not input
+                self._fail(req, "its grammar rejected a sampled token")
+        elif req.grammar.terminated:
+            if not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.status == RequestStatus.FINISHED_LENGTH:  # ended by length this step: the grammar wins
+                req.status = RequestStatus.FINISHED_STOPPED
 
     def _release_finished(self) -> None:
         """Once nothing is left to schedule, tell the worker at once which requests it can forget (otherwise
@@ -228,6 +266,7 @@ class EngineCore:
         """What happened since the last call, with a fresh snapshot of the scheduler (for the loggers)."""
         stats, self._stats = self._stats, IterationStats()
         stats.finished = [FinishedRequestStats.of(r) for r in self.scheduler.finished_since_stats]
+        stats.grammar_compile_seconds = self.structured.take_compile_seconds()
         self.scheduler.finished_since_stats = []
         stats.scheduler = self.scheduler.stats()
         return stats
@@ -246,7 +285,7 @@ class EngineCore:
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""
-        if self.requests or self.scheduler.has_unfinished():
+        if self.requests or self.scheduler.has_unfinished() or self.structured.num_awaiting:
             raise AssertionError(f"live requests remain: {list(self.requests)[:8]}")
         if self.runner.requests:
             raise AssertionError(f"the worker still holds requests: {list(self.runner.requests)[:8]}")

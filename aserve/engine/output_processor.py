@@ -122,8 +122,9 @@ class OutputProcessor:
         outputs = [o for o in outputs if o is not None]
         if not outputs and not finished:
             return None
-        out = RequestOutput(group_id, prompt, list(prompt_token_ids), outputs, finished)
         first = reqs[0]
+        out = RequestOutput(group_id, prompt, list(prompt_token_ids), outputs, finished,
+                            num_cached_tokens=first.num_cached_tokens)
         if first.params.prompt_logprobs is not None and finished:
             decode = self.tokenizer.decode
             out.prompt_logprobs = [None]

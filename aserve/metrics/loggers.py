@@ -8,6 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from aserve.metrics.stats import IterationStats
+from aserve.structured_output.params import KINDS
 
 log = logging.getLogger("aserve")
 
@@ -16,6 +17,7 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0]
+COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
@@ -80,6 +82,10 @@ class PrometheusStatLogger:
         self.generation_len = histogram("request_generation_tokens", "Output length of finished requests.",
                                         buckets_1_2_5(max_model_len))
         self.iteration = histogram("iteration_tokens_total", "Tokens batched per engine step.", ITERATION_BUCKETS)
+        self.structured = counter("structured_output_requests", "Requests with structured output, by kind "
+                                  "(json, json_object, regex, choice, grammar).", ["kind"])
+        self.compile_time = histogram("grammar_compile_seconds", "Time to compile a structured-output grammar "
+                                      "(cache misses only), on the engine core's compile thread.", COMPILE_BUCKETS)
         info = Info("aserve:policy", "The scheduling policy and the KV cache it manages.", base, registry=r)
         info.labels(**self.labels).info({"policy": policy, "block_size": str(block_size),
                                          "num_device_blocks": str(num_blocks),
@@ -91,6 +97,9 @@ class PrometheusStatLogger:
             self.success.labels(**self.labels, finished_reason=reason)
         for mode in ("recompute", "swap"):
             self.preemptions.labels(**self.labels, mode=mode)
+        for kind in KINDS:
+            self.structured.labels(**self.labels, kind=kind)
+        self.compile_time.labels(**self.labels)
         for direction in ("in", "out"):
             self.swapped_blocks.labels(**self.labels, direction=direction)
 
@@ -130,6 +139,10 @@ class PrometheusStatLogger:
             self._latency(self.ttft, priority).observe(seconds)
         for priority, seconds in stats.inter_token_latency:
             self._latency(self.itl, priority).observe(seconds)
+        for kind in stats.structured_requests:
+            self.structured.labels(**labels, kind=kind).inc()
+        for seconds in stats.grammar_compile_seconds:
+            self.compile_time.labels(**labels).observe(seconds)
         for f in stats.finished:
             self.success.labels(**labels, finished_reason=f.finish_reason).inc()
             self._latency(self.e2e, f.priority).observe(f.e2e_latency)

@@ -43,9 +43,11 @@ class IterationStats:
     time_to_first_token: list[tuple[int, float]] = field(default_factory=list)  # (priority, seconds)
     inter_token_latency: list[tuple[int, float]] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    structured_requests: list[str] = field(default_factory=list)  # the structured-output kind of each new one
+    grammar_compile_seconds: list[float] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.num_steps or self.finished)
+        return bool(self.num_steps or self.finished or self.structured_requests or self.grammar_compile_seconds)
 
     def record_token(self, req: Request) -> None:
         """Account for the token a request just sampled (its timestamps are already updated)."""

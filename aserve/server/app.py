@@ -21,11 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import aserve
 from aserve.engine.async_llm import AsyncLLM
 from aserve.inputs import validate_prompts
-from aserve.server import openai, protocol as p
+from aserve.server import constraints, openai, protocol as p
 from aserve.server.errors import APIError, error_response, from_exception, stream_error
 from aserve.server.http import json_response, parse, until_disconnect
 from aserve.server.openai import ServerContext
 from aserve.server.openapi import build_openapi
+from aserve.tool_parsers import load_tool_parser
 
 OPEN_PATHS = ("/health", "/version", "/metrics", "/state", "/openapi.json")  # everything else needs the API key if one is set
 
@@ -115,7 +116,8 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
     """vLLM's /generate: `{"text": [prompt + output, ...]}`; streamed as such objects, each followed by NUL."""
     req = await parse(request, p.GenerateRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
-    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
+    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16,
+                                 structured_outputs=await constraints.requested(ctx.engine, req))
     prompt = (await ctx.engine.prepare_prompts([req.prompt]))[0]
     validate_prompts(ctx.engine.facts, [prompt], params)
     prefix = prompt.text if prompt.text is not None else ctx.engine.tokenizer.decode(prompt.token_ids)
@@ -152,11 +154,14 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
 def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = 8 * 1024 * 1024, root_path: str = "", *, body_timeout: float | None = 30.0,
               request_timeout: float | None = None, log_requests: bool = False,
-              allowed_origins: list[str] | None = None) -> Starlette:
-    """The app. CORS is off unless `allowed_origins` names origins (or "*")."""
+              allowed_origins: list[str] | None = None, tool_call_parser: str | type | None = "hermes") -> Starlette:
+    """The app. CORS is off unless `allowed_origins` names origins (or "*"). `tool_call_parser` (an installed
+    name, module:Class, or a class; None for none) finds tool calls in the output of tool_choice "auto"."""
     model_name = served_model_name or engine.config.model_name
     aliases = frozenset({model_name, engine.config.model})
-    ctx = ServerContext(engine, model_name, aliases, max_body_bytes, body_timeout, request_timeout, log_requests)
+    parser = load_tool_parser(tool_call_parser)(engine.tokenizer) if tool_call_parser is not None else None
+    ctx = ServerContext(engine, model_name, aliases, max_body_bytes, body_timeout, request_timeout, log_requests,
+                        parser)
     schema = msgspec.json.encode(build_openapi(root_path, api_key is not None, vocab_size=engine.vocab_size,
                                                max_model_len=engine.max_model_len, max_n=engine.facts.max_n))
 

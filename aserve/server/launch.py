@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
     parser.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves us under")
+    parser.add_argument("--tool-call-parser", default="hermes",
+                        help="how tool calls are found in the output of tool_choice 'auto': an installed parser "
+                             "(entry-point group aserve.tool_parsers; built in: hermes), module:Class or "
+                             "path/to/file.py:Class; 'none' turns auto tool choice off (default: hermes)")
     limits = parser.add_argument_group("overload protection and limits")
     limits.add_argument("--request-timeout", type=float, default=None,
                         help="abort a generation that runs longer than this many seconds (504; default: none)")
@@ -44,6 +48,11 @@ def _exit_cleanly(signum, frame):
 def serve(args: argparse.Namespace) -> None:
     options = engine_options(args)
     EngineConfig.from_kwargs(**options).verify()  # before torch, uvicorn or the core: a wrong flag fails at once
+    tool_call_parser = None if args.tool_call_parser == "none" else args.tool_call_parser
+    if tool_call_parser is not None:
+        from aserve.tool_parsers import load_tool_parser
+
+        tool_call_parser = load_tool_parser(tool_call_parser)
 
     import uvicorn
 
@@ -53,7 +62,8 @@ def serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(**options)
     app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path,
                     body_timeout=args.body_timeout, request_timeout=args.request_timeout,
-                    log_requests=args.log_requests, allowed_origins=args.allowed_origins)
+                    log_requests=args.log_requests, allowed_origins=args.allowed_origins,
+                    tool_call_parser=tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False, root_path=args.root_path)
     server = uvicorn.Server(config)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: /v1/completions and /v1/chat/completions, plain and streamed (SSE)."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -12,9 +13,11 @@ from starlette.responses import StreamingResponse
 from aserve.engine.async_llm import AsyncLLM, RequestStream
 from aserve.inputs import Prompt, validate_prompts
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
-from aserve.server import protocol as p
+from aserve.server import constraints, protocol as p, tools
 from aserve.server.errors import APIError, stream_error
 from aserve.server.http import SSE_DONE, json_response, merge_streams, parse, sse, until_disconnect
+from aserve.structured_output.grammar import check as check_constraint
+from aserve.tool_parsers import ToolParser
 
 
 log = logging.getLogger("aserve")
@@ -29,6 +32,7 @@ class ServerContext:
     body_timeout: float | None = 30.0  # seconds a client may take to send its body
     request_timeout: float | None = None  # seconds a generation may take before it is aborted
     log_requests: bool = False  # prompts and completions go to the log only when this is set
+    tool_parser: ToolParser | None = None  # finds the calls in outputs of tool_choice "auto" (--tool-call-parser)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_aliases:
@@ -39,7 +43,13 @@ class ServerContext:
 def _usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> p.Usage:
     prompt_tokens = sum(len(x.token_ids) for x in prompts)
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
-    return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    cached = sum(out.num_cached_tokens or 0 for out in outputs)
+    return p.Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                   p.PromptTokensDetails(cached_tokens=cached))
+
+
+def _continuous(req) -> bool:
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
 
 
 def _decoded(entry: Logprob, token_id: int, tokenizer) -> str:
@@ -127,7 +137,8 @@ async def started(body):
 async def completions(ctx: ServerContext, request: Request):
     req = await parse(request, p.CompletionRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
-    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16)
+    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16,
+                                 structured_outputs=await constraints.requested(ctx.engine, req))
     prompts = await ctx.engine.prepare_prompts(req.prompt)
     validate_prompts(ctx.engine.facts, prompts, params)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -163,7 +174,8 @@ async def _stream_completions(ctx, req, params, prompts, prefix, request_id, cre
     streams = await submit_all(ctx, prompts, params, request_id, req.priority, "delta")
     try:
         yield b""  # admitted (see started())
-        async for chunk in _completion_chunks(ctx, req, params, streams, prefix, request_id, created, finals):
+        async for chunk in _completion_chunks(ctx, req, params, streams, prompts, prefix, request_id, created,
+                                              finals):
             yield chunk
     finally:
         close_all(streams)
@@ -173,7 +185,7 @@ async def _stream_completions(ctx, req, params, prompts, prefix, request_id, cre
     yield SSE_DONE
 
 
-async def _completion_chunks(ctx, req, params, streams, prefix, request_id, created, finals):
+async def _completion_chunks(ctx, req, params, streams, prompts, prefix, request_id, created, finals):
     tokenizer = ctx.engine.tokenizer
     offsets = {}
     async for i, out in merge_streams(streams):
@@ -189,7 +201,8 @@ async def _completion_chunks(ctx, req, params, streams, prefix, request_id, crea
             offsets[index] += len(text)
             choices.append(p.CompletionChoice(index, text, lp, o.finish_reason, o.stop_reason))
         if choices:
-            yield sse(p.CompletionResponse(request_id, created, ctx.model_name, choices))
+            usage = _usage(prompts, finals) if _continuous(req) else None
+            yield sse(p.CompletionResponse(request_id, created, ctx.model_name, choices, usage))
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
@@ -200,24 +213,70 @@ def message_text(message: p.ChatMessage) -> str:
     return "".join(part.text for part in message.content)  # the struct admits text parts only
 
 
-def render_chat(tokenizer, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> str:
+def _arguments(text: str):
+    """A call's arguments as templates expect them: the object itself (they render it), else the text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_message(m: p.ChatMessage) -> dict:
+    """A message as chat templates read it: role and content, an assistant's tool calls, a tool result's id."""
+    out = {"role": m.role, "content": message_text(m)}  # roles: checked by the struct
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def render_chat(tokenizer, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                tool_defs: list[dict] | None = None) -> str:
     if not messages:
         raise APIError(400, "messages must not be empty", "messages")
-    plain = [{"role": m.role, "content": message_text(m)} for m in messages]  # roles: checked by the struct
+    plain = [template_message(m) for m in messages]
     if getattr(tokenizer, "chat_template", None):
         try:
-            return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return tokenizer.apply_chat_template(plain, tools=tool_defs, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
     text = "".join(f"{m['role']}: {m['content']}\n" for m in plain)  # a plain fallback template
     return text + ("assistant:" if add_generation_prompt else "")
 
 
-async def chat_prompt(ctx: ServerContext, messages, add_generation_prompt: bool = True) -> Prompt:
+async def chat_prompt(ctx: ServerContext, messages, add_generation_prompt: bool = True,
+                      tool_defs: list[dict] | None = None) -> Prompt:
     tokenizer = ctx.engine.tokenizer
-    text = await ctx.engine.run_in_tokenizer_pool(render_chat, tokenizer, messages, add_generation_prompt)
+    text = await ctx.engine.run_in_tokenizer_pool(render_chat, tokenizer, messages, add_generation_prompt, tool_defs)
     ids = await ctx.engine.run_in_tokenizer_pool(lambda: tokenizer.encode(text, add_special_tokens=False))
     return Prompt(text, ids)
+
+
+async def chat_constraint(ctx: ServerContext, req: p.ChatCompletionRequest, tool_plan: tools.ToolPlan | None):
+    """The output constraint: the tools' grammar for tool_choice required or named, else the request's own."""
+    forced = tool_plan.constraint() if tool_plan is not None else None
+    if forced is None:
+        return await constraints.requested(ctx.engine, req)
+    if constraints.build(req)[0] is not None:
+        raise APIError(400, "tool_choice required or a named function cannot be combined with another output "
+                            "constraint", "tool_choice")
+    await ctx.engine.run_in_tokenizer_pool(check_constraint, forced, "tools")
+    return forced
+
+
+def chat_message(o: CompletionOutput, tool_plan: tools.ToolPlan | None) -> tuple[p.AssistantMessage, str | None]:
+    """A finished sample as the assistant's message (its tool calls parsed out) and its finish reason."""
+    if tool_plan is None:
+        return p.AssistantMessage(content=o.text), o.finish_reason
+    parsed = tool_plan.parse(o.text)
+    calls = tools.tool_calls(parsed.calls)
+    return (p.AssistantMessage(content=parsed.content, tool_calls=calls or None),
+            tools.finish_reason(o.finish_reason, bool(calls)))
 
 
 async def chat_completions(ctx: ServerContext, request: Request):
@@ -227,27 +286,45 @@ async def chat_completions(ctx: ServerContext, request: Request):
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt)
-    params = req.sampling_params(max_tokens, logprobs, default_max_tokens=None)
+    tool_plan = tools.plan(req, ctx.tool_parser)
+    constraint = await chat_constraint(ctx, req, tool_plan)
+    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt,
+                               tool_plan.template_tools() if tool_plan is not None else None)
+    params = req.sampling_params(max_tokens, logprobs, default_max_tokens=None, structured_outputs=constraint)
     validate_prompts(ctx.engine.facts, [prompt], params)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     tokenizer = ctx.engine.tokenizer
     top = req.top_logprobs or 0
 
     if req.stream:
-        body = await started(_stream_chat(ctx, req, params, prompt, request_id, created, top))
+        body = await started(_stream_chat(ctx, req, params, prompt, request_id, created, top, tool_plan))
         return StreamingResponse(ends_with_error_event(body), media_type="text/event-stream")
     final = (await _infer_all(ctx, request, [prompt], params, request_id, req.priority))[0]
-    choices = [p.ChatChoice(o.index, p.AssistantMessage(content=o.text),
-                            chat_logprobs(o, top, tokenizer) if req.logprobs else None, o.finish_reason, o.stop_reason)
-               for o in final.outputs]
+    choices = []
+    for o in final.outputs:
+        message, finish_reason = chat_message(o, tool_plan)
+        choices.append(p.ChatChoice(o.index, message, chat_logprobs(o, top, tokenizer) if req.logprobs else None,
+                                    finish_reason, o.stop_reason))
     return json_response(p.ChatCompletionResponse(request_id, created, ctx.model_name, choices,
                                                   _usage([prompt], [final])))
 
 
-async def _stream_chat(ctx, req, params, prompt, request_id, created, top):
+def _chunk_choice(o: CompletionOutput, tool_streams: dict, tool_plan, logprobs) -> p.ChatChunkChoice | None:
+    """One sample's delta as a chunk choice (None when it has nothing to say yet)."""
+    if tool_plan is None:
+        return p.ChatChunkChoice(o.index, p.DeltaMessage(content=o.text), logprobs, o.finish_reason, o.stop_reason)
+    stream = tool_streams.setdefault(o.index, tool_plan.stream())
+    content, calls = stream.feed(o.text, o.finish_reason is not None)
+    if content is None and not calls and o.finish_reason is None and logprobs is None:
+        return None
+    return p.ChatChunkChoice(o.index, p.DeltaMessage(content=content, tool_calls=calls or None), logprobs,
+                             tools.finish_reason(o.finish_reason, stream.num_calls > 0), o.stop_reason)
+
+
+async def _stream_chat(ctx, req, params, prompt, request_id, created, top, tool_plan):
     tokenizer = ctx.engine.tokenizer
     final = RequestOutput("", None, [], [])
+    tool_streams: dict[int, tools.ToolStream] = {}
     streams = await submit_all(ctx, [prompt], params, request_id, req.priority, "delta")
     try:
         yield b""  # admitted (see started())
@@ -256,11 +333,12 @@ async def _stream_chat(ctx, req, params, prompt, request_id, created, top):
                                          for i in range(params.n)]))
         async for _, out in merge_streams(streams):
             final.merge(out)
-            choices = [p.ChatChunkChoice(o.index, p.DeltaMessage(content=o.text),
-                                         chat_logprobs(o, top, tokenizer) if req.logprobs else None,
-                                         o.finish_reason, o.stop_reason) for o in out.outputs]
+            choices = [_chunk_choice(o, tool_streams, tool_plan, chat_logprobs(o, top, tokenizer) if req.logprobs
+                                     else None) for o in out.outputs]
+            choices = [c for c in choices if c is not None]
             if choices:
-                yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, choices))
+                usage = _usage([prompt], [final]) if _continuous(req) else None
+                yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, choices, usage))
     finally:
         close_all(streams)
     log_outputs(ctx, request_id, [final])

@@ -27,7 +27,31 @@ Penalty = Annotated[float, Meta(ge=-2, le=2)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`."""
+    name: str = "response"
+    description: str | None = None
+    schema: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs` object: exactly one of json, json_object, regex, choice and grammar (EBNF)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    any_whitespace: bool = False  # free whitespace between JSON tokens (default: ", " and ": " only)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -54,8 +78,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int32 = 0
+    # structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None):
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
+                        structured_outputs=None):
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
@@ -64,7 +96,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -79,10 +111,44 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: Annotated[str, NonEmpty]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    function: FunctionName
+    type: Literal["function"] = "function"
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -91,6 +157,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
 
 
 class GenerateRequest(SamplingFields, kw_only=True):
@@ -114,10 +183,15 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 # -- responses ------------------------------------------------------------------------------------
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -164,6 +238,21 @@ class ChoiceLogprobs(msgspec.Struct):
 class AssistantMessage(msgspec.Struct):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A piece of a tool call in a stream: the first piece of a call has its id, type and name; the
+    arguments text follows in pieces, which a client appends by `index`."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -186,6 +275,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

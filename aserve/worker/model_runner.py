@@ -14,6 +14,7 @@ import torch
 from aserve.attention import Attention, AttentionBackend, BatchLayout, kv_quant, select_backend
 from aserve.core.scheduler import SchedulerOutput
 from aserve.models.interface import CausalLM
+from aserve.structured_output.bitmask import apply_grammar_bitmask
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
 from aserve.worker.request_state import RequestState
 from aserve.worker.sampler import SampleResult, sample
@@ -136,6 +137,9 @@ class ModelRunner:
         result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if sample_reqs:  # else only prefill chunks that do not reach the end of their prompts
             logits = self.model.compute_logits(hidden[sample_rows.to(self.device)]).cpu()  # the sampler runs here
+            if sched.structured_request_ids:
+                apply_grammar_bitmask(logits, [r.request_id for r in sample_reqs], sched.structured_request_ids,
+                                      sched.grammar_bitmask)
             for state, sampled in zip(sample_reqs, sample(logits, sample_reqs)):
                 if sampled.error is None:
                     state.append_token(sampled.token_id)
