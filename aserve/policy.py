@@ -8,16 +8,14 @@ exactly as a third party's policy does.
 from __future__ import annotations
 
 import enum
-import importlib
 import importlib.metadata
-import importlib.util
 import inspect
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from aserve.engine.errors import PolicyLoadError
+from aserve.plugins import PluginKind
 
 if TYPE_CHECKING:  # annotations only: resolving a policy must not import torch (see resolve_policy)
     from aserve.request import Request
@@ -129,25 +127,11 @@ class Policy:
 PolicyError = PolicyLoadError  # the name this module exported first
 
 
+PLUGINS = PluginKind(ENTRY_POINT_GROUP, "policy", "policies", "pip install -e ./policies", PolicyError)
+
+
 def installed_policies() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _load_class(spec: str):
-    target, _, cls_name = spec.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise PolicyError(f"policy file {target!r} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"aserve_user_policy_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    try:
-        return getattr(module, cls_name)
-    except AttributeError:
-        raise PolicyError(f"policy {spec!r}: {target} has no attribute {cls_name!r}") from None
+    return PLUGINS.installed()
 
 
 REQUIRED_METHODS = ("waiting_queue", "select_victim", "preemption_mode", "should_preempt_for", "on_event")
@@ -162,19 +146,7 @@ def resolve_policy(spec: str | Policy | type, options: dict | None = None) -> tu
         cls, label = spec, spec.__name__
     else:
         label = spec
-        try:
-            if ":" in spec:
-                cls = _load_class(spec)
-            else:
-                eps = installed_policies()
-                if spec not in eps:
-                    names = ", ".join(sorted(eps)) or "none (pip install -e ./policies)"
-                    raise PolicyError(f"unknown policy {spec!r}; installed policies: {names}")
-                cls = eps[spec].load()
-        except PolicyError:
-            raise
-        except Exception as exc:  # a broken plugin: name it and its cause, not a traceback soup
-            raise PolicyError(f"policy {spec!r} failed to load: {type(exc).__name__}: {exc}") from exc
+        cls = PLUGINS.load(spec)
     if not callable(cls):
         raise PolicyError(f"policy {label!r} is not a class: {cls!r}")
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]

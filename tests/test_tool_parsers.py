@@ -59,7 +59,7 @@ def test_loader_finds_installed_and_direct_parsers(tmp_path):
     plugin.write_text("from aserve.tool_parsers import ToolParser, Parsed\n"
                       "class Mine(ToolParser):\n    def parse(self, text):\n        return Parsed(text)\n")
     assert issubclass(load_tool_parser(f"{plugin}:Mine"), ToolParser)
-    with pytest.raises(ToolParserLoadError, match="unknown tool-call parser 'nope'; installed: .*hermes"):
+    with pytest.raises(ToolParserLoadError, match="unknown tool-call parser 'nope'; installed tool-call parsers: .*hermes"):
         load_tool_parser("nope")
     with pytest.raises(ToolParserLoadError, match="not a subclass"):
         load_tool_parser("json:dumps")

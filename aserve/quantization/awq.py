@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from aserve.quantization import QuantSpec, int4
-from aserve.quantization.base import LinearMethod, ParamLayout, add_checkpoint_param
+from aserve.quantization import int4
+from aserve.quantization.base import ParamLayout, add_checkpoint_param
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output (within its eight) held by the j-th nibble
 UNDO = tuple(ORDER.index(j) for j in range(8))  # the nibble holding the j-th output: (0, 4, 1, 5, 2, 6, 3, 7)
@@ -25,12 +25,8 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return values[:, :, list(UNDO)].reshape(packed.shape[0], -1)
 
 
-class AWQLinearMethod(LinearMethod):
+class AWQLinearMethod(int4.PackedInt4Method):
     name = "awq"
-
-    def __init__(self, spec: QuantSpec, dtype: torch.dtype):
-        self.spec, self.dtype = spec, dtype
-        self.refusals: list[str] = []  # why layers run dense, for the start-up log
 
     def create_weights(self, layer, dtype):
         k, n, group = layer.in_features, layer.out_features, self.spec.group_size
@@ -45,7 +41,4 @@ class AWQLinearMethod(LinearMethod):
     def process_after_loading(self, layer):
         codes = unpack_awq(layer.qweight.data).t()  # [out, in]
         zeros = unpack_awq(layer.qzeros.data)
-        refusal = int4.finish(layer, codes, zeros, layer.scales.data, None, self.spec.group_size, "awq int4",
-                              self.dtype)
-        if refusal:
-            self.refusals.append(refusal)
+        self.finish(layer, codes, zeros, layer.scales.data, None)

@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from aserve.quantization import QuantSpec, int4
-from aserve.quantization.base import LinearMethod, ParamLayout, add_checkpoint_param
+from aserve.quantization import int4
+from aserve.quantization.base import ParamLayout, add_checkpoint_param
 
 
-class GPTQLinearMethod(LinearMethod):
+class GPTQLinearMethod(int4.PackedInt4Method):
     name = "gptq"
-
-    def __init__(self, spec: QuantSpec, dtype: torch.dtype):
-        self.spec, self.dtype = spec, dtype
-        self.refusals: list[str] = []  # why layers run dense, for the start-up log
 
     def create_weights(self, layer, dtype):
         k, n, group = layer.in_features, layer.out_features, self.spec.group_size
@@ -41,7 +37,4 @@ class GPTQLinearMethod(LinearMethod):
         zeros = int4.unpack_int32(layer.qzeros.data, dim=1)
         if self.spec.zero_plus_one:
             zeros = (zeros + 1) & 15
-        refusal = int4.finish(layer, codes, zeros, layer.scales.data, layer.g_idx.data, self.spec.group_size,
-                              "gptq int4", self.dtype)
-        if refusal:
-            self.refusals.append(refusal)
+        self.finish(layer, codes, zeros, layer.scales.data, layer.g_idx.data)

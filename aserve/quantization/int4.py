@@ -75,6 +75,20 @@ class Int4KernelMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+class PackedInt4Method(LinearMethod):
+    """What GPTQ and AWQ share: their spec, the model's dtype, and `finish` on the codes each unpacks its own way."""
+
+    def __init__(self, spec, dtype: torch.dtype):
+        self.spec, self.dtype = spec, dtype
+        self.refusals: list[str] = []  # why layers run dense, for the start-up log
+
+    def finish(self, layer: nn.Module, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               g_idx: torch.Tensor | None) -> None:
+        refusal = finish(layer, codes, zeros, scales, g_idx, self.spec.group_size, f"{self.name} int4", self.dtype)
+        if refusal:
+            self.refusals.append(refusal)
+
+
 def kernel_refusal(layer: nn.Module, group_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why torch's int4 kernel cannot run this layer (None when it can)."""
     if device.type != "cpu":

@@ -7,14 +7,12 @@
 """
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
-import importlib.util
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from aserve.engine.errors import ConfigError
+from aserve.plugins import PluginKind
 
 ENTRY_POINT_GROUP = "aserve.tool_parsers"
 
@@ -60,25 +58,12 @@ class ToolParser:
         raise NotImplementedError
 
 
+PLUGINS = PluginKind(ENTRY_POINT_GROUP, "tool-call parser", "tool-call parsers", "pip install -e .",
+                     ToolParserLoadError)
+
+
 def installed_tool_parsers() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _load_spec(spec: str):
-    target, _, cls_name = spec.rpartition(":")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ToolParserLoadError(f"tool-call parser file {target!r} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"aserve_user_tool_parser_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    try:
-        return getattr(module, cls_name)
-    except AttributeError:
-        raise ToolParserLoadError(f"tool-call parser {spec!r}: {target} has no attribute {cls_name!r}") from None
+    return PLUGINS.installed()
 
 
 def load_tool_parser(spec: str | type) -> type[ToolParser]:
@@ -86,20 +71,7 @@ def load_tool_parser(spec: str | type) -> type[ToolParser]:
     if isinstance(spec, type):
         cls = spec
     else:
-        try:
-            if ":" in spec:
-                cls = _load_spec(spec)
-            else:
-                eps = installed_tool_parsers()
-                if spec not in eps:
-                    names = ", ".join(sorted(eps)) or "none (pip install -e .)"
-                    raise ToolParserLoadError(f"unknown tool-call parser {spec!r}; installed: {names}")
-                cls = eps[spec].load()
-        except ToolParserLoadError:
-            raise
-        except Exception as exc:  # a broken plugin: name it and its cause
-            raise ToolParserLoadError(f"tool-call parser {spec!r} failed to load: {type(exc).__name__}: {exc}") \
-                from exc
+        cls = PLUGINS.load(spec)
     if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
         raise ToolParserLoadError(f"tool-call parser {spec!r} is not a subclass of aserve.tool_parsers.ToolParser")
     return cls
