@@ -482,3 +482,24 @@ def test_bench_throughput_prints_the_constrained_ratio(small_llm, tmp_path, caps
     printed = capsys.readouterr().out
     assert re.search(r"output tokens/s ratio constrained/free = [0-9.]+", printed)
     assert "constrained Throughput:" in printed
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 8}, {"type": "string"}],
+                         ids=["bounded", "unbounded"])
+def test_json_strings_refuse_what_strict_parsers_refuse(schema):
+    """Unescaped control characters and UTF-16 surrogates' bytes (ED A0..BF ..) are no JSON a strict parser takes
+    back; xgrammar's string rules let them through and aserve rewrites them (seen on the bench model)."""
+    import xgrammar as xgr
+
+    from aserve.structured_output.grammar import grammar_of
+
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"<eos>"], stop_token_ids=[256])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(grammar_of(StructuredOutputsParams(json=schema)))
+
+    def accepts(text: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return all(matcher.accept_token(b) for b in text)
+
+    assert accepts('"é€ok"'.encode())
+    assert not accepts(b'"a\tb"') and not accepts(b'"a\x0bb"')
+    assert not accepts(b'"\xed\xab\xb7"')  # U+DAF7 as UTF-8: a surrogate
