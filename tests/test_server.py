@@ -219,7 +219,8 @@ def test_cancelled_streams_free_everything(server, client):
         return await asyncio.gather(*[_give_up_after(server.url, 0.5) for _ in range(50)])
     gave_up = asyncio.run(storm())
     assert sum(gave_up) >= 40  # the clients really left mid-stream
-    out = client.completions.create(model=MODEL, prompt="after", max_tokens=4)
+    # ignore_eos: the sampler's random state depends on how far the storm got, so an eos could come early
+    out = client.completions.create(model=MODEL, prompt="after", max_tokens=4, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4
     wait_idle(server)
 
