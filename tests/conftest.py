@@ -122,6 +122,18 @@ def watch_swaps(runner, nonzero: bool = False) -> list[int]:
     return checked
 
 
+def scattered_tables(need: list[int], null: int, gen: torch.Generator) -> torch.Tensor:
+    """Block tables over a random permutation of physical blocks 0..null-1, request i owning need[i] of them,
+    padded with the null block: blocks lie anywhere in the cache, as after real traffic."""
+    physical = torch.randperm(null, generator=gen)
+    tables = torch.full((len(need), max(need)), null, dtype=torch.long)
+    used = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = physical[used:used + k]
+        used += k
+    return tables
+
+
 def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:
     """KV cache bytes for exactly `num_blocks` blocks, from the model's own shape (config names differ by family)."""
     from aserve.models.registry import architecture, model_class, read_config

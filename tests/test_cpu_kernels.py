@@ -18,6 +18,7 @@ from aserve.attention.kv_quant import FP8_FORMATS, dequantize, quantize
 from aserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather_index, write_kv
+from conftest import scattered_tables
 
 # Skipped only where no C++ compiler exists; with one, a kernel that fails to build fails these tests.
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
@@ -34,12 +35,7 @@ def paged_case(lengths, block_size, heads, head_dim, dtype, gen):
     num_heads, num_kv_heads = heads
     need = [-(-n // block_size) for n in lengths]
     null = sum(need) + 3  # a few blocks nobody owns: the kernel must not read them
-    physical = torch.randperm(null, generator=gen)
-    tables = torch.full((len(lengths), max(need)), null, dtype=torch.long)
-    used = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = physical[used:used + k]
-        used += k
+    tables = scattered_tables(need, null, gen)
     shape = (num_kv_heads, null + 1, block_size, head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     query = torch.randn(len(lengths), num_heads, head_dim, generator=gen).to(dtype)

@@ -20,7 +20,7 @@ from aserve.attention import BatchLayout, select_backend  # noqa: E402
 from aserve.attention.kv_quant import FP8_FORMATS, quantize  # noqa: E402
 from aserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from aserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from conftest import random_prompts  # noqa: E402
+from conftest import random_prompts, scattered_tables  # noqa: E402
 
 # (tokens in the cache, tokens this step) per request, decode requests first as the runner orders them:
 # decodes at the first position, inside and past a block; prefill chunks alone and after cached context.
@@ -32,12 +32,7 @@ def make_layout(requests, block_size: int, gen: torch.Generator) -> BatchLayout:
     block is the null block that pads the tables."""
     need = [-(-(start + n) // block_size) for start, n in requests]
     null = sum(need)
-    physical = torch.randperm(null, generator=gen)
-    tables = torch.full((len(requests), max(need)), null, dtype=torch.long)
-    used = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = physical[used:used + k]
-        used += k
+    tables = scattered_tables(need, null, gen)
     starts, counts = [s for s, _ in requests], [n for _, n in requests]
     positions = torch.cat([torch.arange(s, s + n) for s, n in requests])
     row = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(counts))
