@@ -286,13 +286,14 @@ def test_streamed_tool_calls_are_reassembled_by_the_openai_client(client):
         with client.chat.completions.stream(model=MODEL, messages=ask, tools=[WEATHER, ALARM], max_tokens=80,
                                             tool_choice=tool_choice, parallel_tool_calls=False, temperature=0.8,
                                             seed=5) as stream:
-            for _ in stream:
-                pass
-            return stream.get_final_completion()
-    for final in concurrently(lambda: streamed({"type": "function", "function": {"name": "set_alarm"}}),
-                              lambda: streamed("required")):
+            pieces = sum(1 for event in stream if event.type == "chunk" for c in event.chunk.choices
+                         for call in c.delta.tool_calls or [] if call.function.arguments)
+            return stream.get_final_completion(), pieces
+    for final, pieces in concurrently(lambda: streamed({"type": "function", "function": {"name": "set_alarm"}}),
+                                      lambda: streamed("required")):
         assert final.choices[0].finish_reason == "tool_calls"
         assert_valid_calls(final.choices[0].message.tool_calls)
+        assert pieces > 1  # the arguments stream as they are generated, not in one piece at the end
 
 
 def test_auto_tool_choice_parses_hermes_calls_plain_and_streamed(client):
@@ -478,10 +479,12 @@ def test_bench_throughput_prints_the_constrained_ratio(small_llm, tmp_path, caps
     schema.write_text(json.dumps({"type": "object", "properties": {"note": {"type": "string"}}}))
     engine = small_llm.engine
     prompts = random_prompts(2, 8, engine.vocab_size, set(engine.eos_token_ids), 0)
-    run_constrained(small_llm, prompts, SamplingParams(ignore_eos=True, max_tokens=8), str(schema), free_rate=100.0)
+    tokens = run_constrained(small_llm, prompts, SamplingParams(ignore_eos=True, max_tokens=8), str(schema))
     printed = capsys.readouterr().out
-    assert re.search(r"output tokens/s ratio constrained/free = [0-9.]+", printed)
-    assert "constrained Throughput:" in printed
+    assert re.search(r"output tokens/s ratio constrained/free = [0-9.]+ \(equal lengths, 2 alternating rounds\)",
+                     printed)
+    assert printed.count("constrained Throughput:") == 2 and printed.count("free, same lengths Throughput:") == 2
+    assert tokens["free"] == tokens["constrained"] > 0  # the free runs did exactly the constrained runs' work
 
 
 @pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 8}, {"type": "string"}],

@@ -8,6 +8,7 @@ import pytest
 
 from aserve.tool_parsers import ToolParser, ToolParserLoadError, installed_tool_parsers, load_tool_parser
 from aserve.tool_parsers.hermes import HermesToolParser
+from aserve.tool_parsers.scanner import CallPieces, CallScanner
 
 CALL_A = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
 CALL_B = '{"name": "set_alarm", "arguments": {"hour": 7, "label": "<tool_call>"}}'
@@ -32,23 +33,77 @@ def test_hermes_parse(text, content, calls):
     assert parsed.content == content and calls_of(parsed) == calls
 
 
+def feed_in_chunks(stream, text, rng):
+    """Feed `text` in random chunks; return the content and the calls reassembled from their pieces, and
+    how many pieces each call came in."""
+    content, calls, pieces_per_call, at = [], {}, {}, 0
+    outs = []
+    while at < len(text):
+        step = rng.randint(1, 7)
+        outs.append(stream.feed(text[at:at + step]))
+        at += step
+    outs.append(stream.finish())
+    for out in outs:
+        content.append(out.content or "")
+        for piece in out.pieces:
+            assert (piece.name is not None) == (piece.index not in calls)  # the name comes first, once
+            call = calls.setdefault(piece.index, [piece.name, ""])
+            call[1] += piece.arguments
+            pieces_per_call[piece.index] = pieces_per_call.get(piece.index, 0) + 1
+    found = [(name, json.loads(arguments)) for _, (name, arguments) in sorted(calls.items())]
+    return "".join(content), found, pieces_per_call
+
+
 @pytest.mark.parametrize("text,content,calls", CASES)
 def test_hermes_stream_equals_parse_in_any_chunking(text, content, calls):
     rng = random.Random(len(text))
     for _ in range(20):
-        stream = HermesToolParser().stream()
-        pieces, found, at = [], [], 0
-        while at < len(text):
-            step = rng.randint(1, 7)
-            parsed = stream.feed(text[at:at + step])
-            at += step
-            pieces.append(parsed.content or "")
-            found += calls_of(parsed)
-        last = stream.finish()
-        pieces.append(last.content or "")
-        found += calls_of(last)
+        streamed, found, _ = feed_in_chunks(HermesToolParser().stream(), text, rng)
         assert found == calls
-        assert "".join(pieces).strip() == (content or "")
+        assert streamed.strip() == (content or "")
+
+
+def test_hermes_stream_sends_arguments_while_they_are_generated():
+    """A call's name goes out as soon as it is complete, its arguments in pieces before the end tag."""
+    stream = HermesToolParser().stream()
+    first = stream.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "Os')
+    assert [(p.index, p.name, p.arguments) for p in first.pieces] == [(0, "get_weather", '{"city": "Os')]
+    second = stream.feed('lo", "days": 2}}</tool_call>')
+    assert [(p.index, p.name, p.arguments) for p in second.pieces] == [(0, None, 'lo", "days": 2}')]
+    assert stream.finish().pieces == []
+
+
+@pytest.mark.parametrize("text", [
+    '[{"name": "get_weather", "parameters": {"city": "O\\"s}lo]", "days": [1, 2]}}, '
+    '{"parameters": {"hour": 7}, "name": "set_alarm"}]',
+    '[ {"name":"get_weather","parameters":{}} ]',
+])
+def test_call_scanner_reads_required_arrays_in_any_chunking(text):
+    """The `required` grammar's array of {"name", "parameters"}: calls and arguments as json.loads sees them,
+    whatever the chunking, with arguments streamed in pieces when chunks are small."""
+    expected = [(c["name"], c["parameters"]) for c in json.loads(text)]
+    rng = random.Random(0)
+    for _ in range(20):
+        scanner = CallScanner(call_depth=2)
+        pieces = CallPieces(scanner)
+        calls, counts, at = {}, {}, 0
+        while at < len(text):
+            step = rng.randint(1, 4)
+            scanner.feed(text[at:at + step])
+            at += step
+            for piece in pieces.take():
+                call = calls.setdefault(piece.index, [piece.name, ""])
+                call[1] += piece.arguments
+                counts[piece.index] = counts.get(piece.index, 0) + 1
+        assert [(name, json.loads(arguments)) for _, (name, arguments) in sorted(calls.items())] == expected
+        assert all(call.complete for call in scanner.calls)
+        assert counts[0] > 1 or len(calls[0][1]) <= 4
+
+
+def test_call_scanner_takes_arguments_written_as_a_json_string():
+    scanner = CallScanner()
+    scanner.feed('{"name": "f", "arguments": "{\\"a\\": 1}"}')
+    assert (scanner.calls[0].name, json.loads(scanner.calls[0].arguments)) == ("f", {"a": 1})
 
 
 def test_loader_finds_installed_and_direct_parsers(tmp_path):

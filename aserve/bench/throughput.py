@@ -3,10 +3,11 @@
 Random token ids, `ignore_eos` and fixed output lengths, so every engine does the same work. With
 `--compare-transformers` the same workload then runs through transformers' `generate` in this process,
 and the ratio is printed: a baseline measured in the same command, on the same machine state.
-With `--json-schema FILE` the same prompts then run again constrained by that schema (its grammar compiled
-before the clock starts), and the ratio of output tokens/s constrained/free is printed: the cost of
-structured output. A constrained request ends where its JSON ends, so pick a schema with room for
---output-len tokens (examples/structured_output/bench_schema.json has a free-text field).
+With `--json-schema FILE` the same prompts then run constrained by that schema (its grammar compiled
+before the clock starts) and free again at the constrained outputs' lengths, in alternating rounds, and
+the ratio of output tokens/s constrained/free is printed: the cost of structured output. A constrained
+request ends where its JSON ends, so pick a schema with room for --output-len tokens
+(examples/structured_output/bench_schema.json has a free-text field).
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def main(args: argparse.Namespace) -> None:
     total = sum(len(p) for p in prompts) + output_tokens
     ours = report("", len(prompts), total, output_tokens, elapsed)
     if args.json_schema:
-        run_constrained(llm, prompts, params, args.json_schema, ours)
+        run_constrained(llm, prompts, params, args.json_schema)
         report("", len(prompts), total, output_tokens, elapsed)  # vLLM's format stays the last line
     if args.compare_transformers:
         dtype = str(engine.dtype).replace("torch.", "")  # the same dtype auto chose for aserve, not the checkpoint's
@@ -89,8 +90,12 @@ def main(args: argparse.Namespace) -> None:
         report("", len(prompts), total, output_tokens, elapsed)  # vLLM's format stays the last line
 
 
-def run_constrained(llm, prompts: list[list[int]], params, schema_file: str, free_rate: float) -> None:
-    """The same prompts, each constrained by the schema; prints its throughput and the ratio to the free run."""
+def run_constrained(llm, prompts: list[list[int]], params, schema_file: str, rounds: int = 2) -> dict[str, int]:
+    """The cost of the schema's constraint, measured fairly: the same prompts run constrained, then free with
+    each request's length set to its constrained output's (constrained outputs end when their grammar does,
+    and shorter requests alone would change the batch), alternating `rounds` times so that neither kind
+    always runs first; prints each run and the ratio of output tokens/s constrained/free over all rounds, and
+    returns the output tokens of each kind."""
     import json
 
     from aserve.structured_output import StructuredOutputsParams
@@ -100,15 +105,30 @@ def run_constrained(llm, prompts: list[list[int]], params, schema_file: str, fre
     start = time.perf_counter()  # compile (and cache) the grammar before the clock starts
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], constrained.clone(max_tokens=4), use_tqdm=False)
     print(f"grammar compiled and warmed up in {time.perf_counter() - start:.2f} s", flush=True)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], constrained)
-    elapsed = time.perf_counter() - start
-    lengths = [len(o.token_ids) for out in outputs for o in out.outputs]
-    rate = report("constrained ", len(prompts), sum(len(p) for p in prompts) + sum(lengths), sum(lengths), elapsed)
-    finished = sum(o.finish_reason == "stop" for out in outputs for o in out.outputs)
-    print(f"constrained outputs: mean {sum(lengths) / len(lengths):.1f} tokens, {finished}/{len(lengths)} ended "
-          f"by their grammar")
-    print(f"output tokens/s ratio constrained/free = {rate / free_rate:.2f}", flush=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    tokens = {"constrained": 0, "free": 0}
+    seconds = {"constrained": 0.0, "free": 0.0}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        outputs = llm.generate(requests, constrained, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        lengths = [len(out.outputs[0].token_ids) for out in outputs]
+        finished = sum(out.outputs[0].finish_reason == "stop" for out in outputs)
+        report("constrained ", len(prompts), sum(map(len, prompts)) + sum(lengths), sum(lengths), elapsed)
+        print(f"  mean {sum(lengths) / len(lengths):.1f} tokens, {finished}/{len(lengths)} ended by their grammar")
+        tokens["constrained"] += sum(lengths)
+        seconds["constrained"] += elapsed
+        start = time.perf_counter()
+        outputs = llm.generate(requests, [params.clone(max_tokens=n) for n in lengths], use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        free = sum(len(out.outputs[0].token_ids) for out in outputs)
+        report("free, same lengths ", len(prompts), sum(map(len, prompts)) + free, free, elapsed)
+        tokens["free"] += free
+        seconds["free"] += elapsed
+    ratio = (tokens["constrained"] / seconds["constrained"]) / (tokens["free"] / seconds["free"])
+    print(f"output tokens/s ratio constrained/free = {ratio:.2f} (equal lengths, {rounds} alternating rounds)",
+          flush=True)
+    return tokens
 
 
 def engine_model_dir(model: str | None) -> str:

@@ -16,6 +16,7 @@ from aserve.server import protocol as p
 from aserve.server.errors import APIError
 from aserve.structured_output import StructuredOutputsParams
 from aserve.tool_parsers import Parsed, ParsedCall, ToolParser
+from aserve.tool_parsers.scanner import CallPiece, CallPieces, CallScanner
 
 EMPTY_ARGUMENTS = {"type": "object", "properties": {}}
 
@@ -114,48 +115,44 @@ def finish_reason(reason: str | None, had_calls: bool) -> str | None:
 
 
 class ToolStream:
-    """One streamed choice: content deltas, and `delta.tool_calls` pieces a client appends by index. A named
-    call streams its arguments as they are generated; required calls go out when the array is complete;
-    auto calls as the parser completes each."""
+    """One streamed choice: content deltas, and `delta.tool_calls` pieces a client appends by index. Every
+    call streams as it is generated: its id and name once the name is known, then its arguments text in
+    pieces (a named call's arguments are the whole output; required calls are read out of the array as it
+    grows; auto calls as the parser finds them). Without parallel tool calls only the first goes out."""
 
     def __init__(self, tool_plan: ToolPlan):
         self.plan = tool_plan
-        self.buffer = ""  # required: the whole array
-        self.num_calls = 0
+        self.num_calls = 0  # calls opened so far
+        self.required = CallPieces(CallScanner(call_depth=2)) if tool_plan.choice == "required" else None
         self.parser_stream = tool_plan.parser.stream() if tool_plan.choice == "auto" else None
 
-    def _whole(self, calls: list[ParsedCall]) -> list[p.DeltaToolCall]:
-        if self.num_calls and not self.plan.parallel:
-            return []
-        if not self.plan.parallel:
-            calls = calls[:1]
+    def _deltas(self, pieces: list[CallPiece]) -> list[p.DeltaToolCall]:
         out = []
-        for c in calls:
-            out.append(p.DeltaToolCall(self.num_calls, call_id(), "function",
-                                       p.DeltaFunctionCall(c.name, c.arguments)))
-            self.num_calls += 1
+        for piece in pieces:
+            if piece.index > 0 and not self.plan.parallel:
+                continue
+            if piece.name is not None:
+                self.num_calls += 1
+                out.append(p.DeltaToolCall(piece.index, call_id(), "function",
+                                           p.DeltaFunctionCall(piece.name, piece.arguments)))
+            elif piece.arguments:
+                out.append(p.DeltaToolCall(piece.index, function=p.DeltaFunctionCall(arguments=piece.arguments)))
         return out
 
     def feed(self, text: str, finished: bool) -> tuple[str | None, list[p.DeltaToolCall]]:
         choice = self.plan.choice
         if choice == "named":
-            if self.num_calls == 0:
-                self.num_calls = 1
-                return None, [p.DeltaToolCall(0, call_id(), "function", p.DeltaFunctionCall(self.plan.named, text))]
-            return None, [p.DeltaToolCall(0, function=p.DeltaFunctionCall(arguments=text))] if text else []
+            first = self.num_calls == 0
+            return None, self._deltas([CallPiece(0, self.plan.named if first else None, text)])
         if choice == "required":
-            self.buffer += text
-            if not finished:
-                return None, []
-            parsed = self.plan.parse(self.buffer)
-            return parsed.content, self._whole(parsed.calls)
+            self.required.scanner.feed(text)
+            return None, self._deltas(self.required.take())
         if choice == "auto":
-            parsed = self.parser_stream.feed(text)
-            calls = self._whole(parsed.calls)
-            content = parsed.content
+            streamed = self.parser_stream.feed(text)
+            content, pieces = streamed.content, streamed.pieces
             if finished:
                 last = self.parser_stream.finish()
-                calls += self._whole(last.calls)
+                pieces += last.pieces
                 content = (content or "") + (last.content or "") or None
-            return content, calls
+            return content, self._deltas(pieces)
         return text, []

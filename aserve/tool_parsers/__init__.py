@@ -13,6 +13,7 @@ from typing import Protocol
 
 from aserve.engine.errors import ConfigError
 from aserve.plugins import PluginKind
+from aserve.tool_parsers.scanner import CallPiece
 
 ENTRY_POINT_GROUP = "aserve.tool_parsers"
 
@@ -33,13 +34,19 @@ class Parsed:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-class ToolCallStream(Protocol):
-    def feed(self, text: str) -> Parsed:
-        """Take the next piece of output; return the content that is surely not part of a call, and the
-        calls completed by this piece."""
+@dataclass
+class Streamed:
+    content: str | None  # text surely not part of a call (None: none)
+    pieces: list[CallPiece] = field(default_factory=list)  # calls' names and arguments text, as they form
 
-    def finish(self) -> Parsed:
-        """The output ended: whatever was held back, as content or a last call."""
+
+class ToolCallStream(Protocol):
+    def feed(self, text: str) -> Streamed:
+        """Take the next piece of output; return the content that is surely not part of a call, and the
+        calls' pieces this piece of output revealed."""
+
+    def finish(self) -> Streamed:
+        """The output ended: whatever was held back, as content or the last call's pieces."""
 
 
 class ToolParser:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-from aserve.tool_parsers import Parsed, ParsedCall, ToolParser
+from aserve.tool_parsers import Parsed, ParsedCall, Streamed, ToolParser
+from aserve.tool_parsers.scanner import CallPiece, CallPieces, CallScanner
 
 
 class TaggedJSONToolParser(ToolParser):
@@ -51,24 +52,51 @@ def _partial_tag(text: str, tag: str) -> int:
 
 
 class TaggedStream:
-    """Content streams as it comes, but for text that may be the start of a call; a call is sent whole
-    once its end tag arrives (or the output ends)."""
+    """Content streams as it comes, but for text that may be the start of a call; a call streams as it is
+    generated: its name once known, then its arguments in pieces. A body that never shows a name is
+    decided at its end tag: a call sent whole, or text."""
 
     def __init__(self, parser: TaggedJSONToolParser):
         self.parser = parser
-        self.buffer = ""
+        self.buffer = ""  # outside calls: text not yet decided; inside: the call's body so far
         self.in_call = False
-        self.had_call = False
+        self.num_calls = 0
+        self.pieces: CallPieces | None = None  # the current call's
+        self.fed = 0  # how much of the current call's body its scanner has read
 
     def _content(self, pieces: list[str], text: str) -> None:
-        if text and not (self.had_call and not text.strip()):  # whitespace between calls is not content
+        if text and not (self.num_calls and not text.strip()):  # whitespace between calls is not content
             pieces.append(text)
 
-    def feed(self, text: str) -> Parsed:
+    def _open_call(self) -> None:
+        self.in_call, self.fed = True, 0
+        self.pieces = CallPieces(CallScanner(call_depth=1), first_index=self.num_calls)
+
+    def _grown(self, body: str) -> list[CallPiece]:
+        """The current call's pieces after reading its body up to `body` (its first object only)."""
+        scanner = self.pieces.scanner
+        scanner.feed(body[self.fed:])
+        self.fed = len(body)
+        return [piece for piece in self.pieces.take() if piece.index == self.num_calls]
+
+    def _close_call(self, body: str, end: str, content: list[str], out: list[CallPiece]) -> None:
+        """The call's body is complete: stream what is left of it, or decide what an unnamed body was."""
+        out += self._grown(body)
+        started = bool(self.pieces.sent)
+        call = self.parser.call(body)
+        if not started and call is not None:
+            out.append(CallPiece(self.num_calls, call.name, call.arguments))
+        if started or call is not None:
+            self.num_calls += 1
+        else:  # not a call after all: it was text
+            self._content(content, self.parser.start + body + end)
+        self.in_call, self.pieces = False, None
+
+    def feed(self, text: str) -> Streamed:
         p = self.parser
         self.buffer += text
         content: list[str] = []
-        calls: list[ParsedCall] = []
+        out: list[CallPiece] = []
         while True:
             if not self.in_call:
                 at = self.buffer.find(p.start)
@@ -78,30 +106,26 @@ class TaggedStream:
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
                 self._content(content, self.buffer[:at])
-                self.buffer, self.in_call = self.buffer[at + len(p.start):], True
+                self.buffer = self.buffer[at + len(p.start):]
+                self._open_call()
                 continue
             at = self.buffer.find(p.end)
             if at < 0:
+                out += self._grown(self.buffer[:len(self.buffer) - _partial_tag(self.buffer, p.end)])
                 break
-            call = p.call(self.buffer[:at])
-            if call is None:  # not a call after all: it was text
-                self._content(content, p.start + self.buffer[:at + len(p.end)])
-            else:
-                calls.append(call)
-                self.had_call = True
-            self.buffer, self.in_call = self.buffer[at + len(p.end):], False
-        return Parsed("".join(content) or None, calls)
+            self._close_call(self.buffer[:at], p.end, content, out)
+            self.buffer = self.buffer[at + len(p.end):]
+        return Streamed("".join(content) or None, out)
 
-    def finish(self) -> Parsed:
-        p = self.parser
+    def finish(self) -> Streamed:
         rest, self.buffer = self.buffer, ""
-        if self.in_call:
-            self.in_call = False
-            call = p.call(rest)
-            if call is not None:
-                return Parsed(None, [call])
-            rest = p.start + rest
-        return Parsed(rest if rest and not (self.had_call and not rest.strip()) else None)
+        content: list[str] = []
+        out: list[CallPiece] = []
+        if self.in_call:  # cut by eos before the end tag
+            self._close_call(rest, "", content, out)
+        else:
+            self._content(content, rest)
+        return Streamed("".join(content) or None, out)
 
 
 class HermesToolParser(TaggedJSONToolParser):
