@@ -224,3 +224,27 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("CPU kernels are unavailable") == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_int8_linear_matches_the_dequantized_product(dtype, rows):
+    """The tiled int8 kernel: output widths that end mid-tile (33) or on one (48), an odd input width (37)."""
+    from aserve.quantization.int8 import codes, quantize_per_channel, tile
+
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(rows)
+    for out_features, in_features in ((33, 37), (48, 64)):
+        q, scale = quantize_per_channel(torch.randn(out_features, in_features, generator=gen), dtype)
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        tiled = tile(q)
+        got = torch.ops.aserve.int8_linear(x, tiled, scale, out_features)
+        expected = (x.float() @ q.float().t()) * scale.float()
+        torch.testing.assert_close(got.float(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-5 * float(expected.abs().max()) if dtype == torch.float32 else
+                                   1e-2 * float(expected.abs().max()))
+        untiled = torch.ops.aserve.int8_untile(tiled, out_features, x)
+        assert untiled.dtype == dtype and torch.equal(untiled.float(), q.float())
+        holder = torch.nn.Module()
+        holder.qweight, holder.int8_tiled, holder.out_features = tiled, True, out_features
+        assert torch.equal(codes(holder), q)

@@ -12,7 +12,7 @@ from aserve import LLM, SamplingParams
 from aserve.engine.errors import ModelLoadError
 from aserve.models.layers import Linear
 from aserve.models.loader import load_model
-from aserve.quantization import int4
+from aserve.quantization import int4, int8
 from aserve.quantization.base import UNQUANTIZED
 from conftest import random_prompts
 
@@ -208,27 +208,38 @@ def test_int8_weights_are_round_to_nearest_per_output_channel(model_dirs):
     for name, layer in quant.items():
         if name == "lm_head":
             continue
-        assert layer.method.name == "int8" and layer.qweight.dtype == torch.int8
+        q = int8.codes(layer)
+        assert layer.method.name == "int8" and q.dtype == torch.int8 and q.shape == dense[name].weight.shape
         w = dense[name].weight
         scale = w.abs().amax(1) / 127
         torch.testing.assert_close(layer.scales, scale)
-        assert ((layer.qweight.float() * layer.scales[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+        assert ((q.float() * layer.scales[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all()
 
 
-def test_int8_kernel_rows_and_dequantized_rows_agree():
-    """bf16: the weight-only kernel (up to 8 rows) and the convert-then-GEMM path (more) compute the same."""
-    from aserve.quantization.int8 import KERNEL_MAX_ROWS, Int8LinearMethod
-
-    layer = Linear(96, 160, bias=True).bfloat16()
-    layer.set_method(Int8LinearMethod(), torch.bfloat16)
-    layer.weight.data.copy_(torch.randn(160, 96))
-    layer.bias.data.copy_(torch.randn(160))
+@pytest.mark.parametrize("kernels", ["aserve", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_kernel_rows_and_dequantized_rows_agree(kernels, dtype, monkeypatch):
+    """The decode-batch kernel (a few rows) and the convert-then-GEMM path (more) compute the same, with aserve's
+    tiled kernels and with torch's (no compiler). 164 outputs: the last tile is partly padding."""
+    if kernels == "torch":
+        monkeypatch.setattr(int8.cpu_kernels, "available", lambda: False)
+    elif not int8.cpu_kernels.available():
+        pytest.skip("aserve's CPU kernels cannot be built here")
+    layer = Linear(96, 164, bias=True).to(dtype)
+    layer.set_method(int8.Int8LinearMethod(), dtype)
+    layer.weight.data.copy_(torch.randn(164, 96))
+    layer.bias.data.copy_(torch.randn(164))
     layer.method.process_after_loading(layer)
-    x = torch.randn(2 * KERNEL_MAX_ROWS, 96, dtype=torch.bfloat16)
-    few, many = layer(x[:KERNEL_MAX_ROWS]).float(), layer(x)[:KERNEL_MAX_ROWS].float()
-    expected = x[:KERNEL_MAX_ROWS].float() @ (layer.qweight.float() * layer.scales.float()[:, None]).t() + layer.bias
-    for got in (few, many):
-        assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+    assert layer.int8_tiled == (kernels == "aserve")
+    rows = max(int8.KERNEL_MAX_ROWS, int8.TORCH_KERNEL_MAX_ROWS)
+    x = torch.randn(2 * rows, 96, dtype=dtype)
+    expected = x.float() @ (int8.codes(layer).float() * layer.scales.float()[:, None]).t() + layer.bias.float()
+    with torch.inference_mode():
+        many = layer(x).float()
+        few = [layer(x[:n]).float() for n in range(1, rows + 1)]
+    tolerance = 0.02 if dtype == torch.bfloat16 else 1e-5
+    for got in [many] + few:
+        assert (got - expected[:len(got)]).abs().max() <= tolerance * expected.abs().max()
 
 
 @pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])

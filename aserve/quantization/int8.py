@@ -1,28 +1,36 @@
 """int8 weight-only linear layers: the checkpoint's dense weight, quantized at load to int8 with one symmetric
 scale per output channel (w ~ q * scale, q in [-127, 127]).
 
-Two ways to multiply, chosen per call by measurement (bench-model shapes, 30 layers so the weights do not sit in
-cache, AMD EPYC avx512_bf16, bf16, 2 threads, against oneDNN's prepacked bf16 GEMM): torch's weight-only kernel
-`_weight_int8pack_mm` reads half the bytes and wins at a few rows (1.47x at 1 row, 1.33x at 2, 1.08x at 4, a tie
-with the other way at 8); from there on converting the weight to the activations' dtype and running the dense GEMM
-wins (at 64 rows 0.84x of dense, where the kernel gives 0.39x). The kernel is vectorized for bf16 only: in fp32
-it ran 10x slower than dense at one row, while the convert-then-GEMM way ran 2.1x faster than dense fp32 (it reads
-a quarter of the bytes), so fp32 (and fp16, emulated on most CPUs) always convert.
+On the CPU with aserve's kernels (aserve/ops/csrc/cpu_kernels.cpp) the codes are stored tiled, [ceil(out/16),
+in, 16], one byte a weight: for each input feature, sixteen output channels side by side, so `int8_linear`
+multiplies a whole vector of them by one broadcast activation, with no horizontal sums (the layout of torch's
+int4 kernel, without the nibbles). Up to KERNEL_MAX_ROWS rows (decode batches) run on it; larger batches
+convert the tiles back to a dense weight in the activations' dtype (`int8_untile`) and run the GEMM library.
+Measured against oneDNN's prepacked bf16 GEMM on the bench model's shapes (30 layers, so the weights do not sit
+in cache), AMD EPYC avx512_bf16, 1 thread: 1.82x at 1 row, 1.72x at 2, 1.31x at 4, where torch's
+`_weight_int8pack_mm` gave 1.21x, 1.11x and 1.00x (it walks each weight row and reduces; it is also bf16-only
+and ran 10x slower than dense in fp32, where these kernels read a quarter of dense fp32's bytes).
 
-Measured and not taken: int8 codes split exactly into two int4 halves (q = 16 * hi + lo) run on torch's int4 kernel
-as one product over twice the inputs (scales 16s and s, zero terms 0 and 8s) gave the same outputs bit for bit and
-ran 2.17x faster than dense at 1 row (this kernel: 1.62x), 1.82x at 2 (1.39x); but that layout is opaque, so more
-rows would need the int8 codes kept as well: twice the memory of int8, as much as bf16.
+Without the kernels (no compiler, ASERVE_CPU_KERNELS=0, CUDA) the codes stay [out, in]: torch's kernel for a few
+bf16 rows, convert-then-GEMM otherwise.
+
+Measured and not taken: int8 codes split exactly into two int4 halves (q = 16 * hi + lo) run on torch's int4
+kernel as one product over twice the inputs gave the same outputs and 1.80x at 1 row, 1.42x at 2; but that
+layout is opaque (no way back to a dense weight for large batches) and needs group-wise scales.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from aserve.ops import cpu_kernels
 from aserve.quantization.base import LinearMethod, add_checkpoint_param, replace_params
 
-KERNEL_DTYPES = (torch.bfloat16,)
-KERNEL_MAX_ROWS = 8
+KERNEL_MAX_ROWS = 4  # aserve's int8_linear up to here; above, the dense GEMM on the untiled weight wins
+TORCH_KERNEL_DTYPES = (torch.bfloat16,)  # without aserve's kernels: torch's _weight_int8pack_mm
+TORCH_KERNEL_MAX_ROWS = 8
+TILE = 16  # output channels per tile (int8_linear's layout)
+TILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +42,22 @@ def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tupl
     return q, scale
 
 
+def tile(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes -> [ceil(out/16), in, 16] tiles (out padded with zero rows to a whole tile)."""
+    out, inp = q.shape
+    pad = -out % TILE
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, inp)])
+    return q.view(-1, TILE, inp).transpose(1, 2).contiguous()
+
+
+def codes(layer: nn.Module) -> torch.Tensor:
+    """A layer's int8 codes as [out, in], whichever layout it stores."""
+    if not layer.int8_tiled:
+        return layer.qweight
+    return layer.qweight.transpose(1, 2).reshape(-1, layer.qweight.shape[1])[:layer.out_features]
+
+
 class Int8LinearMethod(LinearMethod):
     name = "int8"
 
@@ -42,11 +66,20 @@ class Int8LinearMethod(LinearMethod):
 
     def process_after_loading(self, layer):
         q, scale = quantize_per_channel(layer.weight.data, layer.weight.dtype)
-        replace_params(layer, weight=None, qweight=q, scales=scale)
+        tiled = q.device.type == "cpu" and scale.dtype in TILED_DTYPES and cpu_kernels.available()
+        replace_params(layer, weight=None, qweight=tile(q) if tiled else q, scales=scale)
+        layer.int8_tiled = tiled
 
     def apply(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype in KERNEL_DTYPES and x2.shape[0] <= KERNEL_MAX_ROWS and x2.device.type == "cpu":
+        rows = x2.shape[0]
+        if layer.int8_tiled:
+            if rows <= KERNEL_MAX_ROWS and cpu_kernels.usable(x2):
+                out = torch.ops.aserve.int8_linear(x2.contiguous(), layer.qweight, layer.scales, layer.out_features)
+            else:
+                dense = torch.ops.aserve.int8_untile(layer.qweight, layer.out_features, x2)
+                out = nn.functional.linear(x2, dense) * layer.scales
+        elif x2.dtype in TORCH_KERNEL_DTYPES and rows <= TORCH_KERNEL_MAX_ROWS and x2.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), layer.qweight, layer.scales)
         else:
             out = nn.functional.linear(x2, layer.qweight.to(x2.dtype)) * layer.scales
