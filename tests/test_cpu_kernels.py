@@ -248,3 +248,27 @@ def test_int8_linear_matches_the_dequantized_product(dtype, rows):
         holder = torch.nn.Module()
         holder.qweight, holder.int8_tiled, holder.out_features = tiled, True, out_features
         assert torch.equal(codes(holder), q)
+
+
+def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():
+    """The fused draw picks the token the torch path picks for the same uniforms (away from the rounding edges
+    between two tokens), masked (-inf) entries never, and a draw at the very top lands on the last live token."""
+    from aserve.worker.sampler import draw
+
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 1003, generator=gen) * 3
+    logits[:, 500:] = float("-inf")  # as a grammar's bitmask leaves them
+    logits[1, :] = float("-inf")
+    logits[1, 7] = 0.0
+    uniforms = torch.rand(64, generator=gen)
+    cdf = logits.softmax(-1).cumsum(-1)
+    reference = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    with torch.inference_mode():
+        fused = torch.ops.aserve.sample_inverse_cdf(logits, uniforms)
+        assert torch.equal(draw(logits, uniforms), fused)  # the sampler takes the kernel where it can
+    edge = (cdf - (uniforms * cdf[:, -1]).unsqueeze(1)).abs().min(dim=1).values < 1e-5
+    assert ((fused == reference) | edge).all() and (~edge).sum() > 50
+    assert (fused < 500).all() and fused[1] == 7
+    top = torch.ops.aserve.sample_inverse_cdf(logits[:2], torch.ones(2))
+    assert top.tolist() == [499, 7]

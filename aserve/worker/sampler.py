@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aserve.ops import cpu_kernels
 from aserve.worker.request_state import RequestState
 
 
@@ -63,6 +64,17 @@ def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def draw(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling, one uniform draw per row instead of one per vocabulary entry: the first token whose
+    cumulative softmax mass passes the draw. aserve's CPU kernel does it in one pass over each row; the torch path
+    writes the probabilities and their running sums."""
+    if x.dtype == torch.float32 and x.stride(-1) == 1 and cpu_kernels.usable(x):
+        return torch.ops.aserve.sample_inverse_cdf(x, uniform)
+    cdf = x.softmax(dim=-1).cumsum_(dim=-1)
+    picked = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    return picked.clamp_(max=x.shape[-1] - 1)
+
+
 def unusable_rows(logits: torch.Tensor) -> list[int]:
     """Rows whose logits hold a NaN or +inf, or are all -inf: nothing can be sampled from them.
     (One reduction over the batch's logits; amax propagates NaN.)"""
@@ -104,14 +116,11 @@ def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]
             x = x / torch.tensor(temperatures).unsqueeze(1)
         if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
             x = _filter(x, sub)
-        cdf = x.softmax(dim=-1).cumsum_(dim=-1)
-        uniform = torch.rand(len(sub), 1)
+        uniform = torch.rand(len(sub))
         for j, r in enumerate(sub):
             if r.generator is not None:
                 uniform[j] = torch.rand(1, generator=r.generator)
-        # inverse-CDF sampling: one uniform draw per row instead of one per vocabulary entry
-        picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-        tokens[index] = picked.clamp_(max=logits.shape[-1] - 1)
+        tokens[index] = draw(x, uniform)
 
     token_list = tokens.tolist()
     results = [SampleResult(t) for t in token_list]

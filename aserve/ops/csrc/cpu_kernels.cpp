@@ -722,6 +722,64 @@ at::Tensor int8_untile(const at::Tensor& tiled, int64_t out_features, const at::
   return out;
 }
 
+
+// ---- sampling: softmax and inverse-CDF draw in one pass per row -------------------------------------------
+// token[r] = the first v with sum_{i<=v} exp(x[r,i] - max) > u[r] * sum_i exp(x[r,i] - max): what
+// softmax -> cumsum -> searchsorted computes, without writing the vocabulary-wide probabilities and their
+// running sums (two [rows, vocab] tensors a step). One pass sums, a second walks to the draw's chunk.
+void sample_inverse_cdf_row(const float* x, int64_t n, float u, int64_t* token) {
+  fVec peak(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + fVec::size() <= n; i += fVec::size()) peak = at::vec::maximum(peak, fVec::loadu(x + i));
+  float top = at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return at::vec::maximum(a, b); }, peak);
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  const fVec shift(top);
+  fVec sums(0.f);
+  for (i = 0; i + fVec::size() <= n; i += fVec::size()) sums = sums + (fVec::loadu(x + i) - shift).exp();
+  float total = reduce_sum(sums);
+  for (; i < n; ++i) total += std::exp(x[i] - top);
+  const float target = u * total;
+  float running = 0.f;
+  for (i = 0; i + fVec::size() <= n; i += fVec::size()) {
+    const fVec e = (fVec::loadu(x + i) - shift).exp();
+    const float chunk = reduce_sum(e);
+    if (running + chunk > target) {  // the draw lands in this chunk: walk it
+      float lanes[fVec::size()];
+      e.store(lanes);
+      float walked = running;
+      for (int j = 0; j < fVec::size(); ++j) {
+        walked += lanes[j];
+        if (walked > target) { *token = i + j; return; }
+      }
+    }  // (summed lane by lane, the chunk fell just short: go on)
+    running += chunk;
+  }
+  for (; i < n; ++i) {
+    running += std::exp(x[i] - top);
+    if (running > target) { *token = i; return; }
+  }
+  // Rounding left the draw past the end (u * total at the very top): the last token with any mass.
+  for (i = n - 1; i > 0 && !(x[i] - top > -std::numeric_limits<float>::infinity()); --i) {}
+  *token = i;
+}
+
+at::Tensor sample_inverse_cdf(const at::Tensor& logits, const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
+              "sample_inverse_cdf: logits must be fp32 [rows, vocab] with unit inner stride");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.is_contiguous() && uniforms.scalar_type() == at::kFloat &&
+                  uniforms.size(0) == logits.size(0),
+              "sample_inverse_cdf: uniforms must be a contiguous fp32 [rows] vector");
+  at::Tensor tokens = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  const float* u = uniforms.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t n = logits.size(1), stride = logits.stride(0);
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) sample_inverse_cdf_row(x + r * stride, n, u[r], out + r);
+  });
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(aserve, m) {
@@ -733,6 +791,7 @@ TORCH_LIBRARY(aserve, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor tiled, Tensor scales, int out_features) -> Tensor");
   m.def("int8_untile(Tensor tiled, int out_features, Tensor like) -> Tensor");
+  m.def("sample_inverse_cdf(Tensor logits, Tensor uniforms) -> Tensor");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "float k_scale=1.0, float v_scale=1.0, int kv_format=0) -> ()");
 }
@@ -744,5 +803,6 @@ TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_untile", &int8_untile);
+  m.impl("sample_inverse_cdf", &sample_inverse_cdf);
   m.impl("write_kv", &write_kv);
 }
