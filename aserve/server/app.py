@@ -22,6 +22,7 @@ import aserve
 from aserve.engine.async_llm import AsyncLLM
 from aserve.inputs import validate_prompts
 from aserve.server import constraints, openai, protocol as p
+from aserve.server import ui as playground
 from aserve.server.errors import APIError, error_response, from_exception, stream_error
 from aserve.server.http import json_response, parse, until_disconnect
 from aserve.server.openai import ServerContext
@@ -29,6 +30,7 @@ from aserve.server.openapi import build_openapi
 from aserve.tool_parsers import load_tool_parser
 
 OPEN_PATHS = ("/health", "/version", "/metrics", "/state", "/openapi.json")  # everything else needs the API key if one is set
+OPEN_PATHS += playground.PATHS  # the playground page holds no secret; the key is typed into it
 
 
 def route_path(scope) -> str:
@@ -154,9 +156,11 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
 def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = 8 * 1024 * 1024, root_path: str = "", *, body_timeout: float | None = 30.0,
               request_timeout: float | None = None, log_requests: bool = False,
-              allowed_origins: list[str] | None = None, tool_call_parser: str | type | None = "hermes") -> Starlette:
+              allowed_origins: list[str] | None = None, tool_call_parser: str | type | None = "hermes",
+              ui: bool = True) -> Starlette:
     """The app. CORS is off unless `allowed_origins` names origins (or "*"). `tool_call_parser` (an installed
-    name, module:Class, or a class; None for none) finds tool calls in the output of tool_choice "auto"."""
+    name, module:Class, or a class; None for none) finds tool calls in the output of tool_choice "auto".
+    `ui` serves the playground page at `/` (aserve.server.ui)."""
     model_name = served_model_name or engine.config.model_name
     aliases = frozenset({model_name, engine.config.model})
     parser = load_tool_parser(tool_call_parser)(engine.tokenizer) if tool_call_parser is not None else None
@@ -187,6 +191,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/detokenize", api_route(ctx, detokenize), methods=["POST"]),
         Route("/generate", api_route(ctx, generate), methods=["POST"]),
     ]
+    if ui:
+        routes += playground.routes()
 
     async def not_found(request, exc):  # 404 and 405 (with its Allow header) in OpenAI's error shape
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGINT/SIGTERM")
     parser.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves us under")
+    parser.add_argument("--no-ui", dest="ui", action="store_false",
+                        help="do not serve the playground page at / (GET / then answers 404)")
     parser.add_argument("--tool-call-parser", default="hermes",
                         help="how tool calls are found in the output of tool_choice 'auto': an installed parser "
                              "(entry-point group aserve.tool_parsers; built in: hermes), module:Class or "
@@ -63,7 +65,7 @@ def serve(args: argparse.Namespace) -> None:
     app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path,
                     body_timeout=args.body_timeout, request_timeout=args.request_timeout,
                     log_requests=args.log_requests, allowed_origins=args.allowed_origins,
-                    tool_call_parser=tool_call_parser)
+                    tool_call_parser=tool_call_parser, ui=args.ui)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False, root_path=args.root_path)
     server = uvicorn.Server(config)
