@@ -46,8 +46,9 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """One folder per (source, flags, torch, CPU features): a changed CPU gets its own build."""
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(cflags()), torch.__version__,
+    """One folder per (source, its path, flags, torch, CPU features): a changed CPU gets its own build, and two
+    checkouts do not take turns rebuilding one folder (ninja's build file names the source's path)."""
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), str(SOURCE), " ".join(cflags()), torch.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     root = os.environ.get("ASERVE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "aserve")
