@@ -65,6 +65,9 @@ class EngineConfig:
     max_n: int = option(32, "the largest n (samples per prompt) a request may ask: each costs as much as a request")
     max_waiting_requests: int | None = option(None, "refuse new requests (503 + Retry-After when serving) while "
                                                     "this many are waiting (default: no bound)")
+    data_parallel_size: int = option(1, "engine-core replicas behind one server, each with its own model copy, "
+                                        "KV cache (--kv-cache-memory each) and a 1/N share of the CPU threads; a "
+                                        "request goes to the replica with the fewest in flight")
     attention_backend: str = option("auto", "attention kernels: auto (by device), torch or triton")
     device: str = option("auto", "where the model and its KV cache run: auto (the GPU when torch sees one, else "
                                  "cpu), cpu, cuda or cuda:N")
@@ -93,6 +96,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPES:

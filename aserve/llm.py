@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore
+from aserve.engine.errors import ConfigError
 from aserve.inputs import parse_prompts, tokenize, validate_prompts
 from aserve.metrics.loggers import StatLoggers
 from aserve.outputs import RequestOutput
@@ -23,6 +24,9 @@ class LLM:
     def __init__(self, model: str | None = None, **options):
         config = EngineConfig.from_kwargs(model, **options)
         config.verify()  # a wrong policy or model folder fails here, before any weights load
+        if config.data_parallel_size != 1:
+            raise ConfigError(f"data_parallel_size={config.data_parallel_size} needs AsyncLLM or the server (one "
+                              f"engine-core process per replica); LLM runs a single engine core in this process")
         self.engine = EngineCore(config)
         facts = self.engine.facts
         self.stats = StatLoggers(config.model_name, facts, facts.policy_name, facts.priority_classes,

@@ -2,7 +2,9 @@
 """Write grafana/overview.json and grafana/scheduler.json from the panel lists below.
 
 Every query filters on `$model_name` and runs against the `${datasource}` variable; averages are
-rate(sum) / rate(count). tests/test_metrics.py checks each metric named here against the live registry
+rate(sum) / rate(count). Engine metrics carry a `replica` label (data parallelism; "0" with one replica):
+rates and histograms sum over it, gauges are summed (request counts) or averaged (usage fractions), and
+the panels "by replica" keep it. tests/test_metrics.py checks each metric named here against the live registry
 and, with a real Prometheus, that every query returns data.
 """
 import json
@@ -15,6 +17,15 @@ R = "[$__rate_interval]"
 def rate(metric: str, by: str = "") -> str:
     grouping = f" by ({by})" if by else ""
     return f"sum{grouping}(rate({metric}{M}{R}))"
+
+
+def total(metric: str, how: str = "sum") -> str:
+    """A gauge over every replica: summed (request counts) or averaged (usage fractions)."""
+    return f"{how}({metric}{M})"
+
+
+def per_replica(metric: str) -> str:
+    return f"sum by (replica) ({metric}{M})"
 
 
 def quantiles(metric: str, by: str = "") -> list[tuple[str, str]]:
@@ -38,11 +49,13 @@ OVERVIEW = [
      quantiles("aserve:inter_token_latency_seconds"), "s"),
     ("End-to-end latency (s)", "p50/p90/p99 and mean time from arrival to the last token.",
      quantiles("aserve:e2e_request_latency_seconds"), "s"),
-    ("Scheduler state (requests)", "Requests running in the batch, waiting for admission, and swapped out.",
-     [(f"aserve:num_requests_running{M}", "running"), (f"aserve:num_requests_waiting{M}", "waiting"),
-      (f"aserve:num_requests_swapped{M}", "swapped")], "short"),
-    ("KV cache usage", "Share of device KV blocks in use, and of the host swap pool.",
-     [(f"aserve:kv_cache_usage_perc{M}", "device"), (f"aserve:cpu_cache_usage_perc{M}", "host")], "percentunit"),
+    ("Scheduler state (requests)", "Requests running in the batch, waiting for admission, and swapped out "
+     "(all replicas).",
+     [(total("aserve:num_requests_running"), "running"), (total("aserve:num_requests_waiting"), "waiting"),
+      (total("aserve:num_requests_swapped"), "swapped")], "short"),
+    ("KV cache usage", "Share of device KV blocks in use, and of the host swap pool (mean over replicas).",
+     [(total("aserve:kv_cache_usage_perc", "avg"), "device"), (total("aserve:cpu_cache_usage_perc", "avg"), "host")],
+     "percentunit"),
     ("Prefix cache hit rate", "Share of prompt tokens found in the prefix cache.",
      [(f"{rate('aserve:prefix_cache_hits_total')} / {rate('aserve:prefix_cache_queries_total')}", "hit rate")],
      "percentunit"),
@@ -77,10 +90,17 @@ SCHEDULER = [
     ("Queue time by priority (mean, s)", "How long each priority class waits for admission.",
      [(f"{rate('aserve:request_queue_time_seconds_sum', 'priority')} / "
        f"{rate('aserve:request_queue_time_seconds_count', 'priority')}", "{{priority}}")], "s"),
-    ("Waiting and swapped requests", "The queues the policy orders.",
-     [(f"aserve:num_requests_waiting{M}", "waiting"), (f"aserve:num_requests_swapped{M}", "swapped")], "short"),
-    ("Device and host KV usage", "Memory pressure that triggers preemption, and room left for swapping.",
-     [(f"aserve:kv_cache_usage_perc{M}", "device"), (f"aserve:cpu_cache_usage_perc{M}", "host")], "percentunit"),
+    ("Waiting and swapped requests", "The queues the policy orders (all replicas).",
+     [(total("aserve:num_requests_waiting"), "waiting"), (total("aserve:num_requests_swapped"), "swapped")], "short"),
+    ("Device and host KV usage by replica", "Memory pressure that triggers preemption, and room left for swapping.",
+     [(per_replica("aserve:kv_cache_usage_perc"), "device {{replica}}"),
+      (per_replica("aserve:cpu_cache_usage_perc"), "host {{replica}}")], "percentunit"),
+    ("Requests by replica", "Running and waiting requests on each data-parallel replica: how evenly the router "
+     "spreads the load.",
+     [(per_replica("aserve:num_requests_running"), "running {{replica}}"),
+      (per_replica("aserve:num_requests_waiting"), "waiting {{replica}}")], "short"),
+    ("Replicas up", "Data-parallel replicas whose engine core is alive (the server exits when none is).",
+     [(total("aserve:replica_up"), "up"), (f"count(aserve:replica_up{M})", "replicas")], "short"),
     ("Policy", "The scheduling policy, block size and the device and host block counts.",
      [(f"aserve:policy_info{M}", "{{policy}} block={{block_size}} device={{num_device_blocks}} "
                                  "host={{num_host_blocks}}")], "short"),

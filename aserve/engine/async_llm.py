@@ -4,7 +4,8 @@ The core runs in its own process (see core_process.py for why not a thread) and 
 the event loop only tokenizes (in an executor), sends commands and moves outputs. One background task
 takes each step's outputs and merges them into per-request collectors: a single slot each, so a slow
 consumer holds one merged output instead of a growing queue. A consumer that goes away aborts its
-request, which frees its blocks.
+request, which frees its blocks. With `data_parallel_size` N the core is N processes, one per replica, and
+replicas.py routes each request to one of them; the rest of this file does not know how many there are.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from typing import Any, AsyncIterator, Callable
 
 from aserve.config import EngineConfig
 from aserve.engine.core_process import CoreProcess
-from aserve.engine.errors import (EngineDeadError, InvalidRequestError, RequestFailedError,  # noqa: F401 - re-exported
-                                  RequestTimeoutError)
+from aserve.engine.errors import (EngineDeadError, InvalidRequestError, ReplicaDeadError,  # noqa: F401 - re-exported
+                                  RequestFailedError, RequestTimeoutError)
 from aserve.engine.messages import Abort, AddRequest, GetState
+from aserve.engine.replicas import ReplicaSet
 from aserve.inputs import Prompt, parse_prompt, parse_prompts, validate_request
 from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
@@ -136,8 +138,9 @@ class AsyncLLM:
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aserve-tokenizer")
         self.dead_error: BaseException | None = None
         self.on_death: list[Callable[[BaseException], None]] = []  # called on the event loop when the core dies
-        try:
-            self.core = CoreProcess(self.config, self._from_core, self._core_died, self._record_stats)
+        try:  # one engine-core process per data-parallel replica (one by default)
+            self.core = ReplicaSet(self.config, CoreProcess, self._from_core, self._core_died, self._record_stats,
+                                   self._replica_died)
         finally:
             concurrent.futures.wait([tokenizer])
         try:
@@ -147,10 +150,13 @@ class AsyncLLM:
             raise
         self.facts = self.core.facts
         self.stats = StatLoggers(self.config.model_name, self.facts, self.facts.policy_name,
-                                 self.facts.priority_classes, log_stats=self.config.disable_log_stats is not True)
+                                 self.facts.priority_classes, log_stats=self.config.disable_log_stats is not True,
+                                 num_replicas=self.core.size)
+        for replica in self.core.dead:  # died while the others loaded
+            self.stats.replica_died(replica)
 
-    def _record_stats(self, stats) -> None:  # on the reader thread; the collectors are thread-safe
-        self.stats.record(stats)
+    def _record_stats(self, stats, replica: int = 0) -> None:  # on a reader thread; the collectors are thread-safe
+        self.stats.record(stats, replica)
 
     def get_metrics(self) -> list[tuple[str, dict, float]]:
         """The Prometheus samples /metrics exports: (name, labels, value) for each."""
@@ -187,6 +193,33 @@ class AsyncLLM:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _replica_died(self, replica: int, exc: BaseException, lost: list[str], remaining: int) -> None:
+        """One replica's core died (on its reader thread). While others remain, only its requests fail; the
+        last one's death is the engine's (`_core_died`, exactly as with a single core)."""
+        stats = getattr(self, "stats", None)  # absent while the replicas are still loading
+        if stats is not None:
+            stats.replica_died(replica)
+        if remaining == 0:
+            return
+        log.error("engine replica %d died (%s): %d request(s) in flight on it failed; %d replica(s) serve on",
+                  replica, exc, len(lost), remaining)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            error = ReplicaDeadError(f"engine replica {replica} died while serving this request ({exc}); "
+                                     f"{remaining} replica(s) still serve, so a retry can succeed")
+            loop.call_soon_threadsafe(self._fail_requests, lost, error)
+
+    def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            collector = self._collectors.get(request_id)
+            if collector is not None:
+                collector.fail(error)
+
+    @property
+    def dead_replicas(self) -> dict[int, str]:
+        """Data-parallel replicas that died while others serve on (index -> why); empty when all are up."""
+        return self.core.dead
 
     def _fail_all(self, exc: BaseException) -> None:
         for collector in self._collectors.values():

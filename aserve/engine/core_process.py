@@ -146,10 +146,20 @@ def _handlers(core) -> dict[Kind, Callable]:
     }
 
 
+def share_cpu_threads(num_replicas: int) -> None:
+    """Data-parallel replicas on one machine: each gets 1/N of torch's threads (at least one), so N cores do not
+    oversubscribe the CPUs; a single replica keeps torch's default, as before."""
+    if num_replicas > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // num_replicas))
+
+
 def serve_core(conn: Connection) -> None:
     from aserve.engine.engine_core import EngineCore
 
     start: Start = conn.recv()
+    share_cpu_threads(start.config.data_parallel_size)
     try:
         core = EngineCore(start.config)
     except Exception as exc:  # noqa: BLE001 - the parent raises it again, by type

@@ -50,6 +50,10 @@ class EngineDeadError(EngineError):
     """The engine core stopped; no request can be served until the process restarts."""
 
 
+class ReplicaDeadError(EngineDeadError):
+    """The data-parallel replica holding this request died; the other replicas serve on, so a retry may succeed."""
+
+
 class EngineOverloadedError(EngineError):
     """The waiting queue is full: the request was refused, and may be retried later."""
 

@@ -1,5 +1,9 @@
-"""Stat loggers: Prometheus collectors named like vLLM's (prefix `aserve:`, label `model_name`), and a
-periodic log line. Both are fed the IterationStats the engine core hands out after its steps."""
+"""Stat loggers: Prometheus collectors named like vLLM's (prefix `aserve:`, labels `model_name` and
+`replica`), and a periodic log line. Both are fed the IterationStats the engine core hands out after its steps.
+
+Every engine metric carries the data-parallel replica it comes from (`replica="0"` with one), so a query that
+wants the engine as a whole sums (or averages, for the usage fractions) over it; `policy_info` describes the
+model's configuration and has no replica. `replica_up` says which replicas' cores are alive."""
 from __future__ import annotations
 
 import logging
@@ -36,16 +40,17 @@ class PrometheusStatLogger:
 
     def __init__(self, model_name: str, *, max_model_len: int, policy: str, block_size: int, num_blocks: int,
                  num_host_blocks: int, priority_classes: bool = False, registry: CollectorRegistry | None = None,
-                 kv_cache_dtype: str = ""):
+                 kv_cache_dtype: str = "", num_replicas: int = 1):
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model_name}
+        self.replica_labels = [{"model_name": model_name, "replica": str(i)} for i in range(num_replicas)]
         self.priority_classes = priority_classes
-        base = ["model_name"]
+        base = ["model_name", "replica"]
         latency_labels = base + (["priority"] if priority_classes else [])
         r = self.registry
 
         def gauge(name, doc):
-            return Gauge(f"aserve:{name}", doc, base, registry=r).labels(**self.labels)
+            return Gauge(f"aserve:{name}", doc, base, registry=r)
 
         def counter(name, doc, extra=()):
             return Counter(f"aserve:{name}", doc, base + list(extra), registry=r)
@@ -86,49 +91,64 @@ class PrometheusStatLogger:
                                   "(json, json_object, regex, choice, grammar).", ["kind"])
         self.compile_time = histogram("grammar_compile_seconds", "Time to compile a structured-output grammar "
                                       "(cache misses only), on the engine core's compile thread.", COMPILE_BUCKETS)
-        info = Info("aserve:policy", "The scheduling policy and the KV cache it manages.", base, registry=r)
+        self.up = gauge("replica_up", "1 while the replica's engine core is alive, 0 once it has died.")
+        info = Info("aserve:policy", "The scheduling policy and the KV cache it manages (per replica).", ["model_name"],
+                    registry=r)
         info.labels(**self.labels).info({"policy": policy, "block_size": str(block_size),
                                          "num_device_blocks": str(num_blocks),
                                          "num_host_blocks": str(num_host_blocks),
-                                         "kv_cache_dtype": kv_cache_dtype})
-        # the scheduler's counters are totals since start: remember what was already counted
-        self._seen = {"recompute": 0, "swap": 0, "out": 0, "in": 0, "recomputed": 0, "queries": 0, "hits": 0}
-        for reason in ("stop", "length", "abort"):
-            self.success.labels(**self.labels, finished_reason=reason)
-        for mode in ("recompute", "swap"):
-            self.preemptions.labels(**self.labels, mode=mode)
-        for kind in KINDS:
-            self.structured.labels(**self.labels, kind=kind)
-        self.compile_time.labels(**self.labels)
-        for direction in ("in", "out"):
-            self.swapped_blocks.labels(**self.labels, direction=direction)
+                                         "kv_cache_dtype": kv_cache_dtype, "data_parallel_size": str(num_replicas)})
+        # the scheduler's counters are totals since start: remember what was already counted, per replica
+        self._seen = [{"recompute": 0, "swap": 0, "out": 0, "in": 0, "recomputed": 0, "queries": 0, "hits": 0}
+                      for _ in range(num_replicas)]
+        for labels in self.replica_labels:  # every series exists (at 0) from the start
+            for g in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_usage):
+                g.labels(**labels)
+            self.up.labels(**labels).set(1)
+            for reason in ("stop", "length", "abort"):
+                self.success.labels(**labels, finished_reason=reason)
+            for mode in ("recompute", "swap"):
+                self.preemptions.labels(**labels, mode=mode)
+            for kind in KINDS:
+                self.structured.labels(**labels, kind=kind)
+            self.compile_time.labels(**labels)
+            for direction in ("in", "out"):
+                self.swapped_blocks.labels(**labels, direction=direction)
 
-    def _latency(self, histogram: Histogram, priority: int):
+    def _latency(self, histogram: Histogram, labels: dict, priority: int):
         if self.priority_classes:
-            return histogram.labels(**self.labels, priority=str(priority))
-        return histogram.labels(**self.labels)
+            return histogram.labels(**labels, priority=str(priority))
+        return histogram.labels(**labels)
 
-    def _advance(self, counter, key: str, total: int) -> None:
-        if total > self._seen[key]:
-            counter.inc(total - self._seen[key])
-            self._seen[key] = total
+    def _advance(self, replica: int, counter, key: str, total: int) -> None:
+        seen = self._seen[replica]
+        if total > seen[key]:
+            counter.inc(total - seen[key])
+            seen[key] = total
 
-    def record(self, stats: IterationStats) -> None:
-        labels = self.labels
+    def replica_died(self, replica: int) -> None:
+        """Its core is gone: `replica_up` 0, and its queues and cache usage 0 (its requests went with it)."""
+        labels = self.replica_labels[replica]
+        self.up.labels(**labels).set(0)
+        for g in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_usage):
+            g.labels(**labels).set(0)
+
+    def record(self, stats: IterationStats, replica: int = 0) -> None:
+        labels = self.replica_labels[replica]
         s = stats.scheduler
         if s is not None:
-            self.running.set(s.num_running)
-            self.waiting.set(s.num_waiting)
-            self.swapped.set(s.num_swapped)
-            self.kv_usage.set(s.kv_cache_usage)
-            self.cpu_usage.set(s.host_cache_usage)
+            self.running.labels(**labels).set(s.num_running)
+            self.waiting.labels(**labels).set(s.num_waiting)
+            self.swapped.labels(**labels).set(s.num_swapped)
+            self.kv_usage.labels(**labels).set(s.kv_cache_usage)
+            self.cpu_usage.labels(**labels).set(s.host_cache_usage)
             for mode in ("recompute", "swap"):
-                self._advance(self.preemptions.labels(**labels, mode=mode), mode, s.preemptions.get(mode, 0))
-            self._advance(self.swapped_blocks.labels(**labels, direction="out"), "out", s.blocks_swapped_out)
-            self._advance(self.swapped_blocks.labels(**labels, direction="in"), "in", s.blocks_swapped_in)
-            self._advance(self.recomputed.labels(**labels), "recomputed", s.recomputed_tokens)
-            self._advance(self.prefix_queries.labels(**labels), "queries", s.prefix_queries)
-            self._advance(self.prefix_hits.labels(**labels), "hits", s.prefix_hits)
+                self._advance(replica, self.preemptions.labels(**labels, mode=mode), mode, s.preemptions.get(mode, 0))
+            self._advance(replica, self.swapped_blocks.labels(**labels, direction="out"), "out", s.blocks_swapped_out)
+            self._advance(replica, self.swapped_blocks.labels(**labels, direction="in"), "in", s.blocks_swapped_in)
+            self._advance(replica, self.recomputed.labels(**labels), "recomputed", s.recomputed_tokens)
+            self._advance(replica, self.prefix_queries.labels(**labels), "queries", s.prefix_queries)
+            self._advance(replica, self.prefix_hits.labels(**labels), "hits", s.prefix_hits)
         if stats.prompt_tokens:
             self.prompt_tokens.labels(**labels).inc(stats.prompt_tokens)
         if stats.generation_tokens:
@@ -136,19 +156,19 @@ class PrometheusStatLogger:
         for tokens in stats.iteration_tokens:
             self.iteration.labels(**labels).observe(tokens)
         for priority, seconds in stats.time_to_first_token:
-            self._latency(self.ttft, priority).observe(seconds)
+            self._latency(self.ttft, labels, priority).observe(seconds)
         for priority, seconds in stats.inter_token_latency:
-            self._latency(self.itl, priority).observe(seconds)
+            self._latency(self.itl, labels, priority).observe(seconds)
         for kind in stats.structured_requests:
             self.structured.labels(**labels, kind=kind).inc()
         for seconds in stats.grammar_compile_seconds:
             self.compile_time.labels(**labels).observe(seconds)
         for f in stats.finished:
             self.success.labels(**labels, finished_reason=f.finish_reason).inc()
-            self._latency(self.e2e, f.priority).observe(f.e2e_latency)
-            self._latency(self.queue, f.priority).observe(f.queue_time)
-            self._latency(self.prefill, f.priority).observe(f.prefill_time)
-            self._latency(self.decode, f.priority).observe(f.decode_time)
+            self._latency(self.e2e, labels, f.priority).observe(f.e2e_latency)
+            self._latency(self.queue, labels, f.priority).observe(f.queue_time)
+            self._latency(self.prefill, labels, f.priority).observe(f.prefill_time)
+            self._latency(self.decode, labels, f.priority).observe(f.decode_time)
             self.prompt_len.labels(**labels).observe(f.prompt_tokens)
             self.generation_len.labels(**labels).observe(f.generation_tokens)
 
@@ -160,8 +180,9 @@ class PrometheusStatLogger:
 class LoggingStatLogger:
     """A line every `interval` seconds: throughput, queues, KV usage and prefix-cache hit rate."""
 
-    def __init__(self, interval: float = 10.0):
+    def __init__(self, interval: float = 10.0, prefix: str = ""):
         self.interval = interval
+        self.prefix = prefix  # "replica 1: " with several data-parallel replicas, each with its own line
         self.last = time.monotonic()
         self.prompt_tokens = self.generation_tokens = 0
         self.last_queries = self.last_hits = 0
@@ -176,26 +197,31 @@ class LoggingStatLogger:
         elapsed, self.last = now - self.last, now
         queries, hits = s.prefix_queries - self.last_queries, s.prefix_hits - self.last_hits
         self.last_queries, self.last_hits = s.prefix_queries, s.prefix_hits
-        log.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, "
+        log.info("%sprompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, "
                  "waiting: %d, swapped: %d, KV cache usage: %.1f%%, host cache usage: %.1f%%, "
-                 "prefix cache hit rate: %.1f%%", self.prompt_tokens / elapsed, self.generation_tokens / elapsed,
+                 "prefix cache hit rate: %.1f%%", self.prefix, self.prompt_tokens / elapsed,
+                 self.generation_tokens / elapsed,
                  s.num_running, s.num_waiting, s.num_swapped, 100 * s.kv_cache_usage, 100 * s.host_cache_usage,
                  100 * hits / queries if queries else 0.0)
         self.prompt_tokens = self.generation_tokens = 0
 
 
 class StatLoggers:
-    """The loggers an engine front end (LLM or AsyncLLM) feeds."""
+    """The loggers an engine front end (LLM or AsyncLLM) feeds, with the replica each stats object comes from."""
 
     def __init__(self, model_name: str, facts, policy_name: str, priority_classes: bool, log_stats: bool,
-                 log_interval: float = 10.0):
+                 log_interval: float = 10.0, num_replicas: int = 1):
         self.prometheus = PrometheusStatLogger(
             model_name, max_model_len=facts.max_model_len, policy=policy_name, block_size=facts.block_size,
             num_blocks=facts.num_blocks, num_host_blocks=facts.num_host_blocks, priority_classes=priority_classes,
-            kv_cache_dtype=facts.kv_cache_dtype)
-        self.logging = LoggingStatLogger(log_interval) if log_stats else None
+            kv_cache_dtype=facts.kv_cache_dtype, num_replicas=num_replicas)
+        self.logging = ([LoggingStatLogger(log_interval, f"replica {i}: " if num_replicas > 1 else "")
+                         for i in range(num_replicas)] if log_stats else [])
 
-    def record(self, stats: IterationStats) -> None:
-        self.prometheus.record(stats)
-        if self.logging is not None:
-            self.logging.record(stats)
+    def record(self, stats: IterationStats, replica: int = 0) -> None:
+        self.prometheus.record(stats, replica)
+        if self.logging:
+            self.logging[replica].record(stats)
+
+    def replica_died(self, replica: int) -> None:
+        self.prometheus.replica_died(replica)

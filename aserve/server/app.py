@@ -68,6 +68,11 @@ def api_route(ctx: ServerContext, handler: Callable[[ServerContext, Request], Aw
 
 async def health(ctx: ServerContext, request: Request) -> Response:
     if ctx.engine.is_healthy:
+        dead = ctx.engine.dead_replicas
+        if dead:  # data parallel: 200, since the live replicas serve (a liveness probe must not restart us), but say so
+            size = ctx.engine.config.data_parallel_size
+            return json_response({"status": "degraded", "replicas": size, "replicas_alive": size - len(dead),
+                                  "dead_replicas": [{"replica": i, "error": why} for i, why in sorted(dead.items())]})
         return Response(status_code=200)
     return error_response(503, f"the engine core is dead: {ctx.engine.dead_error!r}")
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import msgspec
 from starlette.responses import Response
 
-from aserve.engine.errors import (EngineDeadError, EngineError, EngineOverloadedError, RequestFailedError,
-                                  RequestTimeoutError)
+from aserve.engine.errors import (EngineDeadError, EngineError, EngineOverloadedError, ReplicaDeadError,
+                                  RequestFailedError, RequestTimeoutError)
 from aserve.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("aserve")
@@ -43,6 +43,7 @@ class Answer:
 # Most specific first: the first type an error is an instance of decides.
 ANSWERS: tuple[tuple[type[BaseException], Answer], ...] = (
     (EngineOverloadedError, Answer(503, "the server is overloaded", "overloaded", retry_after=True)),
+    (ReplicaDeadError, Answer(503, code="replica_died", retry_after=True)),  # the other replicas serve on
     (EngineDeadError, Answer(503, "the engine is not available")),
     (RequestTimeoutError, Answer(504, code="timeout")),
     (RequestFailedError, Answer(500, code="generation_failed")),
