@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("policies", parents=[common], help="list the installed scheduling policies")
 
+    worker = sub.add_parser("worker", parents=[common],
+                            help="run this machine's tensor-parallel ranks of a multi-node engine (node 1..N-1; "
+                                 "node 0 runs `aserve serve` with the same --model, --tensor-parallel-size, "
+                                 "--nnodes and --distributed-init-method)")
+    add_engine_arguments(worker)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     throughput.add_arguments(bench_sub.add_parser("throughput", parents=[common],
@@ -66,7 +72,7 @@ def list_policies() -> None:
         print("no policies installed: pip install -e ./policies")
 
 
-COMMANDS = ("serve", "generate", "bench", "policies")
+COMMANDS = ("serve", "generate", "bench", "policies", "worker")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,6 +102,11 @@ def main(argv: list[str] | None = None) -> None:
             generate(args)
         elif args.command == "policies":
             list_policies()
+        elif args.command == "worker":
+            from aserve.config import EngineConfig
+            from aserve.worker.tp_worker import run_node
+
+            raise SystemExit(run_node(EngineConfig(**engine_options(args)), logging.getLogger("aserve").level))
         else:
             from aserve.server import launch
 

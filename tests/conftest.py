@@ -47,11 +47,12 @@ FAMILIES = {
 }
 
 
-def build_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
+def build_tiny_model(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """`overrides`: config fields changed from the family's (e.g. num_key_value_heads=1)."""
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**extra)
+    config = getattr(transformers, config_cls)(**{**extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32)
     model.save_pretrained(path)

@@ -287,6 +287,7 @@ class EngineCore:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""
         if self.requests or self.scheduler.has_unfinished() or self.structured.num_awaiting:
             raise AssertionError(f"live requests remain: {list(self.requests)[:8]}")
-        if self.runner.requests:
-            raise AssertionError(f"the worker still holds requests: {list(self.runner.requests)[:8]}")
+        held = self.executor.live_request_ids()
+        if held:
+            raise AssertionError(f"the worker still holds requests: {held[:8]}")
         self.kv.check_all_free()

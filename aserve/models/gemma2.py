@@ -57,6 +57,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
-        if self.final_softcap is not None:
+        if self.final_softcap is not None and logits is not None:  # None: a tensor-parallel rank other than 0
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

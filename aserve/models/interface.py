@@ -13,6 +13,8 @@ from typing import Callable, Iterable, Protocol
 import torch
 from torch import nn
 
+from aserve.models import parallel
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -51,13 +53,18 @@ class ParamFiller:
 
     Shards are concatenated along dim 0 unless the parameter's layer records another layout (a `ParamLayout` in
     its `param_layouts`, as quantized formats do): the output dimension, how many outputs one stored element packs,
-    or no output dimension at all (every shard carries the same whole tensor, which must then agree)."""
+    or no output dimension at all (every shard carries the same whole tensor, which must then agree). With tensor
+    parallelism a parameter's `Split` (models.parallel, in its layer's `tp_splits`) first cuts this rank's part out
+    of the checkpoint tensor, read from the file alone when the loader hands safetensors slices."""
 
     def __init__(self, module: nn.Module, shards: dict[str, list[int]] | None = None):
         self.params = dict(module.named_parameters())
         self.layouts = {f"{prefix}.{name}" if prefix else name: layout for prefix, m in module.named_modules()
                         for name, layout in getattr(m, "param_layouts", {}).items()}
         self.shards = shards or {}  # fused parameter name -> its shards' sizes along the output dimension
+        # tensor parallelism (models.parallel): the part of a checkpoint tensor this rank holds
+        self.splits = {f"{prefix}.{name}" if prefix else name: split for prefix, m in module.named_modules()
+                       for name, split in getattr(m, "tp_splits", {}).items()}
         self.filled: set[tuple[str, int | None]] = set()
         self.touched: set[str] = set()  # names with at least one shard filled
 
@@ -67,6 +74,8 @@ class ParamFiller:
             raise ValueError(f"unexpected tensor {source!r}")
         dest = param.data
         layout = self.layouts.get(ours)
+        split = self.splits.get(ours)
+        tensor = split.take(tensor, shard) if split is not None else parallel.materialize(tensor)
         if shard is not None and layout is not None and layout.output_dim is None:
             if ours in self.touched and not torch.equal(dest, tensor.to(dest.dtype)):
                 raise ValueError(f"tensor {source!r} differs from the other shards fused into {ours!r}, "
@@ -78,6 +87,10 @@ class ParamFiller:
                 raise ValueError(f"tensor {source!r}: the fused shards of {ours!r} ({sizes} outputs) do not divide "
                                  f"into the {pack} outputs one packed element holds")
             dest = dest.narrow(dim, sum(sizes[:shard]) // pack, sizes[shard] // pack)
+        if split is not None and split.padded and tensor.shape[split.dim] < dest.shape[split.dim]:
+            held = tensor.shape[split.dim]  # the last vocab range: rows past the vocabulary are zeros
+            dest.narrow(split.dim, held, dest.shape[split.dim] - held).zero_()
+            dest = dest.narrow(split.dim, 0, held)
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ValueError(f"tensor {source!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}")
         dest.copy_(tensor.to(dest.dtype))

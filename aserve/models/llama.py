@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from aserve.attention import Attention
+from aserve.models import parallel
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
 
@@ -67,15 +68,20 @@ class SelfAttention(nn.Module):
     def __init__(self, args: ModelArgs, sliding_window: int | None = None, scale: float | None = None,
                  logit_softcap: float | None = None):
         super().__init__()
-        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=args.qkv_bias)
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        tp, D = parallel.current(), args.head_dim
+        heads = parallel.head_part(args.num_heads, args.num_kv_heads, tp)  # all of them at one rank
+        self.q_size, self.kv_size = heads.num_q * D, heads.num_kv * D
+        q_part, kv_part = (heads.q_start * D, self.q_size), (heads.kv_start * D, self.kv_size)
+        full = [args.num_heads * D, args.num_kv_heads * D, args.num_kv_heads * D]  # q | k | v in the checkpoint
+        self.qkv_proj = parallel.column_parallel(args.hidden_size, full, bias=args.qkv_bias, tp=tp,
+                                                 parts=[q_part, kv_part, kv_part])
+        self.o_proj = parallel.row_parallel(args.num_heads * D, args.hidden_size, bias=args.o_bias, tp=tp)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, scale or args.head_dim ** -0.5,
+        self.attn = Attention(heads.num_q, heads.num_kv, args.head_dim, scale or args.head_dim ** -0.5,
                               sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta):
@@ -92,9 +98,11 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = Linear(args.hidden_size, [args.intermediate_size] * 2, bias=args.mlp_bias)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        tp = parallel.current()
+        self.intermediate_size = args.intermediate_size // tp.size  # this rank's share of the inner features
+        self.gate_up_proj = parallel.column_parallel(args.hidden_size, [args.intermediate_size] * 2,
+                                                     bias=args.mlp_bias, tp=tp)
+        self.down_proj = parallel.row_parallel(args.intermediate_size, args.hidden_size, bias=args.mlp_bias, tp=tp)
         self.act = activation(args.hidden_act)
         self.swiglu = args.hidden_act == "silu"
 
@@ -122,16 +130,20 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint name piece -> (our parameter name piece, shard index in the fused weight)
     stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    supports_tensor_parallel = True  # built from models.parallel's layers (so are the families below it)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.shape = ModelShape(args.num_layers, args.num_kv_heads, args.head_dim, args.vocab_size,
+        self.tp = tp = parallel.current()
+        # a rank's KV cache holds its own KV heads only
+        num_kv_heads = parallel.head_part(args.num_heads, args.num_kv_heads, tp).num_kv
+        self.shape = ModelShape(args.num_layers, num_kv_heads, args.head_dim, args.vocab_size,
                                 args.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = parallel.embedding(args.vocab_size, args.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)
+        self.lm_head = None if args.tie_word_embeddings else parallel.lm_head(args.hidden_size, args.vocab_size, tp)
         self.rope: RotaryEmbedding | None = None
         self.packed_head: nn.Module | None = None
 
@@ -158,20 +170,23 @@ class LlamaForCausalLM(nn.Module):
         """The logits projection: the embedding when tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[T, vocab] logits; with tensor parallelism on rank 0 only (None on the others, which do not sample)."""
         if self.packed_head is not None:  # the tied head's own copy: oneDNN-packed (ops.cpu_gemm) or quantized
-            return self.packed_head(hidden)
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+            logits = self.packed_head(hidden)
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        return self.tp.gather_logits(logits, self.args.vocab_size)
 
     # -- loading Hugging Face checkpoints ---------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        a = self.args
-        qkv = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        fused = {name: qkv if ".qkv_proj." in name else [a.intermediate_size] * 2
-                 for name, _ in self.named_parameters() if ".qkv_proj." in name or ".gate_up_proj." in name}
+        # the fused layers' shard sizes as this rank holds them (all of each at one rank)
+        fused = {f"{prefix}.{name}": module.output_sizes for prefix, module in self.named_modules()
+                 if isinstance(module, Linear) and len(module.output_sizes) > 1
+                 for name, _ in module.named_parameters(recurse=False)}
         fill_from_checkpoint(self, weights, self.checkpoint_name, fused)
 
     def checkpoint_name(self, name: str) -> tuple[str, int | None] | None:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from aserve.attention.kv_quant import is_scale_tensor
 from aserve.hardware import native, resolve_dtype
+from aserve.models import parallel
 from aserve.models.interface import CausalLM
 from aserve.models.registry import architecture, model_class, read_config, read_json
 from aserve.ops.cpu_gemm import prepack_linears
@@ -53,19 +54,21 @@ def checkpoint_names(files: list[Path]) -> Iterator[str]:
             yield from f.keys()
 
 
-def checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file name, tensor name, tensor) for every tensor of every file, read one at a time; errors name the file."""
+def checkpoint_tensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file name, tensor name, tensor) for every tensor of every file, read one at a time; errors name the file.
+    `lazy`: safetensors slices instead, valid until the next one, from which a tensor-parallel rank reads only
+    its part (models.parallel.Split)."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield file.name, name, f.get_tensor(name)
+                yield file.name, name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
-def fill_weights(model: CausalLM, files: list[Path]) -> None:
+def fill_weights(model: CausalLM, files: list[Path], lazy: bool = False) -> None:
     current = [files[0].name]
 
     def tensors():
-        for file_name, name, tensor in checkpoint_tensors(files):
+        for file_name, name, tensor in checkpoint_tensors(files, lazy):
             current[0] = file_name
             if not is_scale_tensor(name):  # KV cache scales: the worker reads them for an FP8 cache
                 yield name, tensor
@@ -78,23 +81,26 @@ def fill_weights(model: CausalLM, files: list[Path]) -> None:
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device = torch.device("cpu"),
                max_model_len: int | None = None, quantization: str | None = None,
-               quantize_lm_head: bool = False) -> LoadedModel:
+               quantize_lm_head: bool = False, tp: parallel.TensorParallel | None = None) -> LoadedModel:
+    """`tp`: this rank's tensor-parallel group; the model holds (and reads from the files) only its slices."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     cls = model_class(architecture(config))
     spec = resolve_quantization(config, quantization, quantize_lm_head)
+    tp = tp or parallel.SINGLE
+    parallel.check_model(cls, config, tp.size, spec)
     if spec is not None:
         from aserve.quantization import loading
 
         loading.check_device(spec, device)
     torch_dtype, reason = resolve_dtype(dtype, config, device)
     files = checkpoint_files(model_dir)
-    with torch.device("meta"):
+    with torch.device("meta"), parallel.building(tp):
         model = cls.from_config(config).to(torch_dtype)
         if spec is not None:  # before the weights are allocated: a GPTQ/AWQ layer never holds a dense one
             method = loading.attach(model, spec, torch_dtype, checkpoint_names(files))
     model = model.to_empty(device=device)
-    fill_weights(model, files)
+    fill_weights(model, files, lazy=tp.size > 1)
     if spec is not None:
         loading.finish(model, spec, method, torch_dtype)
     with device:  # tables made here (rotary cos/sin) are plain tensors that .to() would not move

@@ -1,5 +1,5 @@
-"""Executor: how the engine core reaches its workers. In-process now (one worker); the multi-process
-executor, one worker per tensor-parallel rank, implements the same three members."""
+"""Executor: how the engine core reaches its workers. In-process for one rank; with tensor parallelism the
+multi-process executor (worker.multiproc_executor), one worker process per rank, implements the same members."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -15,6 +15,8 @@ class Executor(Protocol):
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def live_request_ids(self) -> list[str]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -28,9 +30,17 @@ class UniprocExecutor:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(sched)
 
+    def live_request_ids(self) -> list[str]:
+        """The requests the worker still holds (an idle engine's: none)."""
+        return sorted(self.worker.runner.requests)
+
     def shutdown(self) -> None:
         pass
 
 
 def make_executor(config: EngineConfig) -> Executor:
+    if getattr(config, "tensor_parallel_size", 1) > 1:
+        from aserve.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
     return UniprocExecutor(config)

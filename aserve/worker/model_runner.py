@@ -136,7 +136,10 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.layer_caches, meta)
         result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if sample_reqs:  # else only prefill chunks that do not reach the end of their prompts
-            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)]).cpu()  # the sampler runs here
+            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
+            if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples (see append_sampled)
+                return result
+            logits = logits.cpu()  # the sampler runs here
             if sched.structured_request_ids:
                 apply_grammar_bitmask(logits, [r.request_id for r in sample_reqs], sched.structured_request_ids,
                                       sched.grammar_bitmask)
@@ -145,6 +148,14 @@ class ModelRunner:
                     state.append_token(sampled.token_id)
                 result.sampled[state.request_id] = sampled
         return result
+
+    def append_sampled(self, tokens: dict[str, int]) -> None:
+        """Tensor parallelism: the tokens rank 0 sampled, appended on a rank that gathered no logits, so its
+        requests' tokens stay those of rank 0 (who appends its own as it samples)."""
+        for request_id, token_id in tokens.items():
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.append_token(token_id)
 
     def _prompt_logprobs(self, batch: list[tuple[RequestState, int]], hidden: torch.Tensor) -> dict[str, list]:
         """For requests that asked: the log-probability of each prompt token given the ones before it."""
@@ -160,8 +171,12 @@ class ModelRunner:
             first = max(start, req.num_prompt_logprobs)
             last = min(start + n, req.num_prompt_tokens - 1)
             if first < last:
-                logprobs = self.model.compute_logits(hidden[row + first - start:row + last - start]).float().cpu()
-                logprobs = logprobs.log_softmax(dim=-1)
+                logits = self.model.compute_logits(hidden[row + first - start:row + last - start])
+                if logits is None:  # a tensor-parallel rank other than 0 (it took part in the gather)
+                    req.num_prompt_logprobs = last
+                    row += n
+                    continue
+                logprobs = logits.float().cpu().log_softmax(dim=-1)
                 targets = torch.tensor(req.all_token_ids[first + 1:last + 1])
                 chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
                 tops = logprobs.topk(k, dim=-1) if k else None

@@ -14,6 +14,7 @@ from aserve.config import EngineConfig
 from aserve.core.scheduler import SchedulerOutput
 from aserve.hardware import resolve_device
 from aserve.models.loader import load_model
+from aserve.models.parallel import TensorParallel
 from aserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 
@@ -34,12 +35,15 @@ class WorkerInfo:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
-        device = resolve_device(config.device)
+    """`tp` and `device`: a tensor-parallel rank's group (its slices of the model and its KV heads) and its own
+    device (cuda:LOCAL_RANK), set by worker.tp_worker; one rank on `config.device` otherwise."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, device: torch.device | None = None):
+        device = device or resolve_device(config.device)
         if device.type == "cuda":  # Triton launches on the current device, whatever its tensors' device is
             torch.cuda.set_device(device)
         loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len,
-                            quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
+                            quantization=config.quantization, quantize_lm_head=config.quantize_lm_head, tp=tp)
         scales = kv_quant.checkpoint_scales(config.model) if config.kv_cache_dtype != "auto" else None
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
                                   config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,

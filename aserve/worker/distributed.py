@@ -1,0 +1,197 @@
+"""Where the tensor-parallel ranks run and how they meet: the plan (world size, which ranks this machine starts,
+the rendezvous address) from the engine options or torchrun's environment variables, the rendezvous itself on
+torch.distributed (a TCPStore, then the process group: gloo on the CPU, NCCL on CUDA), and the one collective
+the step loop adds: rank 0 broadcasting each step's bytes.
+
+Two timeouts, because they bound different waits. Joining waits for the other machines to be started and to
+load their slices (RENDEZVOUS_TIMEOUT_S, long: a person may start node 1 a minute after node 0). Every collective
+after that waits at most `distributed_timeout` seconds, so a hung or unreachable rank ends the engine instead of
+hanging it; a rank that dies is seen at once (gloo's connection closes).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+
+from aserve.models.parallel import TensorParallel
+
+log = logging.getLogger("aserve")
+RENDEZVOUS_TIMEOUT_S = 600.0
+TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class DistributedPlan:
+    """One machine's share of a tensor-parallel job: ranks node_rank * per_node ... are its own."""
+    world_size: int
+    nnodes: int
+    node_rank: int
+    host: str
+    port: int
+    timeout_s: float
+    ranks: tuple[int, ...]  # the ranks this machine starts
+    local_ranks: tuple[int, ...]  # and their index on this machine (the GPU each one uses)
+    ranks_per_node: int  # for the threads of each rank
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @classmethod
+    def for_engine(cls, config, env: Mapping[str, str] = os.environ) -> "DistributedPlan":
+        """The engine's machine (node 0): ranks 0 .. world/nnodes - 1, rank 0 being the one that samples."""
+        if config.node_rank != 0:
+            raise ValueError(f"node_rank {config.node_rank}: the engine runs on node 0; the other nodes run "
+                             "`aserve worker --node-rank R ...` (workers only)")
+        return cls._plan(config, env, node_rank=0)
+
+    @classmethod
+    def for_node(cls, config, env: Mapping[str, str] = os.environ) -> "DistributedPlan":
+        """A machine of workers only (`aserve worker`): its node's ranks, or with torchrun's RANK, WORLD_SIZE and
+        LOCAL_RANK set, exactly that one rank (a launcher that starts each rank itself)."""
+        if "RANK" in env:
+            world = int(env.get("WORLD_SIZE", config.tensor_parallel_size))
+            if world != config.tensor_parallel_size:
+                raise ValueError(f"WORLD_SIZE={world} but tensor_parallel_size is {config.tensor_parallel_size}: "
+                                 "the ranks of one job are its tensor-parallel group")
+            rank = int(env["RANK"])
+            if not 0 < rank < world:
+                raise ValueError(f"RANK={rank}: a worker-only process holds a rank in 1..{world - 1} (rank 0 is the "
+                                 "engine's)")
+            plan = cls._plan(config, env, node_rank=config.node_rank)
+            local = int(env.get("LOCAL_RANK", rank % plan.ranks_per_node))
+            return cls(plan.world_size, plan.nnodes, plan.node_rank, plan.host, plan.port, plan.timeout_s, (rank,),
+                       (local,), plan.ranks_per_node)
+        if config.nnodes == 1:
+            raise ValueError("`aserve worker` runs the ranks of another machine of a multi-node group: pass --nnodes "
+                             "K (> 1) and --node-rank R (1..K-1), or set RANK as a launcher does; one machine needs "
+                             "no worker command (`aserve --tensor-parallel-size N` starts its ranks)")
+        if not 0 < config.node_rank < config.nnodes:
+            raise ValueError(f"node_rank must be in 1..{config.nnodes - 1} for `aserve worker` (node 0 runs the "
+                             f"engine), got {config.node_rank} with nnodes {config.nnodes}")
+        return cls._plan(config, env, node_rank=config.node_rank)
+
+    @classmethod
+    def _plan(cls, config, env: Mapping[str, str], node_rank: int) -> "DistributedPlan":
+        world, nnodes = config.tensor_parallel_size, config.nnodes
+        if world % nnodes:
+            raise ValueError(f"tensor_parallel_size {world} does not split evenly over nnodes {nnodes}")
+        method = config.distributed_init_method
+        if method is None and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+            method = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        if method is None:
+            if nnodes > 1:
+                raise ValueError(f"nnodes {nnodes} needs a rendezvous address every node can reach: "
+                                 "--distributed-init-method tcp://HOST:PORT (HOST: node 0), or MASTER_ADDR and "
+                                 "MASTER_PORT")
+            method = f"tcp://127.0.0.1:{free_port()}"
+        host, port = parse_init_method(method)
+        per_node = world // nnodes
+        ranks = tuple(range(node_rank * per_node, (node_rank + 1) * per_node))
+        return cls(world, nnodes, node_rank, host, port, float(config.distributed_timeout), ranks,
+                   tuple(range(per_node)), per_node)
+
+
+def parse_init_method(method: str) -> tuple[str, int]:
+    m = re.fullmatch(r"tcp://\[?([^\]]+?)\]?:([0-9]+)", method.strip())
+    if not m:
+        raise ValueError(f"distributed_init_method must be tcp://HOST:PORT, got {method!r}")
+    return m.group(1), int(m.group(2))
+
+
+def free_port() -> int:
+    """A port free on the loopback now (a single machine's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(ranks_on_this_machine: int) -> int:
+    """The threads of the process that starts the ranks (torch's default: the cores it may use; a data-parallel
+    replica's share), split between the machine's ranks so they do not oversubscribe the cores."""
+    return max(1, torch.get_num_threads() // ranks_on_this_machine)
+
+
+def rank_device(option: str, local_rank: int) -> torch.device:
+    """A rank's device: the CPU, or the GPU of its index on this machine."""
+    if option == "cpu" or (option == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if option not in ("auto", "cuda"):
+        raise ValueError(f"device {option!r}: with tensor parallelism each rank takes cuda:LOCAL_RANK; pass "
+                         "device cuda (or auto), and CUDA_VISIBLE_DEVICES to choose the GPUs")
+    if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+        raise ValueError(f"rank needs GPU {local_rank}, but torch sees {torch.cuda.device_count()} here")
+    return torch.device("cuda", local_rank)
+
+
+# -- the rendezvous --------------------------------------------------------------------------------------
+
+def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, status: dict) -> None:
+    """Meet the other ranks and join the process group. Every rank first publishes `status` (its load error,
+    or the facts every rank must share: KV blocks, model class, dtype) in the TCPStore, then reads all of them,
+    so a rank that could not load, or a node started with other options, fails every rank with one clear
+    message instead of a timeout."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(plan.host, plan.port, plan.world_size, is_master=tp.rank == 0,
+                          timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
+    keys = [f"aserve/rank/{r}" for r in range(plan.world_size)]
+    store.set(keys[tp.rank], json.dumps(status))
+    try:
+        store.wait(keys, timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - say which ranks are missing
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise TimeoutError(f"tensor-parallel ranks {missing} did not join at {plan.init_method} within "
+                           f"{RENDEZVOUS_TIMEOUT_S:.0f} s: start `aserve worker --node-rank R ...` on the other "
+                           "nodes, with the same model and options") from None
+    statuses = [json.loads(store.get(key)) for key in keys]
+    for r, s in enumerate(statuses):
+        if s.get("error") and r != tp.rank:
+            raise RuntimeError(f"tensor-parallel rank {r} could not load the model: {s['error']}")
+    if status.get("error"):
+        return  # the caller raises its own error
+    for r, s in enumerate(statuses):
+        if s["facts"] != statuses[0]["facts"]:
+            raise ValueError(f"tensor-parallel rank {r} differs from rank 0 ({s['facts']} against "
+                             f"{statuses[0]['facts']}): start every node with the same model and options "
+                             "(--kv-cache-memory, --block-size, --dtype, ...)")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=plan.timeout_s)
+    dist.init_process_group(backend, store=store, rank=tp.rank, world_size=plan.world_size, timeout=timeout,
+                            **({"device_id": device} if backend == "nccl" else {}))
+    tp.group = dist.group.WORLD
+    tp.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else tp.group
+    log.debug("rank %d of %d joined at %s (%s)", tp.rank, plan.world_size, plan.init_method, backend)
+
+
+# -- the step loop's collective ------------------------------------------------------------------------
+
+def broadcast_bytes(parts: list[bytes] | None, tp: TensorParallel, count: int = 2) -> list[bytes]:
+    """Rank 0's `count` byte strings, on every rank: their lengths, then their concatenation (two broadcasts on
+    the gloo group). Other ranks pass None."""
+    import torch.distributed as dist
+
+    root = tp.rank == 0
+    sizes = torch.tensor([len(p) for p in parts] if root else [0] * count, dtype=torch.int64)
+    dist.broadcast(sizes, 0, group=tp.cpu_group)
+    lengths = sizes.tolist()
+    if root:
+        buffer = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+    else:
+        buffer = torch.empty(sum(lengths), dtype=torch.uint8)
+    dist.broadcast(buffer, 0, group=tp.cpu_group)
+    if root:
+        return parts
+    data, out, at = buffer.numpy().tobytes(), [], 0
+    for n in lengths:
+        out.append(data[at:at + n])
+        at += n
+    return out

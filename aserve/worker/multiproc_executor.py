@@ -1,0 +1,158 @@
+"""The multi-process executor: tensor parallelism over N worker processes, one rank each.
+
+Every rank, rank 0 included, is a process of its own (worker.tp_worker); the engine core only sends steps to
+rank 0 over a pipe and reads back its sampled output. Chosen over making the engine core's process rank 0
+because then every rank is the same program whichever machine it runs on, the ranks' threads never share a GIL
+with the scheduler (or with a user's script, for the offline LLM), and torch.distributed's process-wide state
+never enters the user's process: two LLMs in one script, or one that uses torch.distributed itself, are no
+trouble. The price is one pipe hop of the step's plain data (SchedulerOutput) and its output, tens of
+microseconds, against milliseconds of forward.
+
+A rank that dies or fails ends the engine: the executor waits on every local rank's pipe at once, so a dead
+process (end of file) or a failure report (rank 0's collective failed or timed out, e.g. because a rank on
+another machine died) raises EngineDeadError from `execute` within the process group's timeout at worst, and
+the engine core's dead-core path takes over (the server answers 503 and exits 1).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import weakref
+from multiprocessing.connection import wait
+
+from aserve.config import EngineConfig
+from aserve.core.scheduler import SchedulerOutput
+from aserve.engine.errors import EngineDeadError
+from aserve.worker.distributed import DistributedPlan
+from aserve.worker.model_runner import ModelRunnerOutput
+from aserve.worker.tp_worker import LIVE_REQUESTS, SHUTDOWN, STEP, RankStart, spawn_rank
+from aserve.worker.worker import WorkerInfo
+
+log = logging.getLogger("aserve")
+REPORT_GRACE_S = 2.0  # after a rank dies, how long rank 0 may take to say what it saw
+# how long a rank may take to end after the shutdown; a profiled one (ASERVE_TP_PROFILE) writes its table first
+STOP_TIMEOUT_S = 300.0 if os.environ.get("ASERVE_TP_PROFILE") else 10.0
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig):
+        check_before_spawning(config)
+        self.plan = DistributedPlan.for_engine(config)
+        self.error: EngineDeadError | None = None
+        level = logging.getLogger("aserve").getEffectiveLevel()
+        rank_config = copy.copy(config)  # the ranks never schedule: a policy class from the user's script (which
+        rank_config.policy, rank_config.policy_options = "fcfs", None  # they cannot import) stays here
+        self.ranks = {rank: spawn_rank(RankStart(rank_config, self.plan, rank, local, level))
+                      for rank, local in zip(self.plan.ranks, self.plan.local_ranks)}
+        self._finalizer = weakref.finalize(self, _stop, dict(self.ranks))
+        if self.plan.nnodes > 1:
+            log.info("tensor parallel: waiting for the ranks of nodes 1..%d at %s", self.plan.nnodes - 1,
+                     self.plan.init_method)
+        infos = {}
+        while len(infos) < len(self.ranks):
+            for rank, kind, value in self._next_messages():
+                if kind != "ready":
+                    self._kill()  # and raise the rank's own error (a bad checkpoint, a missing node, ...), by type
+                    raise value.rebuild() if kind == "failed" else value
+                infos[rank] = value
+        self.info: WorkerInfo = infos[0]
+        log.info("tensor parallel: %d ranks (%d on this machine) joined at %s", self.plan.world_size,
+                 len(self.ranks), self.plan.init_method)
+
+    @property
+    def worker(self):
+        raise AttributeError("with tensor_parallel_size > 1 the model runs in worker processes: there is no "
+                             "in-process worker or runner (engine.runner) to inspect")
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call(STEP, sched)
+
+    def live_request_ids(self) -> list[str]:
+        """The requests any rank still holds (each rank's set, merged)."""
+        return sorted(set().union(*self._call(LIVE_REQUESTS)))
+
+    def _call(self, kind: str, payload=None):
+        if self.error is not None:
+            raise self.error
+        try:
+            self.ranks[0][1].send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            pass  # rank 0 is gone: the wait below says how
+        while True:
+            for rank, kind_, value in self._next_messages():
+                if rank == 0 and kind_ == "ok":
+                    return value
+                self._die(rank, kind_, value)
+
+    def _next_messages(self):
+        """(rank, kind, value) for each local rank with something to say; kind "died" for a process that ended."""
+        conns = {id(conn): rank for rank, (_, conn) in self.ranks.items()}
+        found = []
+        for conn in wait([conn for _, conn in self.ranks.values()]):
+            rank = conns[id(conn)]
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):
+                proc = self.ranks[rank][0]
+                try:
+                    code = proc.wait(timeout=REPORT_GRACE_S)
+                except Exception:  # noqa: BLE001 - still alive after closing its pipe
+                    code = None
+                kind, value = "died", EngineDeadError(f"tensor-parallel rank {rank} ended (exit status {code})")
+            found.append((rank, kind, value))
+        return found
+
+    def _die(self, rank: int, kind: str, value) -> None:
+        """Stop every local rank and raise EngineDeadError naming what each one said or how it ended."""
+        reasons = [f"rank {rank}: {value.describe() if kind == 'failed' else value}"]
+        if rank != 0:  # rank 0's report usually follows (its collective failed): worth the wait
+            conn = self.ranks[0][1]
+            if conn.poll(REPORT_GRACE_S):
+                try:
+                    kind0, value0 = conn.recv()
+                    if kind0 == "failed":
+                        reasons.append(f"rank 0: {value0.describe()}")
+                except (EOFError, OSError):
+                    pass
+        self.error = EngineDeadError("a tensor-parallel worker failed; " + "; ".join(reasons))
+        log.error("%s", self.error)
+        self._kill()
+        raise self.error
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _kill(self) -> None:
+        """The group is broken: the ranks still running have nothing left to do."""
+        self._finalizer.detach()
+        _stop(self.ranks, grace=0)
+
+
+def _stop(ranks: dict, grace: float = STOP_TIMEOUT_S) -> None:
+    """Ask rank 0 to broadcast the shutdown, then wait for every local rank, killing one that lingers past
+    `grace` seconds."""
+    if grace > 0:
+        try:
+            ranks[0][1].send_bytes(pickle.dumps((SHUTDOWN, None)))
+        except (OSError, KeyError):
+            pass
+    for proc, conn in ranks.values():
+        try:
+            proc.wait(grace)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+            proc.kill()
+            proc.wait()
+        conn.close()
+
+
+def check_before_spawning(config: EngineConfig) -> None:
+    """Refuse a model the ranks cannot split before starting any process (config.json alone)."""
+    from aserve.models.parallel import check_model
+    from aserve.models.registry import architecture, model_class, read_config
+    from aserve.quantization import resolve
+
+    model_config = read_config(config.model)
+    check_model(model_class(architecture(model_config)), model_config, config.tensor_parallel_size,
+                resolve(model_config, config.quantization, config.quantize_lm_head))
