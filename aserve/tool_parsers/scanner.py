@@ -44,6 +44,7 @@ class CallScanner:
         self.escape = False
         self.reading_key = True
         self.key = ""  # the member being read, raw JSON text while it is a key
+        self.field: str | None = None  # that key decoded, once its ':' is read
         self.value = ""  # its value's raw text
 
     @property
@@ -87,7 +88,7 @@ class CallScanner:
         if self.depth == self.call_depth and ch in WHITESPACE:
             return
         if self.depth == self.call_depth and ch == ":" and self.reading_key:
-            self.reading_key = False
+            self.reading_key, self.field = False, self._key()
             return
         if self.depth == self.call_depth and ch == ",":
             self._member_done()
@@ -111,10 +112,10 @@ class CallScanner:
 
     def _value_grew(self) -> None:
         """Arguments stream while they are an object; the name is known once its string closes."""
-        key, call = self._key(), self._current
-        if key in ARGUMENT_KEYS and self.value.startswith("{"):
+        call = self._current
+        if self.field in ARGUMENT_KEYS and self.value.startswith("{"):
             call.arguments = self.value
-        elif key == "name" and call.name is None and not self.in_string and self.value.startswith('"'):
+        elif self.field == "name" and call.name is None and not self.in_string and self.value.startswith('"'):
             try:
                 name = json.loads(self.value)
             except ValueError:
@@ -124,7 +125,7 @@ class CallScanner:
 
     def _member_done(self) -> None:
         """Arguments given as a JSON string (some models write them so) count once complete."""
-        if self.reading_key or self._key() not in ARGUMENT_KEYS or self.value.startswith("{"):
+        if self.reading_key or self.field not in ARGUMENT_KEYS or self.value.startswith("{"):
             return
         try:
             value = json.loads(self.value)
