@@ -280,6 +280,142 @@ void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head,
   }
 }
 
+using BF16 = c10::BFloat16;
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// A bf16 cache on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 values and adds both products to
+// fp32 lanes, so a 64-wide key row meets a query head in 2 instructions where widening it to fp32 took 8 (the
+// products are exact in fp32, as in the torch path's bf16 matmul). The query stays bf16 and the scale is applied
+// to the scores, as the torch path does. Values go in pairs of tokens: their rows are interleaved so that each
+// 32-bit lane holds (v[t][d], v[t+1][d]), against the pair of probabilities rounded to bf16 (the torch path
+// rounds them to bf16 too, before its second matmul).
+#define ASERVE_BF16_DOT 1
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// Up to 16 cached keys (rows) against each query head: 16 sums in registers, folded by one reduce_lanes. A
+// short group repeats its last row and stores only `count` scores.
+template <int HeadDim>
+inline void score_rows(const BF16* q, int64_t heads, const BF16* const* rows, int count, float scale, float* out,
+                       int64_t stride) {
+  constexpr int C = HeadDim / 32;
+  const fVec scale_v(scale);
+  for (int64_t g = 0; g < heads; ++g) {
+    __m512i qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(q + g * HeadDim + c * 32);
+    fVec acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(rows[i])), as_bh(qv[0]));
+      for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(rows[i] + c * 32)), as_bh(qv[c]));
+      acc[i] = a;
+    }
+    const fVec sums = reduce_lanes(acc) * scale_v;
+    if (count == 16) sums.store(out + g * stride); else sums.store(out + g * stride, count);
+  }
+}
+
+// Element offsets, within one kv head's slab of the cache, of the rows of tokens first..len-1: computed once
+// per request and used by both passes, whose inner loops then walk a flat list.
+inline void token_offsets(const int64_t* table, int64_t block_size, int64_t row_size, int64_t first, int64_t len,
+                          int64_t* out) {
+  for (int64_t t = first; t < len;) {
+    const int64_t offset = t % block_size, block = t / block_size;
+    const int64_t stop = std::min(len, t - offset + block_size);
+    int64_t at = (table[block] * block_size + offset) * row_size;
+    for (; t < stop; ++t, at += row_size) *out++ = at;
+  }
+}
+
+template <int HeadDim, typename T> inline void prefetch_row(const T* row) {
+  for (int i = 0; i < HeadDim * 2; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + i, 0, 3);
+}
+
+template <int HeadDim>
+void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
+                     int64_t n, float scale, float cap, float* scores) {
+  const BF16* rows[16];
+  for (int64_t i = 0; i < n; i += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, n - i));
+    for (int j = 0; j < 16; ++j) rows[j] = k_head + offsets[i + std::min(j, count - 1)];
+    // Keys 32 ahead, and this group's values for the pass after this one: the cache lies in DRAM, blocks anywhere.
+    for (int64_t j = i + 32; j < std::min(n, i + 48); ++j) prefetch_row<HeadDim>(k_head + offsets[j]);
+    for (int64_t j = i; j < i + count; ++j) prefetch_row<HeadDim>(v_head + offsets[j]);
+    score_rows<HeadDim>(q, heads, rows, count, scale, scores + i, n);
+  }
+  if (cap > 0.f)
+    for (int64_t i = 0; i < heads * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
+}
+
+// acc[h] = sum_t p[h][t] * v[t] for NH heads (p as bf16 bits, rows n apart), their sums in registers. Tokens go
+// in pairs; an odd last one is paired with a zero row. Lane i of chunk c's low/high sums holds dim
+// 32c + 8(i/4) + i%4 (+ 4 for the high ones), the order unpacklo/unpackhi leave, put back in order at the end.
+template <int HeadDim, int NH>
+void value_pass(const uint16_t* p, int64_t n, const BF16* v_head, const int64_t* offsets, float* acc) {
+  constexpr int C = HeadDim / 32;
+  alignas(64) static const BF16 zero_row[HeadDim] = {};
+  __m512 sums[NH][2 * C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 2 * C; ++c) sums[h][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const bool two = i + 1 < n;
+    const BF16* a = v_head + offsets[i];
+    const BF16* b = two ? v_head + offsets[i + 1] : zero_row;
+    __m512i weights[NH];
+    for (int h = 0; h < NH; ++h)
+      weights[h] = _mm512_set1_epi32(static_cast<int32_t>(p[h * n + i] | (two ? uint32_t(p[h * n + i + 1]) << 16 : 0u)));
+    for (int c = 0; c < C; ++c) {
+      const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
+      const __m512bh lo = as_bh(_mm512_unpacklo_epi16(ra, rb)), hi = as_bh(_mm512_unpackhi_epi16(ra, rb));
+      for (int h = 0; h < NH; ++h) {
+        sums[h][2 * c] = _mm512_dpbf16_ps(sums[h][2 * c], lo, as_bh(weights[h]));
+        sums[h][2 * c + 1] = _mm512_dpbf16_ps(sums[h][2 * c + 1], hi, as_bh(weights[h]));
+      }
+    }
+  }
+  const __m512i lo_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) {
+      float* out = acc + h * HeadDim + c * 32;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(sums[h][2 * c], lo_order, sums[h][2 * c + 1]));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(sums[h][2 * c], hi_order, sums[h][2 * c + 1]));
+    }
+}
+
+// acc[g] = sum_t p[g][t] * v[t]: the heads in passes whose sums fill half the registers.
+template <int HeadDim>
+void value_sum_bf16(const uint16_t* p, int64_t heads, const BF16* v_head, const int64_t* offsets, int64_t n,
+                    float* acc) {
+  constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // 4 heads at 64 dims, 2 at 128, 1 at 256
+  for (int64_t g = 0; g < heads;) {
+    const int64_t nh = std::min<int64_t>(HG, heads - g);
+    const uint16_t* pg = p + g * n;
+    float* out = acc + g * HeadDim;
+    if (nh >= 4) {
+      if constexpr (HG >= 4) value_pass<HeadDim, 4>(pg, n, v_head, offsets, out);
+      g += 4;
+    } else if (nh == 3) {
+      if constexpr (HG >= 3) value_pass<HeadDim, 3>(pg, n, v_head, offsets, out);
+      g += 3;
+    } else if (nh == 2) {
+      if constexpr (HG >= 2) value_pass<HeadDim, 2>(pg, n, v_head, offsets, out);
+      g += 2;
+    } else {
+      value_pass<HeadDim, 1>(pg, n, v_head, offsets, out);
+      g += 1;
+    }
+  }
+}
+#else  // declared only, so the branches that would call them compile away
+inline void token_offsets(const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t*);
+template <int HeadDim, typename T> inline void prefetch_row(const T*) {}
+template <int HeadDim>
+void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float, float*);
+template <int HeadDim>
+void value_sum_bf16(const uint16_t*, int64_t, const BF16*, const int64_t*, int64_t, float*);
+#endif
+
 // T: the query's and output's type; C: the cache's (T, or an FP8 tag with k_scale / v_scale folded in).
 template <typename T, typename C, int HeadDim>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
@@ -305,8 +441,16 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale * k_scale);
   const float vscale = static_cast<float>(v_scale);
 
+#ifdef ASERVE_BF16_DOT
+  constexpr bool bf16_dot = std::is_same_v<T, BF16> && std::is_same_v<C, BF16> && HeadDim > 0;
+#else
+  constexpr bool bf16_dot = false;
+#endif
   at::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads_per_item * head_dim), row(head_dim), acc(heads_per_item * head_dim), scores;
+    std::vector<T> qb(bf16_dot ? heads_per_item * head_dim : 0);
+    std::vector<uint16_t> probs;
+    std::vector<int64_t> offsets;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (num_kv_heads * splits);
       const int64_t kvh = (item / splits) % num_kv_heads;
@@ -315,13 +459,23 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t* table = tables + b * table_width;
-      for (int64_t g = 0; g < heads_per_item; ++g) {
-        load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, q.data() + g * head_dim, head_dim);
-        scale_row(q.data() + g * head_dim, fscale, head_dim);
-      }
       scores.resize(heads_per_item * n);
-      key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_ptr + kvh * head_stride, table, block_size,
-                             first, len, cap, scores.data(), row.data());
+      if constexpr (bf16_dot) {
+        for (int64_t g = 0; g < heads_per_item; ++g)
+          std::memcpy(qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
+        offsets.resize(n);
+        token_offsets(table, block_size, head_dim, first, len, offsets.data());
+        for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch_row<HeadDim>(k_ptr + kvh * head_stride + offsets[j]);
+        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_ptr + kvh * head_stride, v_ptr + kvh * head_stride,
+                                 offsets.data(), n, fscale, cap, scores.data());
+      } else {
+        for (int64_t g = 0; g < heads_per_item; ++g) {
+          load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, q.data() + g * head_dim, head_dim);
+          scale_row(q.data() + g * head_dim, fscale, head_dim);
+        }
+        key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_ptr + kvh * head_stride, table, block_size,
+                               first, len, cap, scores.data(), row.data());
+      }
       for (int64_t g = 0; g < heads_per_item; ++g) {  // softmax in place
         float* s = scores.data() + g * n;
         const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
@@ -329,8 +483,15 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         const float total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
         scale_row(s, 1.f / total, n);
       }
-      value_sum<C, HeadDim>(scores.data(), heads_per_item, head_dim, v_ptr + kvh * head_stride, table, block_size,
-                            first, len, acc.data(), row.data());
+      if constexpr (bf16_dot) {
+        probs.resize(heads_per_item * n);
+        at::vec::convert(scores.data(), reinterpret_cast<BF16*>(probs.data()), heads_per_item * n);
+        value_sum_bf16<HeadDim>(probs.data(), heads_per_item, v_ptr + kvh * head_stride, offsets.data(), n,
+                                acc.data());
+      } else {
+        value_sum<C, HeadDim>(scores.data(), heads_per_item, head_dim, v_ptr + kvh * head_stride, table,
+                              block_size, first, len, acc.data(), row.data());
+      }
       if (vscale != 1.f) scale_row(acc.data(), vscale, heads_per_item * head_dim);
       for (int64_t g = 0; g < heads_per_item; ++g)
         store_row(acc.data() + g * head_dim, o_ptr + b * o_stride0 + (h0 + g) * o_stride1, head_dim);
