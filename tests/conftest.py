@@ -135,6 +135,22 @@ def scattered_tables(need: list[int], null: int, gen: torch.Generator) -> torch.
     return tables
 
 
+def make_layout(requests, block_size: int, gen: torch.Generator):
+    """The runner's layout (model_runner._prepare) over a random permutation of physical blocks; the last
+    block is the null block that pads the tables."""
+    need = [-(-(start + n) // block_size) for start, n in requests]
+    null = sum(need)
+    tables = scattered_tables(need, null, gen)
+    starts, counts = [s for s, _ in requests], [n for _, n in requests]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in requests])
+    row = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(counts))
+    slots = tables[row, positions // block_size] * block_size + positions % block_size
+    num_decode = sum(1 for n in counts if n == 1)
+    from aserve.attention import BatchLayout
+
+    return BatchLayout(positions, slots, tables, starts, counts, num_decode, block_size, null + 1)
+
+
 def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:
     """KV cache bytes for exactly `num_blocks` blocks, from the model's own shape (config names differ by family)."""
     from aserve.models.registry import architecture, model_class, read_config

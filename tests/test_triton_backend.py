@@ -16,29 +16,15 @@ DEVICE = "cuda" if CUDA else "cpu"  # where the Triton kernels run
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 from aserve import LLM, SamplingParams  # noqa: E402
-from aserve.attention import BatchLayout, select_backend  # noqa: E402
+from aserve.attention import select_backend  # noqa: E402
 from aserve.attention.kv_quant import FP8_FORMATS, quantize  # noqa: E402
 from aserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from aserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from conftest import random_prompts, scattered_tables  # noqa: E402
+from conftest import make_layout, random_prompts  # noqa: E402
 
 # (tokens in the cache, tokens this step) per request, decode requests first as the runner orders them:
 # decodes at the first position, inside and past a block; prefill chunks alone and after cached context.
 MIXED = [(0, 1), (3, 1), (40, 1), (0, 9), (21, 6), (5, 19)]
-
-
-def make_layout(requests, block_size: int, gen: torch.Generator) -> BatchLayout:
-    """The runner's layout (model_runner._prepare) over a random permutation of physical blocks; the last
-    block is the null block that pads the tables."""
-    need = [-(-(start + n) // block_size) for start, n in requests]
-    null = sum(need)
-    tables = scattered_tables(need, null, gen)
-    starts, counts = [s for s, _ in requests], [n for _, n in requests]
-    positions = torch.cat([torch.arange(s, s + n) for s, n in requests])
-    row = torch.repeat_interleave(torch.arange(len(requests)), torch.tensor(counts))
-    slots = tables[row, positions // block_size] * block_size + positions % block_size
-    num_decode = sum(1 for n in counts if n == 1)
-    return BatchLayout(positions, slots, tables, starts, counts, num_decode, block_size, null + 1)
 
 
 def compare(requests, block_size=16, heads=(4, 2), head_dim=16, window=None, softcap=None,

@@ -2,14 +2,20 @@
 
 Decode requests attend in one call: on the CPU, aserve's fused kernel reads each request's blocks in place
 (ops.cpu_kernels); elsewhere, or without the kernels, a head-major gather of their blocks and two batched
-matmuls. Each prefill chunk attends through SDPA (causal, after any cached context). Masks for sliding-window
-layers are built once per step and window size, and shared by the layers that use them.
+matmuls. Each prefill chunk attends through SDPA (causal, after any cached context), except where the kernel
+has AVX512-BF16's dot product: there a bf16 chunk of up to PREFILL_KERNEL_MAX_LEN attended tokens joins the
+decode rows in the same call, each of its queries read as a decode query over its own causal prefix of the
+cache (its keys are written before attention runs). On the bench model's shapes (9 query heads, 3 KV heads,
+64 dims, 2 AVX512-BF16 cores), one layer of 16 x 128-token prompts took 3.4 ms so against SDPA's 9.4, and the
+two are level near 1024-2048 tokens, where SDPA's blocked matmuls win. Masks for sliding-window layers are
+built once per step and window size, and shared by the layers that use them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from functools import partial
 
@@ -18,12 +24,15 @@ from aserve.attention.backend import BatchLayout
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention
 
+PREFILL_KERNEL_MAX_LEN = 1024  # attended tokens (cached context + chunk) up to which the kernel takes a chunk
+
 
 @dataclass
 class PrefillChunk:
     start: int  # first row of the chunk in the flat batch
     end: int
     context_len: int  # tokens already in the cache before this chunk
+    table: torch.Tensor  # [1, blocks] the blocks that hold its context and itself
     rows: torch.Tensor | None = None  # gather_index of its block table, only when context_len > 0
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -47,9 +56,34 @@ class TorchAttentionMetadata:
     decode_width: int = 0  # gathered tokens per decode request
     num_kv_heads: int = 0
     num_physical_blocks: int = 0
+    null_block: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
     _decode_rows: torch.Tensor | None = None
+    _kernel_batch: tuple | None = None
+
+    def kernel_batch(self, with_prefills: bool) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """The rows the kernel takes in one call, as decode queries: (rows, prefill chunks among them, a block
+        table per row, each row's attended length). The decode rows, then (with_prefills) the leading prefill
+        chunks that are short enough, each query over its causal prefix. Built once per step (every layer
+        asks the same)."""
+        if self._kernel_batch is None:
+            tables, lens = ([self.decode_tables], [self.decode_context]) if self.num_decode_tokens else ([], [])
+            rows, taken = self.num_decode_tokens, 0
+            for chunk in self.prefills if with_prefills else ():
+                n = chunk.end - chunk.start
+                if chunk.context_len + n > PREFILL_KERNEL_MAX_LEN:
+                    break
+                tables.append(chunk.table.expand(n, -1))
+                lens.append(chunk.context_len + torch.arange(1, n + 1))
+                rows, taken = chunk.end, taken + 1
+            if not rows:
+                self._kernel_batch = (0, 0, None, None)
+            else:
+                width = max(t.shape[1] for t in tables)
+                table = torch.cat([F.pad(t, (0, width - t.shape[1]), value=self.null_block) for t in tables])
+                self._kernel_batch = (rows, taken, table, torch.cat(lens))
+        return self._kernel_batch
 
     @property
     def decode_rows(self) -> torch.Tensor:
@@ -91,7 +125,8 @@ class TorchAttentionBackend:
     def build_metadata(self, layout: BatchLayout, num_kv_heads: int) -> TorchAttentionMetadata:
         bs, tables = layout.block_size, layout.block_tables
         meta = TorchAttentionMetadata(self, layout.slot_mapping, num_kv_heads=num_kv_heads,
-                                      num_physical_blocks=layout.num_physical_blocks)
+                                      num_physical_blocks=layout.num_physical_blocks,
+                                      null_block=layout.num_physical_blocks - 1)
         nd = layout.num_decode
         if nd:
             context = torch.tensor(layout.starts[:nd]) + 1
@@ -103,10 +138,9 @@ class TorchAttentionBackend:
         row = nd
         for i in range(nd, len(layout.counts)):
             start, n = layout.starts[i], layout.counts[i]
-            chunk = PrefillChunk(row, row + n, start)
+            chunk = PrefillChunk(row, row + n, start, tables[i:i + 1, :(start + n + bs - 1) // bs])
             if start:
-                chunk.rows = gather_index(tables[i, :(start + n + bs - 1) // bs], num_kv_heads,
-                                          layout.num_physical_blocks)
+                chunk.rows = gather_index(chunk.table[0], num_kv_heads, layout.num_physical_blocks)
             meta.prefills.append(chunk)
             row += n
         return meta
@@ -122,15 +156,17 @@ class TorchAttentionBackend:
         if fmt is not None and meta.prefills:  # fresh prefill keys, as the cache holds them
             key, value = kv_quant.as_stored(key, layer.k_scale, fmt), kv_quant.as_stored(value, layer.v_scale, fmt)
         out = torch.empty_like(query)
-        nd = meta.num_decode_tokens
-        if nd and cpu_kernels.usable(query) and (fmt is not None or k_cache.dtype == query.dtype):
-            torch.ops.aserve.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.decode_tables,
-                                                    meta.decode_context, layer.scale, window or 0, cap or 0.0,
-                                                    layer.k_scale, layer.v_scale, 0 if fmt is None else fmt.code)
+        nd, done = meta.num_decode_tokens, 0  # prefill chunks the kernel took
+        if cpu_kernels.usable(query) and (fmt is not None or k_cache.dtype == query.dtype):
+            rows, done, tables, lens = meta.kernel_batch(query.dtype == torch.bfloat16 and cpu_kernels.bf16_dot())
+            if rows:
+                torch.ops.aserve.paged_decode_attention(out[:rows], query[:rows], k_cache, v_cache, tables, lens,
+                                                        layer.scale, window or 0, cap or 0.0, layer.k_scale,
+                                                        layer.v_scale, 0 if fmt is None else fmt.code)
         elif nd:
             out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta.decode_rows, meta.decode_mask(window),
                                         layer.scale, cap, widen)
-        for i, chunk in enumerate(meta.prefills):
+        for i, chunk in enumerate(meta.prefills[done:], start=done):
             q = query[chunk.start:chunk.end].transpose(0, 1)  # [Hq, n, D]
             if chunk.context_len == 0:
                 k = key[chunk.start:chunk.end].transpose(0, 1)
