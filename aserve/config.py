@@ -52,7 +52,8 @@ class EngineConfig:
     kv_cache_memory: int | str = option("4GiB", "KV cache budget: bytes or a size such as 2GiB")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
     max_num_seqs: int = option(256, "most requests in one batch")
-    max_num_batched_tokens: int = option(2048, "token budget of one step (prefill chunks and decodes together)")
+    max_num_batched_tokens: int | None = option(None, "token budget of one step (prefill chunks and decodes "
+                                                      "together); default 512 on the CPU, 2048 on a GPU")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompts' shared prefixes")
     policy: str | object = option("fcfs", "scheduling policy: an installed name, module:Class or "
                                           "path/to/file.py:Class (or, in Python, a class or an instance)")
@@ -105,7 +106,7 @@ class EngineConfig:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_n"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
@@ -134,6 +135,16 @@ class EngineConfig:
         """Refuse a policy, a model folder or a weight format that cannot work, before any weights load (see
         check_before_loading)."""
         check_before_loading(self.model, self.policy, self.policy_options, self.quantization, self.quantize_lm_head)
+
+    def token_budget(self, device: torch.device) -> int:
+        """max_num_batched_tokens, or the device's default. On the CPU a 512-token step loses no throughput to
+        a 2048-token one (the GEMMs are as fast from M=128 up) while each step takes a quarter of the time: a
+        burst of prompts reaches its first tokens sooner (bench model, 64 x 128/128 served at once on 2 AMD
+        EPYC avx512_bf16 cores: TTFT p50 4.35 s at 2048, 3.76 at 1024, 3.68 at 512), and running requests wait
+        less between tokens while prompts are prefilled. A GPU wants larger GEMMs."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 512 if device.type == "cpu" else 2048
 
     @property
     def model_name(self) -> str:

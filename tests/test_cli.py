@@ -87,6 +87,19 @@ def test_engine_flags_are_generated_from_engine_config_and_shared():
         "auto", 2.0, 64)
 
 
+def test_the_step_token_budget_defaults_by_device_and_an_explicit_one_wins():
+    import pytest
+    import torch
+
+    from aserve.config import EngineConfig
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert (EngineConfig().token_budget(cpu), EngineConfig().token_budget(gpu)) == (512, 2048)
+    assert EngineConfig(max_num_batched_tokens=96).token_budget(cpu) == 96
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
 def test_benchmarks_refuse_a_bad_policy_before_loading(tmp_path):
     assert_one_line_error(run("bench", "throughput", "--policy", "nope", "--num-prompts", "1"), "unknown policy 'nope'")
     assert_one_line_error(run("bench", "policies", "--policies", "fcfs,nope"), "unknown policy 'nope'", "fcfs-swap")

@@ -18,7 +18,7 @@ from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.engine.errors import EngineOverloadedError  # noqa: F401 - also imported from here
 from aserve.engine.output_processor import OutputProcessor
-from aserve.hardware import cpu_info
+from aserve.hardware import cpu_info, resolve_device
 from aserve.inputs import validate_request
 from aserve.metrics.stats import FinishedRequestStats, IterationStats
 from aserve.models.loader import load_tokenizer
@@ -73,7 +73,7 @@ class EngineCore:
                                  info.num_host_blocks)
         self.policy = load_policy(config.policy, config.policy_options)
         self.scheduler = Scheduler(self.kv, self.policy, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_batched_tokens=config.token_budget(resolve_device(config.device)),
                                    max_model_len=self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
