@@ -164,22 +164,21 @@ inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
 }
 
-// Calls fn(t, row) for tokens first..len-1 of a request, `row` pointing at the token's cached row.
-template <typename T, typename Fn>
-inline void for_each_token(const T* head, const int64_t* table, int64_t block_size, int64_t row_size,
-                           int64_t first, int64_t len, Fn&& fn) {
-  const int64_t last_block = (len - 1) / block_size;
+// Element offsets, within one kv head's slab of the cache, of the rows of tokens first..len-1: computed once
+// per request and used by both passes, whose inner loops then walk a flat list (blocks lie anywhere in the
+// cache; with a per-token callback the compiler kept the sums on the stack).
+inline void token_offsets(const int64_t* table, int64_t block_size, int64_t row_size, int64_t first, int64_t len,
+                          int64_t* out) {
   for (int64_t t = first; t < len;) {
     const int64_t offset = t % block_size, block = t / block_size;
     const int64_t stop = std::min(len, t - offset + block_size);
-    const T* row = head + (table[block] * block_size + offset) * row_size;
-    if (block < last_block) {  // blocks lie anywhere in the cache: fetch the next one while this one is read
-      const char* next = reinterpret_cast<const char*>(head + table[block + 1] * block_size * row_size);
-      const int64_t bytes = block_size * row_size * static_cast<int64_t>(sizeof(T));
-      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(next + i, 0, 3);
-    }
-    for (; t < stop; ++t, row += row_size) fn(t, row);
+    int64_t at = (table[block] * block_size + offset) * row_size;
+    for (; t < stop; ++t, at += row_size) *out++ = at;
   }
+}
+
+inline void prefetch(const void* row, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(row) + i, 0, 3);
 }
 
 // Lane i of the result = the sum of v[i]'s lanes, for W = fVec::size() vectors: one transposing tree of
@@ -208,75 +207,104 @@ inline fVec reduce_lanes(const fVec* v) {
 #endif
 }
 
-// scores[g][t - first] = q[g] . k[t] (q already scaled), soft-capped when cap > 0. The unrolled path keeps
-// each head's products for W tokens and sums them W at a time (reduce_lanes).
+// scores[g][i] = q[g] . k[i] (q already scaled), soft-capped when cap > 0, over the rows at `offsets`. The
+// unrolled path takes W = fVec::size() keys at a time per head, their products in registers, summed by one
+// reduce_lanes; a short group repeats its last row and stores only `count` scores. Keys are fetched two groups
+// ahead, and each group's values before the value pass needs them.
 template <typename T, int HeadDim>
-void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head, const int64_t* table,
-                int64_t block_size, int64_t first, int64_t len, float cap, float* scores, float* scratch) {
-  const int64_t n = len - first;
+void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head, const T* v_head,
+                const int64_t* offsets, int64_t n, float cap, float* scores, float* scratch) {
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
   if constexpr (HeadDim > 0) {
     constexpr int C = HeadDim / fVec::size(), W = fVec::size();
-    std::vector<fVec> pending(heads * W);  // pending[g * W + i]: head g's products with the i-th held token
-    int64_t held = 0;
-    for_each_token(k_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* k) {
-      fVec kv[C];
-      widen<T, HeadDim>(k, kv);
+    const T* rows[W];
+    for (int64_t i = 0; i < n; i += W) {
+      const int count = static_cast<int>(std::min<int64_t>(W, n - i));
+      for (int j = 0; j < W; ++j) rows[j] = k_head + offsets[i + std::min(j, count - 1)];
+      for (int64_t j = i + 2 * W; j < std::min(n, i + 3 * W); ++j) prefetch(k_head + offsets[j], row_bytes);
+      for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], row_bytes);
       for (int64_t g = 0; g < heads; ++g) {
         const float* qg = q + g * HeadDim;
-        fVec acc = kv[0] * fVec::loadu(qg);
-        for (int c = 1; c < C; ++c) acc = at::vec::fmadd(kv[c], fVec::loadu(qg + c * fVec::size()), acc);
-        pending[g * W + held] = acc;
+        fVec acc[W];
+        for (int r = 0; r < W; ++r) {
+          fVec kv[C];
+          widen<T, HeadDim>(rows[r], kv);
+          fVec a = kv[0] * fVec::loadu(qg);
+          for (int c = 1; c < C; ++c) a = at::vec::fmadd(kv[c], fVec::loadu(qg + c * W), a);
+          acc[r] = a;
+        }
+        const fVec sums = reduce_lanes(acc);
+        if (count == W) sums.store(scores + g * n + i); else sums.store(scores + g * n + i, count);
       }
-      if (++held == W) {
-        for (int64_t g = 0; g < heads; ++g) reduce_lanes(&pending[g * W]).store(scores + g * n + t + 1 - W - first);
-        held = 0;
-      }
-    });
-    for (int64_t g = 0; g < heads; ++g)
-      for (int64_t i = 0; i < held; ++i) scores[g * n + n - held + i] = reduce_sum(pending[g * W + i]);
+    }
   } else {
-    for_each_token(k_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* k) {
-      const float* kf = row_as_float(k, scratch, head_dim);
-      for (int64_t g = 0; g < heads; ++g) scores[g * n + t - first] = dot(q + g * head_dim, kf, head_dim);
-    });
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kf = row_as_float(k_head + offsets[i], scratch, head_dim);
+      for (int64_t g = 0; g < heads; ++g) scores[g * n + i] = dot(q + g * head_dim, kf, head_dim);
+    }
   }
   if (cap > 0.f)
     for (int64_t i = 0; i < heads * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
 }
 
-// acc[g] = sum_t p[g][t - first] * v[t]. The unrolled path walks the values once per group of heads whose
-// sums fit in half the vector registers, so the sums stay in registers (re-reads hit the L1/L2 cache).
+// acc[h] = sum_i p[h][i] * v[i] for NH heads (p rows n apart), their sums in registers.
+template <typename T, int HeadDim, int NH>
+void value_pass(const float* p, int64_t n, const T* v_head, const int64_t* offsets, float* acc) {
+  constexpr int C = HeadDim / fVec::size();
+  fVec sums[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) sums[h][c] = fVec(0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    fVec vv[C];
+    widen<T, HeadDim>(v_head + offsets[i], vv);
+    for (int h = 0; h < NH; ++h) {
+      const fVec w(p[h * n + i]);
+      for (int c = 0; c < C; ++c) sums[h][c] = at::vec::fmadd(w, vv[c], sums[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) sums[h][c].store(acc + h * HeadDim + c * fVec::size());
+}
+
+// Calls pass<nh>(first head) over the heads in groups of at most HG (a compile-time count per group, so
+// that a group's sums stay in registers).
+template <int HG, typename Pass> inline void head_groups(int64_t heads, Pass&& pass) {
+  for (int64_t g = 0; g < heads;) {
+    const int64_t nh = std::min<int64_t>(HG, heads - g);
+    if (nh >= 4) {
+      if constexpr (HG >= 4) pass(std::integral_constant<int, 4>{}, g);
+      g += 4;
+    } else if (nh == 3) {
+      if constexpr (HG >= 3) pass(std::integral_constant<int, 3>{}, g);
+      g += 3;
+    } else if (nh == 2) {
+      if constexpr (HG >= 2) pass(std::integral_constant<int, 2>{}, g);
+      g += 2;
+    } else {
+      pass(std::integral_constant<int, 1>{}, g);
+      g += 1;
+    }
+  }
+}
+
+// acc[g] = sum_i p[g][i] * v[i]. The unrolled path walks the values once per group of heads whose sums fit in
+// half the vector registers (re-reads hit the L1/L2 cache).
 template <typename T, int HeadDim>
-void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head, const int64_t* table,
-               int64_t block_size, int64_t first, int64_t len, float* acc, float* scratch) {
-  const int64_t n = len - first;
+void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head, const int64_t* offsets,
+               int64_t n, float* acc, float* scratch) {
   if constexpr (HeadDim > 0) {
     constexpr int C = HeadDim / fVec::size();
     constexpr int registers = fVec::size() == 16 ? 32 : 16;
-    constexpr int HG = C >= registers / 2 ? 1 : registers / 2 / C;  // heads per pass
-    for (int64_t g0 = 0; g0 < heads; g0 += HG) {
-      const int64_t nh = std::min<int64_t>(HG, heads - g0);
-      fVec sums[HG][C];
-      for (int h = 0; h < HG; ++h)
-        for (int c = 0; c < C; ++c) sums[h][c] = fVec(0.f);
-      for_each_token(v_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* v) {
-        fVec vv[C];
-        widen<T, HeadDim>(v, vv);
-        for (int h = 0; h < HG; ++h) {
-          if (h >= nh) break;
-          const fVec w(p[(g0 + h) * n + t - first]);
-          for (int c = 0; c < C; ++c) sums[h][c] = at::vec::fmadd(w, vv[c], sums[h][c]);
-        }
-      });
-      for (int64_t h = 0; h < nh; ++h)
-        for (int c = 0; c < C; ++c) sums[h][c].store(acc + (g0 + h) * HeadDim + c * fVec::size());
-    }
+    constexpr int HG = std::min(4, C >= registers / 2 ? 1 : registers / 2 / C);
+    head_groups<HG>(heads, [&](auto nh, int64_t g) {
+      value_pass<T, HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim);
+    });
   } else {
     std::fill(acc, acc + heads * head_dim, 0.f);
-    for_each_token(v_head, table, block_size, head_dim, first, len, [&](int64_t t, const T* v) {
-      const float* vf = row_as_float(v, scratch, head_dim);
-      for (int64_t g = 0; g < heads; ++g) axpy(p[g * n + t - first], vf, acc + g * head_dim, head_dim);
-    });
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vf = row_as_float(v_head + offsets[i], scratch, head_dim);
+      for (int64_t g = 0; g < heads; ++g) axpy(p[g * n + i], vf, acc + g * head_dim, head_dim);
+    }
   }
 }
 
@@ -315,22 +343,6 @@ inline void score_rows(const BF16* q, int64_t heads, const BF16* const* rows, in
   }
 }
 
-// Element offsets, within one kv head's slab of the cache, of the rows of tokens first..len-1: computed once
-// per request and used by both passes, whose inner loops then walk a flat list.
-inline void token_offsets(const int64_t* table, int64_t block_size, int64_t row_size, int64_t first, int64_t len,
-                          int64_t* out) {
-  for (int64_t t = first; t < len;) {
-    const int64_t offset = t % block_size, block = t / block_size;
-    const int64_t stop = std::min(len, t - offset + block_size);
-    int64_t at = (table[block] * block_size + offset) * row_size;
-    for (; t < stop; ++t, at += row_size) *out++ = at;
-  }
-}
-
-template <int HeadDim, typename T> inline void prefetch_row(const T* row) {
-  for (int i = 0; i < HeadDim * 2; i += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + i, 0, 3);
-}
-
 template <int HeadDim>
 void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
                      int64_t n, float scale, float cap, float* scores) {
@@ -339,8 +351,8 @@ void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF1
     const int count = static_cast<int>(std::min<int64_t>(16, n - i));
     for (int j = 0; j < 16; ++j) rows[j] = k_head + offsets[i + std::min(j, count - 1)];
     // Keys 32 ahead, and this group's values for the pass after this one: the cache lies in DRAM, blocks anywhere.
-    for (int64_t j = i + 32; j < std::min(n, i + 48); ++j) prefetch_row<HeadDim>(k_head + offsets[j]);
-    for (int64_t j = i; j < i + count; ++j) prefetch_row<HeadDim>(v_head + offsets[j]);
+    for (int64_t j = i + 32; j < std::min(n, i + 48); ++j) prefetch(k_head + offsets[j], HeadDim * 2);
+    for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], HeadDim * 2);
     score_rows<HeadDim>(q, heads, rows, count, scale, scores + i, n);
   }
   if (cap > 0.f)
@@ -351,7 +363,7 @@ void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF1
 // in pairs; an odd last one is paired with a zero row. Lane i of chunk c's low/high sums holds dim
 // 32c + 8(i/4) + i%4 (+ 4 for the high ones), the order unpacklo/unpackhi leave, put back in order at the end.
 template <int HeadDim, int NH>
-void value_pass(const uint16_t* p, int64_t n, const BF16* v_head, const int64_t* offsets, float* acc) {
+void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int64_t* offsets, float* acc) {
   constexpr int C = HeadDim / 32;
   alignas(64) static const BF16 zero_row[HeadDim] = {};
   __m512 sums[NH][2 * C];
@@ -388,28 +400,11 @@ template <int HeadDim>
 void value_sum_bf16(const uint16_t* p, int64_t heads, const BF16* v_head, const int64_t* offsets, int64_t n,
                     float* acc) {
   constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // 4 heads at 64 dims, 2 at 128, 1 at 256
-  for (int64_t g = 0; g < heads;) {
-    const int64_t nh = std::min<int64_t>(HG, heads - g);
-    const uint16_t* pg = p + g * n;
-    float* out = acc + g * HeadDim;
-    if (nh >= 4) {
-      if constexpr (HG >= 4) value_pass<HeadDim, 4>(pg, n, v_head, offsets, out);
-      g += 4;
-    } else if (nh == 3) {
-      if constexpr (HG >= 3) value_pass<HeadDim, 3>(pg, n, v_head, offsets, out);
-      g += 3;
-    } else if (nh == 2) {
-      if constexpr (HG >= 2) value_pass<HeadDim, 2>(pg, n, v_head, offsets, out);
-      g += 2;
-    } else {
-      value_pass<HeadDim, 1>(pg, n, v_head, offsets, out);
-      g += 1;
-    }
-  }
+  head_groups<HG>(heads, [&](auto nh, int64_t g) {
+    value_pass_bf16<HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim);
+  });
 }
 #else  // declared only, so the branches that would call them compile away
-inline void token_offsets(const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t*);
-template <int HeadDim, typename T> inline void prefetch_row(const T*) {}
 template <int HeadDim>
 void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float, float*);
 template <int HeadDim>
@@ -459,22 +454,24 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int64_t* table = tables + b * table_width;
+      const C* k_head = k_ptr + kvh * head_stride;
+      const C* v_head = v_ptr + kvh * head_stride;
       scores.resize(heads_per_item * n);
+      offsets.resize(n);
+      token_offsets(table, block_size, head_dim, first, len, offsets.data());
+      for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
       if constexpr (bf16_dot) {
         for (int64_t g = 0; g < heads_per_item; ++g)
           std::memcpy(qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
-        offsets.resize(n);
-        token_offsets(table, block_size, head_dim, first, len, offsets.data());
-        for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch_row<HeadDim>(k_ptr + kvh * head_stride + offsets[j]);
-        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_ptr + kvh * head_stride, v_ptr + kvh * head_stride,
-                                 offsets.data(), n, fscale, cap, scores.data());
+        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_head, v_head, offsets.data(), n, fscale, cap,
+                                 scores.data());
       } else {
         for (int64_t g = 0; g < heads_per_item; ++g) {
           load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, q.data() + g * head_dim, head_dim);
           scale_row(q.data() + g * head_dim, fscale, head_dim);
         }
-        key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_ptr + kvh * head_stride, table, block_size,
-                               first, len, cap, scores.data(), row.data());
+        key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_head, v_head, offsets.data(), n, cap,
+                               scores.data(), row.data());
       }
       for (int64_t g = 0; g < heads_per_item; ++g) {  // softmax in place
         float* s = scores.data() + g * n;
@@ -486,11 +483,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       if constexpr (bf16_dot) {
         probs.resize(heads_per_item * n);
         at::vec::convert(scores.data(), reinterpret_cast<BF16*>(probs.data()), heads_per_item * n);
-        value_sum_bf16<HeadDim>(probs.data(), heads_per_item, v_ptr + kvh * head_stride, offsets.data(), n,
-                                acc.data());
+        value_sum_bf16<HeadDim>(probs.data(), heads_per_item, v_head, offsets.data(), n, acc.data());
       } else {
-        value_sum<C, HeadDim>(scores.data(), heads_per_item, head_dim, v_ptr + kvh * head_stride, table,
-                              block_size, first, len, acc.data(), row.data());
+        value_sum<C, HeadDim>(scores.data(), heads_per_item, head_dim, v_head, offsets.data(), n, acc.data(),
+                              row.data());
       }
       if (vscale != 1.f) scale_row(acc.data(), vscale, heads_per_item * head_dim);
       for (int64_t g = 0; g < heads_per_item; ++g)
