@@ -274,18 +274,18 @@ def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():
     assert top.tolist() == [499, 7]
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_dot(), reason="the kernel takes prefill chunks only with AVX512-BF16")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0)])
-def test_bf16_prefill_chunks_through_the_kernel_match_the_fp32_torch_path(monkeypatch, block_size, window, softcap):
+def test_prefill_chunks_through_the_kernel_match_sdpa(monkeypatch, dtype, block_size, window, softcap):
     """Decode rows, then prefill chunks alone and after cached context, the last one too long for the kernel
-    (so SDPA takes it): bf16 through the torch backend against the same rounded inputs in fp32."""
+    (so SDPA takes it): through the kernel in `dtype` against SDPA for every chunk in fp32, from the same
+    rounded inputs."""
     from types import SimpleNamespace
 
     from aserve.attention import torch_backend
     from conftest import make_layout
 
-    monkeypatch.setattr(torch_backend, "PREFILL_KERNEL_MAX_LEN", 40)
     requests = [(0, 1), (3, 1), (40, 1), (0, 9), (21, 6), (5, 19), (30, 12)]  # the last attends 42 tokens
     gen = torch.Generator().manual_seed(block_size)
     layout = make_layout(requests, block_size, gen)
@@ -293,20 +293,21 @@ def test_bf16_prefill_chunks_through_the_kernel_match_the_fp32_torch_path(monkey
     layer = SimpleNamespace(scale=head_dim ** -0.5, sliding_window=window, logit_softcap=softcap, k_scale=1.0,
                             v_scale=1.0)
     tokens = len(layout.positions)
-    query = torch.randn(tokens, num_heads, head_dim, generator=gen).bfloat16()
-    key, value = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+    query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    key, value = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
     shape = torch_backend.TorchAttentionBackend().kv_cache_shape(1, layout.num_physical_blocks, block_size,
                                                                  num_kv_heads, head_dim)
-    cache = torch.randn(shape, generator=gen).bfloat16()  # stale values: only the lengths keep them out
+    cache = torch.randn(shape, generator=gen).to(dtype)  # stale values: only the lengths keep them out
     outs = {}
-    for dtype in (torch.bfloat16, torch.float32):
+    for kind, limit in ((dtype, 40), (torch.float32, 0)):
+        monkeypatch.setattr(torch_backend, "prefill_kernel_max_len", lambda: limit)
         backend = torch_backend.TorchAttentionBackend()
-        kv = cache.to(dtype, copy=True)
+        kv = cache.to(kind, copy=True)
         meta = backend.build_metadata(layout, num_kv_heads)
         with torch.inference_mode():
-            outs[dtype] = backend.forward(layer, query.to(dtype), key.to(dtype), value.to(dtype),
-                                          (kv[0, 0], kv[0, 1]), meta).float()
-        if dtype == torch.bfloat16:
-            rows, taken, _, _ = meta.kernel_batch(True)
-            assert (rows, taken) == (tokens - 12, 3)  # the three short chunks went through the kernel
-    torch.testing.assert_close(outs[torch.bfloat16], outs[torch.float32], atol=2e-2, rtol=2e-2)
+            outs[limit] = backend.forward(layer, query.to(kind), key.to(kind), value.to(kind), (kv[0, 0], kv[0, 1]),
+                                          meta).float()
+        rows, taken, _, _ = meta.kernel_batch(limit)
+        assert (rows, taken) == ((tokens - 12, 3) if limit else (3, 0))  # three short chunks, or decodes only
+    tol = TOL[dtype]
+    torch.testing.assert_close(outs[40], outs[0], atol=tol, rtol=tol)

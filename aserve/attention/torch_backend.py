@@ -2,13 +2,11 @@
 
 Decode requests attend in one call: on the CPU, aserve's fused kernel reads each request's blocks in place
 (ops.cpu_kernels); elsewhere, or without the kernels, a head-major gather of their blocks and two batched
-matmuls. Each prefill chunk attends through SDPA (causal, after any cached context), except where the kernel
-has AVX512-BF16's dot product: there a bf16 chunk of up to PREFILL_KERNEL_MAX_LEN attended tokens joins the
-decode rows in the same call, each of its queries read as a decode query over its own causal prefix of the
-cache (its keys are written before attention runs). On the bench model's shapes (9 query heads, 3 KV heads,
-64 dims, 2 AVX512-BF16 cores), one layer of 16 x 128-token prompts took 3.4 ms so against SDPA's 9.4, and the
-two are level near 1024-2048 tokens, where SDPA's blocked matmuls win. Masks for sliding-window layers are
-built once per step and window size, and shared by the layers that use them.
+matmuls. With the kernel, the leading prefill chunks of up to prefill_kernel_max_len() attended tokens (cached
+context + chunk) join the decode rows in the same call: each of a chunk's queries is read as a decode query over
+its own causal prefix of the cache (the chunk's keys are written before attention runs). Other chunks attend
+through SDPA (causal, after any cached context). Masks for sliding-window layers are built once per step and
+window size, and shared by the layers that use them.
 """
 from __future__ import annotations
 
@@ -24,7 +22,15 @@ from aserve.attention.backend import BatchLayout
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention
 
-PREFILL_KERNEL_MAX_LEN = 1024  # attended tokens (cached context + chunk) up to which the kernel takes a chunk
+
+
+def prefill_kernel_max_len() -> int:
+    """Attended tokens up to which the kernel takes a prefill chunk: where it beats SDPA, whose blocked matmuls
+    win on long chunks. One layer of the bench model's shapes (9 query heads, 3 KV heads, 64 dims) on 2 AMD EPYC
+    cores, kernel against SDPA: bf16 (AVX512-BF16) 16 x 128 tokens 3.4 / 9.4 ms, 2 x 1024 19.4 / 27.0, 1 x 2048
+    54.9 / 48.9; fp32 (AVX-512) 4 x 512 14.9 / 23.1, 2 x 1024 30.0 / 30.0; fp32 with torch, oneDNN and MKL held to
+    AVX2 (ATEN_CPU_CAPABILITY=avx2 etc.) 8 x 256 10.1 / 11.2, 4 x 512 19.3 / 20.5, 2 x 1024 38.7 / 29.6."""
+    return 1024 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 512
 
 
 @dataclass
@@ -62,17 +68,17 @@ class TorchAttentionMetadata:
     _decode_rows: torch.Tensor | None = None
     _kernel_batch: tuple | None = None
 
-    def kernel_batch(self, with_prefills: bool) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    def kernel_batch(self, max_len: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """The rows the kernel takes in one call, as decode queries: (rows, prefill chunks among them, a block
-        table per row, each row's attended length). The decode rows, then (with_prefills) the leading prefill
-        chunks that are short enough, each query over its causal prefix. Built once per step (every layer
-        asks the same)."""
+        table per row, each row's attended length). The decode rows, then the leading prefill chunks of at most
+        max_len attended tokens, each query over its causal prefix. Built once per step (every layer asks the
+        same)."""
         if self._kernel_batch is None:
             tables, lens = ([self.decode_tables], [self.decode_context]) if self.num_decode_tokens else ([], [])
             rows, taken = self.num_decode_tokens, 0
-            for chunk in self.prefills if with_prefills else ():
+            for chunk in self.prefills:
                 n = chunk.end - chunk.start
-                if chunk.context_len + n > PREFILL_KERNEL_MAX_LEN:
+                if chunk.context_len + n > max_len:
                     break
                 tables.append(chunk.table.expand(n, -1))
                 lens.append(chunk.context_len + torch.arange(1, n + 1))
@@ -158,7 +164,7 @@ class TorchAttentionBackend:
         out = torch.empty_like(query)
         nd, done = meta.num_decode_tokens, 0  # prefill chunks the kernel took
         if cpu_kernels.usable(query) and (fmt is not None or k_cache.dtype == query.dtype):
-            rows, done, tables, lens = meta.kernel_batch(query.dtype == torch.bfloat16 and cpu_kernels.bf16_dot())
+            rows, done, tables, lens = meta.kernel_batch(prefill_kernel_max_len())
             if rows:
                 torch.ops.aserve.paged_decode_attention(out[:rows], query[:rows], k_cache, v_cache, tables, lens,
                                                         layer.scale, window or 0, cap or 0.0, layer.k_scale,

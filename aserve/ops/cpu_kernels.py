@@ -99,10 +99,3 @@ def usable(*tensors: torch.Tensor) -> bool:
             and all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
                     for t in tensors) and available())
 
-
-@functools.cache
-def bf16_dot() -> bool:
-    """True where the kernels are built with AVX512-BF16's dot product (vdpbf16ps): bf16 attention then runs
-    about 1.5-2.7x faster than through torch (see paged_decode_attention), which is what lets it take short
-    prefill chunks too."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in _cpu_flags().split()
