@@ -203,6 +203,13 @@ def test_rms_norm_rotary_and_silu_match_torch_path(dtype):
             torch.testing.assert_close(got_q, want_q, **tol)
             torch.testing.assert_close(got_k, want_k, **tol)
             torch.testing.assert_close(qkv[:, :128].view(6, 4, 32), want_q, **tol)  # in place, into the matmul output
+        # the residual add fused into the norm: the same (normed, sum), the sum written into the residual
+        residual = torch.randn(7, 40, generator=gen).to(dtype)
+        want_normed, want_sum = torch_path(lambda: norm(x, residual.clone()))
+        got_normed, got_sum = norm(x, residual)
+        assert got_sum is residual
+        torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)  # one rounding of the same sum
+        torch.testing.assert_close(got_normed, want_normed, **tol)
 
 
 def test_kernels_are_built_per_cpu_kind(monkeypatch):

@@ -49,14 +49,22 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 like the reference implementation."""
+    """x / rms(x) * weight, computed in fp32 like the reference implementation. Given a decoder layer's running
+    sum as `residual`, it first adds x to it and normalises the sum, returning (normed, sum): the residual add
+    and the next norm in one pass of aserve's kernel (which updates `residual` in place)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            if (x.dim() == 2 and residual.is_contiguous() and x.dtype == residual.dtype == self.weight.dtype
+                    and cpu_kernels.usable(x)):
+                return torch.ops.aserve.add_rms_norm(x, residual, self.weight, self.eps), residual
+            residual = x + residual
+            return self(residual), residual
         if x.dtype == self.weight.dtype and cpu_kernels.usable(x):
             return torch.ops.aserve.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype

@@ -121,9 +121,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv_cache, meta):
+        """(this layer's output before its residual add, the running sum): x + attn(norm(x)), then + mlp(norm(.)),
+        with each add done by the norm that follows it (RMSNorm with a residual). residual is None at layer 0."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,10 +168,10 @@ class LlamaForCausalLM(nn.Module):
                                     a.rope_scaling, dtype, rotary_dim=int(a.head_dim * a.partial_rotary_factor))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def output_weight(self) -> torch.Tensor:
         """The logits projection: the embedding when tied."""

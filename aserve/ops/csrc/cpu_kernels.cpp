@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -630,42 +631,123 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 
 // ---- RMSNorm ---------------------------------------------------------------------------------------------
 // out = weight * T(x / rms(x)), the normalisation in fp32 and the product rounded once, as the torch path does.
+// With `residual` (a decoder layer's running sum): first residual = T(x + residual), in place, and that sum is
+// what is normalised: the add and the norm of `x + h` then `norm(x)` in one pass.
+// Two passes a row, straight from and to T: the sum of squares (after the residual add, whose rounded sum is
+// stored and squared), then the scaled, rounded, weighted output. Same operations in the same order as
+// widening the row to fp32 first, so the results are those of the torch path's fp32 arithmetic.
 template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, T* residual, int64_t rs, const at::Tensor& weight,
+                   double eps) {
   const int64_t rows = x.size(0), dim = x.size(1);
   const T* x_ptr = x.data_ptr<T>();
   const T* w_ptr = weight.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
+  using bVec = at::vec::Vectorized<T>;
+  constexpr int64_t step = bVec::size();  // fp32: one fVec; 16-bit types: two
+  auto widen2 = [](const T* p, fVec& lo, fVec& hi) {
+    if constexpr (std::is_same_v<T, float>) {
+      lo = fVec::loadu(p);
+    } else {
+      std::tie(lo, hi) = at::vec::convert_to_float<T>(bVec::loadu(p));
+    }
+  };
+  auto round2 = [](fVec& lo, fVec& hi, T* store) {  // through T (stored when `store`), and back
+    if constexpr (std::is_same_v<T, float>) {
+      if (store) lo.store(store);
+    } else {
+      const bVec b = at::vec::convert_from_float<T>(lo, hi);
+      if (store) b.store(store);
+      std::tie(lo, hi) = at::vec::convert_to_float<T>(b);
+    }
+  };
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(dim), w(dim);
-    std::vector<T> tmp(dim);
+    std::vector<float> w(dim);
     load_row(w_ptr, w.data(), dim);
     for (int64_t r = begin; r < end; ++r) {
-      load_row(x_ptr + r * xs, row.data(), dim);
-      const float inv = 1.f / std::sqrt(dot(row.data(), row.data(), dim) / static_cast<float>(dim) +
-                                        static_cast<float>(eps));
-      scale_row(row.data(), inv, dim);
-      round_row(row.data(), tmp.data(), dim);
-      at::vec::map2([](fVec x, fVec y) { return x * y; }, row.data(), row.data(), w.data(), dim);
-      store_row(row.data(), o_ptr + r * os, dim);
+      const T* src = x_ptr + r * xs;
+      T* res = residual != nullptr ? residual + r * rs : nullptr;
+      fVec acc(0.f), lo, hi, rlo, rhi;
+      int64_t i = 0;
+      for (; i + step <= dim; i += step) {
+        widen2(src + i, lo, hi);
+        if (res != nullptr) {
+          widen2(res + i, rlo, rhi);
+          lo = lo + rlo;
+          if constexpr (!std::is_same_v<T, float>) hi = hi + rhi;
+          round2(lo, hi, res + i);
+        }
+        acc = at::vec::fmadd(lo, lo, acc);
+        if constexpr (!std::is_same_v<T, float>) acc = at::vec::fmadd(hi, hi, acc);
+      }
+      float total = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+      for (int64_t j = i; j < dim; ++j) {
+        float v = static_cast<float>(src[j]);
+        if (res != nullptr) {
+          res[j] = static_cast<T>(v + static_cast<float>(res[j]));
+          v = static_cast<float>(res[j]);
+        }
+        total += v * v;
+      }
+      if (res != nullptr) src = res;
+      const float inv = 1.f / std::sqrt(total / static_cast<float>(dim) + static_cast<float>(eps));
+      const fVec inv_v(inv);
+      T* o = o_ptr + r * os;
+      for (i = 0; i + step <= dim; i += step) {
+        widen2(src + i, lo, hi);
+        lo = lo * inv_v;
+        if constexpr (!std::is_same_v<T, float>) hi = hi * inv_v;
+        round2(lo, hi, nullptr);
+        lo = lo * fVec::loadu(w.data() + i);
+        if constexpr (std::is_same_v<T, float>) {
+          lo.store(o + i);
+        } else {
+          hi = hi * fVec::loadu(w.data() + i + fVec::size());
+          at::vec::convert_from_float<T>(lo, hi).store(o + i);
+        }
+      }
+      for (; i < dim; ++i)
+        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(src[i]) * inv)) * w[i]);
     }
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, dim] with unit inner stride");
+void check_norm_args(const char* name, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [rows, dim] with unit inner stride");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be a contiguous [dim] vector of x's dtype");
+              name, ": weight must be a contiguous [dim] vector of x's dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              name, ": unsupported dtype ", x.scalar_type());
+}
+
+template <typename T>
+void rms_norm_typed(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
+  rms_norm_impl<T>(out, x, residual ? residual->data_ptr<T>() : nullptr, residual ? residual->stride(0) : 0, weight,
+                   eps);
+}
+
+at::Tensor rms_norm_any(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: rms_norm_impl<float>(out, x, weight, eps); break;
-    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(out, x, weight, eps); break;
-    case at::kHalf: rms_norm_impl<c10::Half>(out, x, weight, eps); break;
-    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+    case at::kFloat: rms_norm_typed<float>(out, x, residual, weight, eps); break;
+    case at::kBFloat16: rms_norm_typed<c10::BFloat16>(out, x, residual, weight, eps); break;
+    default: rms_norm_typed<c10::Half>(out, x, residual, weight, eps); break;
   }
   return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_norm_args("add_rms_norm", x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must be x's shape and dtype, with unit inner stride");
+  return rms_norm_any(x, &residual, weight, eps);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args("rms_norm", x, weight);
+  return rms_norm_any(x, nullptr, weight, eps);
 }
 
 // ---- rotary embedding (rotate-half convention), in place ---------------------------------------------------
@@ -968,6 +1050,7 @@ TORCH_LIBRARY(aserve, m) {
         "Tensor context_lens, float scale, int window, float softcap, float k_scale=1.0, float v_scale=1.0, "
         "int kv_format=0) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int rotary_dim) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor tiled, Tensor scales, int out_features) -> Tensor");
@@ -980,6 +1063,7 @@ TORCH_LIBRARY(aserve, m) {
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("int8_linear", &int8_linear);
