@@ -37,11 +37,13 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, disable_log_stats=True)
     engine = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=args.steps + 8)
+    # every prompt prefilled at the engine's step budget, then a few decodes
+    warmup = -(-args.num_requests * args.input_len // engine.scheduler.max_num_batched_tokens) + 2
+    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=warmup + args.steps + 8)
     for i in range(args.num_requests):
         engine.add_request([rng.randrange(1000, engine.vocab_size) for _ in range(args.input_len)], params,
                            request_id=f"p{i}", output_kind="final")
-    for _ in range(-(-args.num_requests * args.input_len // 2048) + 2):  # every prompt prefilled, a few decodes run
+    for _ in range(warmup):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
