@@ -10,6 +10,7 @@ window size, and shared by the layers that use them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,7 @@ from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention
 
 
-
+@functools.cache  # asked by every layer of every step; the CPU does not change
 def prefill_kernel_max_len() -> int:
     """Attended tokens up to which the kernel takes a prefill chunk: where it beats SDPA, whose blocked matmuls
     win on long chunks. One layer of the bench model's shapes (9 query heads, 3 KV heads, 64 dims) on 2 AMD EPYC

@@ -98,4 +98,3 @@ def usable(*tensors: torch.Tensor) -> bool:
     return (not torch.is_grad_enabled()
             and all(t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
                     for t in tensors) and available())
-

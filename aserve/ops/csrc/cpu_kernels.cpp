@@ -208,13 +208,13 @@ inline fVec reduce_lanes(const fVec* v) {
 #endif
 }
 
-// scores[g][i] = q[g] . k[i] (q already scaled), soft-capped when cap > 0, over the rows at `offsets`. The
+// scores[g][i] = q[g] . k[i] (q already scaled) over the rows at `offsets`. The
 // unrolled path takes W = fVec::size() keys at a time per head, their products in registers, summed by one
 // reduce_lanes; a short group repeats its last row and stores only `count` scores. Keys are fetched two groups
 // ahead, and each group's values before the value pass needs them.
 template <typename T, int HeadDim>
 void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head, const T* v_head,
-                const int64_t* offsets, int64_t n, float cap, float* scores, float* scratch) {
+                const int64_t* offsets, int64_t n, float* scores, float* scratch) {
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
   if constexpr (HeadDim > 0) {
     constexpr int C = HeadDim / fVec::size(), W = fVec::size();
@@ -244,8 +244,6 @@ void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head
       for (int64_t g = 0; g < heads; ++g) scores[g * n + i] = dot(q + g * head_dim, kf, head_dim);
     }
   }
-  if (cap > 0.f)
-    for (int64_t i = 0; i < heads * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
 }
 
 // acc[h] = sum_i p[h][i] * v[i] for NH heads (p rows n apart), their sums in registers.
@@ -346,7 +344,7 @@ inline void score_rows(const BF16* q, int64_t heads, const BF16* const* rows, in
 
 template <int HeadDim>
 void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
-                     int64_t n, float scale, float cap, float* scores) {
+                     int64_t n, float scale, float* scores) {
   const BF16* rows[16];
   for (int64_t i = 0; i < n; i += 16) {
     const int count = static_cast<int>(std::min<int64_t>(16, n - i));
@@ -356,8 +354,6 @@ void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF1
     for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], HeadDim * 2);
     score_rows<HeadDim>(q, heads, rows, count, scale, scores + i, n);
   }
-  if (cap > 0.f)
-    for (int64_t i = 0; i < heads * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
 }
 
 // acc[h] = sum_t p[h][t] * v[t] for NH heads (p as bf16 bits, rows n apart), their sums in registers. Tokens go
@@ -376,7 +372,8 @@ void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int
     const BF16* b = two ? v_head + offsets[i + 1] : zero_row;
     __m512i weights[NH];
     for (int h = 0; h < NH; ++h)
-      weights[h] = _mm512_set1_epi32(static_cast<int32_t>(p[h * n + i] | (two ? uint32_t(p[h * n + i + 1]) << 16 : 0u)));
+      weights[h] = _mm512_set1_epi32(
+          static_cast<int32_t>(p[h * n + i] | (two ? uint32_t(p[h * n + i + 1]) << 16 : 0u)));
     for (int c = 0; c < C; ++c) {
       const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
       const __m512bh lo = as_bh(_mm512_unpacklo_epi16(ra, rb)), hi = as_bh(_mm512_unpackhi_epi16(ra, rb));
@@ -407,7 +404,7 @@ void value_sum_bf16(const uint16_t* p, int64_t heads, const BF16* v_head, const 
 }
 #else  // declared only, so the branches that would call them compile away
 template <int HeadDim>
-void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float, float*);
+void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*);
 template <int HeadDim>
 void value_sum_bf16(const uint16_t*, int64_t, const BF16*, const int64_t*, int64_t, float*);
 #endif
@@ -464,16 +461,17 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       if constexpr (bf16_dot) {
         for (int64_t g = 0; g < heads_per_item; ++g)
           std::memcpy(qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
-        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_head, v_head, offsets.data(), n, fscale, cap,
-                                 scores.data());
+        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_head, v_head, offsets.data(), n, fscale, scores.data());
       } else {
         for (int64_t g = 0; g < heads_per_item; ++g) {
           load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, q.data() + g * head_dim, head_dim);
           scale_row(q.data() + g * head_dim, fscale, head_dim);
         }
-        key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_head, v_head, offsets.data(), n, cap,
-                               scores.data(), row.data());
+        key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_head, v_head, offsets.data(), n, scores.data(),
+                               row.data());
       }
+      if (cap > 0.f)  // soft-capping
+        for (int64_t i = 0; i < heads_per_item * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
       for (int64_t g = 0; g < heads_per_item; ++g) {  // softmax in place
         float* s = scores.data() + g * n;
         const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
@@ -632,7 +630,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 // ---- RMSNorm ---------------------------------------------------------------------------------------------
 // out = weight * T(x / rms(x)), the normalisation in fp32 and the product rounded once, as the torch path does.
 // With `residual` (a decoder layer's running sum): first residual = T(x + residual), in place, and that sum is
-// what is normalised: the add and the norm of `x + h` then `norm(x)` in one pass.
+// what is normalised, so a residual add and the norm after it are one kernel.
 // Two passes a row, straight from and to T: the sum of squares (after the residual add, whose rounded sum is
 // stored and squared), then the scaled, rounded, weighted output. Same operations in the same order as
 // widening the row to fp32 first, so the results are those of the torch path's fp32 arithmetic.
