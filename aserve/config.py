@@ -50,6 +50,9 @@ class EngineConfig:
                         choices=DTYPES)
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_memory: int | str = option("4GiB", "KV cache budget: bytes or a size such as 2GiB")
+    kv_cache_prefault_tokens: int = option(32768, "on the CPU, the KV memory of the first blocks handed out, for "
+                                                  "this many tokens (at most 1 GiB), is faulted in at start-up "
+                                                  "rather than on first use in a step; 0: all on first use")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
     max_num_seqs: int = option(256, "most requests in one batch")
     max_num_batched_tokens: int | None = option(None, "token budget of one step (prefill chunks and decodes "
@@ -103,6 +106,8 @@ class EngineConfig:
                            else parse_memory(self.swap_space))
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+        if self.kv_cache_prefault_tokens < 0:
+            raise ValueError(f"kv_cache_prefault_tokens must be >= 0, got {self.kv_cache_prefault_tokens}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {self.max_waiting_requests}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_n"):

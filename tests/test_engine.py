@@ -1,7 +1,9 @@
 """Engine behaviour: block accounting, aborts, sampling options, stop conditions and bad input."""
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import shutil
 
 import pytest
@@ -33,6 +35,42 @@ def drain(engine):
             if out.finished:
                 outs[out.request_id] = out
     return outs
+
+
+def resident_pages(tensor: torch.Tensor) -> list[bool]:
+    """Which of the pages under `tensor` (contiguous) are in memory, by mincore(2): a lazily zeroed page that
+    was never touched is not."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    count = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size() - start) // page)
+    flags = (ctypes.c_ubyte * count)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(count * page), flags) == 0, ctypes.get_errno()
+    return [bool(f & 1) for f in flags]
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mincore"), reason="needs mincore(2) (Linux)")
+def test_kv_cache_prefault_faults_in_the_first_blocks_only(model_dirs):
+    """The blocks the pool hands out first are faulted in at start-up (kv_cache_prefault_tokens), in every layer's
+    K and V slabs; the rest stay untouched until used, and generation is the same either way."""
+    path = str(model_dirs["llama-gqa-tied"])
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", kv_cache_prefault_tokens=100)
+    runner = llm.engine.executor.worker.runner
+    assert runner.block_dim == 3 and runner.block_size == 16
+    first = -(-100 // 16)  # 7 blocks
+    layers = runner.kv_cache.shape[0]
+    for layer in (0, layers - 1):
+        for kv in (0, 1):
+            slab = runner.kv_cache[layer, kv, -1]  # the last KV head's [blocks, block_size, head_dim]
+            assert all(resident_pages(slab[:first]))
+            assert not any(resident_pages(slab[first + 64:first + 128]))
+    lazy = LLM(path, dtype="float32", kv_cache_memory="64MiB", kv_cache_prefault_tokens=0)
+    assert not any(resident_pages(lazy.engine.executor.worker.runner.kv_cache[0, 0, 0, :first]))
+    prompts = token_prompts(PROMPTS[:4])
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in lazy.generate(prompts, GREEDY, use_tqdm=False)])
+    with pytest.raises(ValueError, match="kv_cache_prefault_tokens"):
+        LLM(path, kv_cache_prefault_tokens=-1)
 
 
 def test_blocks_all_free_after_finish_preempt_and_abort(model_dirs):

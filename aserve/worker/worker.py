@@ -47,7 +47,7 @@ class Worker:
         scales = kv_quant.checkpoint_scales(config.model) if config.kv_cache_dtype != "auto" else None
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
                                   config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,
-                                  config.calculate_kv_scales)
+                                  config.calculate_kv_scales, config.kv_cache_prefault_tokens)
         shape = loaded.model.shape
         self.info = WorkerInfo(type(loaded.model).__name__, loaded.config, str(loaded.dtype).replace("torch.", ""),
                                loaded.dtype_reason, shape.vocab_size, shape.max_position_embeddings,
