@@ -281,6 +281,50 @@ def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():
     assert top.tolist() == [499, 7]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sample_inverse_cdf_reads_16_bit_logits_as_their_fp32_widening(dtype):
+    """16-bit logits are drawn from in place: the same tokens as from their exact fp32 copy, masked entries and
+    a vocabulary that is not a multiple of the vector width included."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(48, 1003, generator=gen) * 4).to(dtype)
+    logits[:, 900:] = float("-inf")
+    logits[3, :] = float("-inf")
+    logits[3, 1001] = 2.0  # the only live token sits in the scalar tail
+    uniforms = torch.rand(48, generator=gen)
+    with torch.inference_mode():
+        drawn = torch.ops.aserve.sample_inverse_cdf(logits, uniforms)
+        assert torch.equal(drawn, torch.ops.aserve.sample_inverse_cdf(logits.float(), uniforms))
+    assert drawn[3] == 1001 and (drawn[torch.arange(48) != 3] < 900).all()
+
+
+def test_sampler_draws_from_16_bit_logits_without_an_fp32_copy(monkeypatch):
+    """Greedy rows and plain temperature-1 draws take bf16 logits as they are (the same tokens as from fp32); a
+    batch with any row that rewrites its logits (temperature, penalties, logprobs, min_tokens) gets the fp32 copy."""
+    from aserve.sampling_params import SamplingParams
+    from aserve.worker import sampler
+    from aserve.worker.request_state import RequestState
+
+    def states(params):
+        return [RequestState(f"r{i}", [1, 2, 3], p.clone(seed=i)) for i, p in enumerate(params)]
+
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(6, 4001, generator=gen) * 3).bfloat16()
+    plain = [SamplingParams(temperature=1.0)] * 4 + [SamplingParams(temperature=0)] * 2
+    converted = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda self: converted.append(self.shape) or real_float(self))
+    with torch.inference_mode():
+        fast = [r.token_id for r in sampler.sample(logits, states(plain))]
+        assert converted == []
+        assert fast == [r.token_id for r in sampler.sample(logits.float(), states(plain))]
+        for odd in (SamplingParams(temperature=0.7), SamplingParams(repetition_penalty=1.2),
+                    SamplingParams(logprobs=2), SamplingParams(min_tokens=3), SamplingParams(top_p=0.9)):
+            converted.clear()
+            sampler.sample(logits, states(plain[:5] + [odd]))
+            assert converted and converted[0] == logits.shape, odd
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0)])

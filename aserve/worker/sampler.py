@@ -68,9 +68,9 @@ def draw(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling, one uniform draw per row instead of one per vocabulary entry: the first token whose
     cumulative softmax mass passes the draw. aserve's CPU kernel does it in one pass over each row; the torch path
     writes the probabilities and their running sums."""
-    if x.dtype == torch.float32 and x.stride(-1) == 1 and cpu_kernels.usable(x):
+    if x.stride(-1) == 1 and cpu_kernels.usable(x):  # fp32, bf16 or fp16, read as they are
         return torch.ops.aserve.sample_inverse_cdf(x, uniform)
-    cdf = x.softmax(dim=-1).cumsum_(dim=-1)
+    cdf = x.float().softmax(dim=-1).cumsum_(dim=-1)
     picked = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
     return picked.clamp_(max=x.shape[-1] - 1)
 
@@ -83,10 +83,19 @@ def unusable_rows(logits: torch.Tensor) -> list[int]:
     return bad.nonzero().flatten().tolist() if bad.any() else []
 
 
+def reads_logits_as_they_are(r: RequestState) -> bool:
+    """True where this row's token comes from the model's logits untouched (greedy, or a plain draw at
+    temperature 1): argmax and the draw then read 16-bit logits directly, as exact as from an fp32 copy."""
+    p = r.params
+    return (p.logprobs is None and r.num_output_tokens >= p.min_tokens and not p.needs_penalties
+            and (p.greedy or (p.temperature == 1.0 and not p.top_k and p.top_p >= 1 and p.min_p <= 0)))
+
+
 def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]:
-    logits = logits.float()
     n = len(reqs)
     bad_rows = unusable_rows(logits)
+    if logits.dtype != torch.float32 and (bad_rows or not all(map(reads_logits_as_they_are, reqs))):
+        logits = logits.float()  # what follows writes to the logits or needs fp32 arithmetic
     if bad_rows:  # sample the rest as usual; these rows get an error instead of a token
         logits[bad_rows] = 0.0
     want_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
