@@ -42,7 +42,8 @@ def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monke
     """The same engine before and after packing (forced here, whatever the CPU), with an untied head (a Linear) and
     a tied one (the embedding, packed apart): the chosen token's logprob agrees to bf16 precision."""
     monkeypatch.setenv("ASERVE_PREPACK", "0")
-    llm = LLM(str(model_dirs[family]), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    llm = LLM(str(model_dirs[family]), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False,
+              device="cpu")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, lengths=(5, 30), seed=7)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     plain = llm.generate(prompts, params, use_tqdm=False)

@@ -24,7 +24,9 @@ from conftest import scattered_tables
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
 
 
-def test_kernels_build_where_a_compiler_exists():
+@pytest.fixture(autouse=True)
+def kernels_loaded():
+    """Every test here builds (or loads) the kernels itself, so none depends on running after another."""
     assert cpu_kernels.available()
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -54,7 +54,7 @@ def test_kv_cache_prefault_faults_in_the_first_blocks_only(model_dirs):
     """The blocks the pool hands out first are faulted in at start-up (kv_cache_prefault_tokens), in every layer's
     K and V slabs; the rest stay untouched until used, and generation is the same either way."""
     path = str(model_dirs["llama-gqa-tied"])
-    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", kv_cache_prefault_tokens=100)
+    llm = LLM(path, dtype="float32", kv_cache_memory="64MiB", kv_cache_prefault_tokens=100, device="cpu")
     runner = llm.engine.executor.worker.runner
     assert runner.block_dim == 3 and runner.block_size == 16
     first = -(-100 // 16)  # 7 blocks
@@ -64,7 +64,7 @@ def test_kv_cache_prefault_faults_in_the_first_blocks_only(model_dirs):
             slab = runner.kv_cache[layer, kv, -1]  # the last KV head's [blocks, block_size, head_dim]
             assert all(resident_pages(slab[:first]))
             assert not any(resident_pages(slab[first + 64:first + 128]))
-    lazy = LLM(path, dtype="float32", kv_cache_memory="64MiB", kv_cache_prefault_tokens=0)
+    lazy = LLM(path, dtype="float32", kv_cache_memory="64MiB", kv_cache_prefault_tokens=0, device="cpu")
     assert not any(resident_pages(lazy.engine.executor.worker.runner.kv_cache[0, 0, 0, :first]))
     prompts = token_prompts(PROMPTS[:4])
     assert ([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
