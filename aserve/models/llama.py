@@ -15,6 +15,7 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models import parallel
+from aserve.models.flat_forward import UNBUILT, FlatForward
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
 
@@ -153,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else parallel.lm_head(args.hidden_size, args.vocab_size, tp)
         self.rope: RotaryEmbedding | None = None
         self.packed_head: nn.Module | None = None
+        self.flat = UNBUILT  # the straight-line CPU forward (models.flat_forward), built at the first step
 
     @classmethod
     def args_from_config(cls, config: dict) -> ModelArgs:
@@ -168,6 +170,11 @@ class LlamaForCausalLM(nn.Module):
                                     a.rope_scaling, dtype, rotary_dim=int(a.head_dim * a.partial_rotary_factor))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
+        if self.flat is UNBUILT:  # at the first step, once the weights are loaded and packed
+            self.flat = FlatForward.build(self)
+        batch = self.flat is not None and FlatForward.takes(meta, input_ids.shape[0])
+        if batch:  # the same ops as below, without the per-op checks (models.flat_forward)
+            return self.flat(input_ids, positions, kv_caches, meta, batch)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)

@@ -1,0 +1,119 @@
+"""A Llama-family decoder stack run as one straight loop of aserve's CPU kernels and oneDNN's packed GEMMs.
+
+Through the modules (llama.DecoderLayer and what it calls), every op of every layer first asks which path it
+takes: the device, the dtype, the cache format, whether the kernels are built, whether the weight is packed;
+then nn.Module's call machinery runs around it. On the CPU that Python is a fixed few milliseconds a step. Where
+every answer is the same for the whole model (the CPU kernels built, every linear dense and prepacked, a cache
+in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a step whose rows the
+decode-attention kernel takes in one call (decode rows and the short prefill chunks) is the same ops in the
+same order with nothing between them: bit for bit the modules' output (tests/test_flat_forward.py). Anything
+else (a long prefill chunk, an FP8 cache, another layer type) goes through the modules as before.
+
+Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), a decode step with the flat path on and off in
+alternate pairs of steps of one engine (tools/flat_forward_ab.py): batch 64 bf16 81.8 against 89.7 ms and 96.7 against
+101.1 (two runs), fp32 173.3 against 180.8; batch 1 bf16 23.8 against 27.6 ms.
+`ASERVE_FLAT_FORWARD=0` turns it off.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from aserve.models.layers import RMSNorm
+from aserve.ops import cpu_kernels
+from aserve.quantization.base import UnquantizedLinearMethod
+
+UNBUILT = object()  # a model's `flat` before its first step
+_LINEAR = "none", [], ""  # oneDNN's packed linear with no fused post-op (ops.cpu_gemm.packed_linear)
+
+
+def _packed(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(packed weight, bias) of a dense prepacked aserve Linear; None for anything else."""
+    if isinstance(getattr(linear, "method", None), UnquantizedLinearMethod) and linear.packed is not None:
+        return linear.packed, linear.bias
+    return None
+
+
+class FlatForward:
+    """The decoder stack's forward for the steps it takes (`takes`); built by `build`, or None where the model
+    has anything the loop does not run."""
+
+    def __init__(self, model, layers: list[tuple]):
+        self.embed = model.embed_tokens.weight
+        self.rope = model.rope
+        self.norm = model.norm
+        self.layers = layers
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "FlatForward | None":
+        from aserve.models.llama import DecoderLayer
+
+        if os.environ.get("ASERVE_FLAT_FORWARD", "1") == "0" or model.tp.size != 1:
+            return None
+        if type(model.embed_tokens) is not nn.Embedding or model.rope is None or not cpu_kernels.available():
+            return None
+        weight = model.embed_tokens.weight
+        dtype = weight.dtype
+        if weight.device.type != "cpu" or dtype not in cpu_kernels.KERNEL_DTYPES or model.rope.cos.dtype != dtype:
+            return None
+        layers = []
+        for layer in model.layers:
+            if type(layer) is not DecoderLayer:
+                return None
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_packed(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(x is None for x in linears) or not mlp.swiglu or attn.attn.logit_softcap:
+                return None
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms):
+                return None
+            a = attn.attn
+            layers.append((layer.input_layernorm, *linears[0], attn.q_size, attn.kv_size, a, attn.q_norm, attn.k_norm,
+                           *linears[1], layer.post_attention_layernorm, *linears[2], *linears[3]))
+        return cls(model, layers)
+
+    @staticmethod
+    def takes(meta, num_tokens: int) -> tuple | None:
+        """The kernel's batch (rows, prefill chunks, tables, lengths) where it covers all `num_tokens` rows of a
+        step over a cache in the model's dtype, with no gradient recorded (the kernels have none); else None."""
+        from aserve.attention.torch_backend import TorchAttentionBackend, prefill_kernel_max_len
+
+        if torch.is_grad_enabled():
+            return None
+        backend = getattr(meta, "backend", None)
+        if not isinstance(backend, TorchAttentionBackend) or backend.kv_format is not None:
+            return None
+        batch = meta.kernel_batch(prefill_kernel_max_len())
+        return batch if batch[0] == num_tokens else None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, batch: tuple) -> torch.Tensor:
+        ops, linear = torch.ops.aserve, torch.ops.mkldnn._linear_pointwise
+        _, _, tables, lens = batch
+        slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
+        x = nn.functional.embedding(input_ids, self.embed)
+        T, residual = x.shape[0], None
+        for (norm_in, qkv_w, qkv_b, q_size, kv_size, attn, q_norm, k_norm, o_w, o_b, norm_post, gate_up_w, gate_up_b,
+             down_w, down_b), (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if residual is None:
+                residual, x = x, ops.rms_norm(x, norm_in.weight, norm_in.eps)
+            else:
+                x = ops.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
+            q, k, v = linear(x, qkv_w, qkv_b, *_LINEAR).split([q_size, kv_size, kv_size], dim=-1)
+            H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+            if q_norm is not None:  # Qwen3: RMSNorm over each head's features
+                q = ops.rms_norm(q.reshape(-1, D), q_norm.weight, q_norm.eps).view(T, H, D)
+                k = ops.rms_norm(k.reshape(-1, D), k_norm.weight, k_norm.eps).view(T, Hkv, D)
+            ops.rotary_embedding(positions, q, k, cos, sin, rotary_dim)
+            ops.write_kv(k, v, k_cache, v_cache, slots, attn.k_scale, attn.v_scale, 0)
+            out = torch.empty(T, H, D, dtype=x.dtype)
+            ops.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, attn.scale, attn.sliding_window or 0,
+                                       0.0, attn.k_scale, attn.v_scale, 0)
+            x = ops.add_rms_norm(linear(out.view(T, H * D), o_w, o_b, *_LINEAR), residual, norm_post.weight,
+                                 norm_post.eps)
+            x = linear(ops.silu_and_mul(linear(x, gate_up_w, gate_up_b, *_LINEAR)), down_w, down_b, *_LINEAR)
+        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -1,0 +1,85 @@
+"""models.flat_forward: the straight-line CPU forward of Llama-family stacks is the modules' forward, bit for bit.
+
+Runs on any CPU: bf16 weights are packed here even where the CPU emulates bf16 (the loader packs only native
+dtypes), so the path runs in both dtypes everywhere. Token-for-token parity with transformers through this path
+is tests/test_parity.py's (its Llama-family models take it on every step the kernel covers).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import aserve.attention.torch_backend as torch_backend
+from aserve import LLM, SamplingParams
+from aserve.models.flat_forward import UNBUILT, FlatForward
+from aserve.ops import cpu_gemm
+from conftest import random_prompts
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(5, lengths=(3, 40), seed=11)]
+
+
+def run(path, dtype, flat: bool, **options):
+    """Greedy outputs and every forward's hidden states, with the flat path on or off, and how many forwards
+    it ran."""
+    llm = LLM(str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB", **options)
+    model = llm.engine.runner.model
+    cpu_gemm.prepack_linears(model, model.embed_tokens.weight.dtype)  # bf16 too, native or not
+    if not flat:
+        model.flat = None
+    hidden, forward = [], model.forward
+
+    def recorded(*args):
+        out = forward(*args)
+        hidden.append(out.clone())
+        return out
+    model.forward = recorded
+    used = []
+    call = FlatForward.__call__
+    FlatForward.__call__ = lambda self, *args: used.append(1) or call(self, *args)
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        FlatForward.__call__ = call
+    return tokens, hidden, len(used), model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied", "qwen3", "mistral-swa", "phi3"])
+def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, monkeypatch, family, dtype):
+    """Biases and llama3/linear rope scaling (llama), q/k norms (qwen3), sliding windows (mistral, phi3), partial
+    rotary (phi3). The kernel takes prefill chunks of up to 24 attended tokens here, so steps with longer
+    chunks go through the modules and the rest through the flat path, in one run."""
+    monkeypatch.setattr(torch_backend, "prefill_kernel_max_len", lambda: 24)
+    tokens, hidden, used, model = run(model_dirs[family], dtype, flat=True)
+    assert isinstance(model.flat, FlatForward) and 0 < used < len(hidden)
+    ref_tokens, ref_hidden, ref_used, _ = run(model_dirs[family], dtype, flat=False)
+    assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+
+
+def test_flat_forward_stays_out_of_what_it_does_not_run(model_dirs, monkeypatch):
+    """Another layer type (Gemma 2), an FP8 cache, a gradient being recorded, unpacked weights and
+    ASERVE_FLAT_FORWARD=0 all leave the modules' forward in charge."""
+    *_, used, model = run(model_dirs["gemma2"], "float32", flat=True)
+    assert not isinstance(model.flat, FlatForward) and used == 0  # its own forward never builds one
+    *_, used, model = run(model_dirs["llama-gqa-tied"], "float32", flat=True, kv_cache_dtype="fp8")
+    assert isinstance(model.flat, FlatForward) and used == 0
+    assert FlatForward.takes(object(), 1) is None
+    with torch.enable_grad():  # the kernels have no autograd
+        assert FlatForward.takes(type("Meta", (), {"backend": torch_backend.TorchAttentionBackend()})(), 1) is None
+    plain = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", device="cpu", kv_cache_memory="16MiB").engine
+    plain_model = plain.runner.model
+    assert plain_model.flat is UNBUILT
+    with torch.inference_mode():
+        assert FlatForward.build(plain_model) is not None
+    plain_model.layers[0].mlp.down_proj.packed = None  # as with ASERVE_PREPACK=0
+    assert FlatForward.build(plain_model) is None
+    monkeypatch.setenv("ASERVE_FLAT_FORWARD", "0")
+    *_, used, model = run(model_dirs["llama-gqa-tied"], "float32", flat=True)
+    assert model.flat is None and used == 0
