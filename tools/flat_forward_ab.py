@@ -43,8 +43,8 @@ def main() -> None:
     model.flat = flat
     for on in (True, False):
         t = sorted(times[on])
-        print(f"{'flat' if on else 'modules'}: median {t[len(t) // 2] * 1e3:.2f} ms, mean {sum(t) / len(t) * 1e3:.2f} ms"
-              f" over {len(t)} steps")
+        print(f"{'flat' if on else 'modules'}: median {t[len(t) // 2] * 1e3:.2f} ms, "
+              f"mean {sum(t) / len(t) * 1e3:.2f} ms over {len(t)} steps")
 
 
 if __name__ == "__main__":
