@@ -50,11 +50,11 @@ def run(path, dtype, flat: bool, **options):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied", "qwen3", "mistral-swa", "phi3"])
+@pytest.mark.parametrize("family", ["llama-untied", "qwen3", "phi3"])
 def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, monkeypatch, family, dtype):
-    """Biases and llama3/linear rope scaling (llama), q/k norms (qwen3), sliding windows (mistral, phi3), partial
-    rotary (phi3). The kernel takes prefill chunks of up to 24 attended tokens here, so steps with longer
-    chunks go through the modules and the rest through the flat path, in one run."""
+    """Biases in every linear layer (llama-untied), q/k norms (qwen3), a sliding window and partial rotary
+    (phi3). The kernel takes prefill chunks of up to 24 attended tokens here, so steps with longer chunks go
+    through the modules and the rest through the flat path, in one run."""
     monkeypatch.setattr(torch_backend, "prefill_kernel_max_len", lambda: 24)
     tokens, hidden, used, model = run(model_dirs[family], dtype, flat=True)
     assert isinstance(model.flat, FlatForward) and 0 < used < len(hidden)
