@@ -182,6 +182,33 @@ inline void prefetch(const void* row, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(row) + i, 0, 3);
 }
 
+// The next work item's key and value rows, fetched into the L2 cache while this item is computed. One
+// request's rows lie in 2 KB runs (a block of one kv head) anywhere in the cache: too short for the hardware
+// prefetchers to get ahead of the loads, so each item used to start with its rows in DRAM and the kernel ran at
+// half the memory bandwidth. Both passes call step() every 16 tokens, which fetches the next item's rows at a
+// pace that spreads them over this item's two passes (a burst would fill the line-fill buffers and stall the
+// loads this item needs). Into L2 (hint 2): fetching into L1 evicted the current item's rows and was slower.
+struct Ahead {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* offsets = nullptr;  // rows of the next item, in elements of `elem` bytes
+  int64_t n = 0, pos = 0, elem = 0, row_bytes = 0, per_step = 0;
+  Ahead() = default;
+  Ahead(const void* k_head, const void* v_head, const int64_t* offsets, int64_t n, int64_t elem, int64_t row_bytes,
+        int64_t current_n)
+      : k(static_cast<const char*>(k_head)), v(static_cast<const char*>(v_head)), offsets(offsets), n(n),
+        elem(elem), row_bytes(row_bytes), per_step(n * 8 / std::max<int64_t>(current_n, 1) + 1) {}
+  void step() {
+    for (const int64_t stop = std::min(n, pos + per_step); pos < stop; ++pos) {
+      const int64_t at = offsets[pos] * elem;
+      for (int64_t i = 0; i < row_bytes; i += 64) {
+        __builtin_prefetch(k + at + i, 0, 2);
+        __builtin_prefetch(v + at + i, 0, 2);
+      }
+    }
+  }
+};
+
 // Lane i of the result = the sum of v[i]'s lanes, for W = fVec::size() vectors: one transposing tree of
 // shuffles and adds (about 3 instructions a vector) in place of W horizontal sums (about 8 each).
 inline fVec reduce_lanes(const fVec* v) {
@@ -214,12 +241,13 @@ inline fVec reduce_lanes(const fVec* v) {
 // ahead, and each group's values before the value pass needs them.
 template <typename T, int HeadDim>
 void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head, const T* v_head,
-                const int64_t* offsets, int64_t n, float* scores, float* scratch) {
+                const int64_t* offsets, int64_t n, float* scores, float* scratch, Ahead& ahead) {
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
   if constexpr (HeadDim > 0) {
     constexpr int C = HeadDim / fVec::size(), W = fVec::size();
     const T* rows[W];
     for (int64_t i = 0; i < n; i += W) {
+      if ((i & 15) == 0) ahead.step();
       const int count = static_cast<int>(std::min<int64_t>(W, n - i));
       for (int j = 0; j < W; ++j) rows[j] = k_head + offsets[i + std::min(j, count - 1)];
       for (int64_t j = i + 2 * W; j < std::min(n, i + 3 * W); ++j) prefetch(k_head + offsets[j], row_bytes);
@@ -240,6 +268,7 @@ void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
+      if ((i & 15) == 0) ahead.step();
       const float* kf = row_as_float(k_head + offsets[i], scratch, head_dim);
       for (int64_t g = 0; g < heads; ++g) scores[g * n + i] = dot(q + g * head_dim, kf, head_dim);
     }
@@ -248,12 +277,13 @@ void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head
 
 // acc[h] = sum_i p[h][i] * v[i] for NH heads (p rows n apart), their sums in registers.
 template <typename T, int HeadDim, int NH>
-void value_pass(const float* p, int64_t n, const T* v_head, const int64_t* offsets, float* acc) {
+void value_pass(const float* p, int64_t n, const T* v_head, const int64_t* offsets, float* acc, Ahead& ahead) {
   constexpr int C = HeadDim / fVec::size();
   fVec sums[NH][C];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < C; ++c) sums[h][c] = fVec(0.f);
   for (int64_t i = 0; i < n; ++i) {
+    if ((i & 15) == 0) ahead.step();
     fVec vv[C];
     widen<T, HeadDim>(v_head + offsets[i], vv);
     for (int h = 0; h < NH; ++h) {
@@ -290,17 +320,18 @@ template <int HG, typename Pass> inline void head_groups(int64_t heads, Pass&& p
 // half the vector registers (re-reads hit the L1/L2 cache).
 template <typename T, int HeadDim>
 void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head, const int64_t* offsets,
-               int64_t n, float* acc, float* scratch) {
+               int64_t n, float* acc, float* scratch, Ahead& ahead) {
   if constexpr (HeadDim > 0) {
     constexpr int C = HeadDim / fVec::size();
     constexpr int registers = fVec::size() == 16 ? 32 : 16;
     constexpr int HG = std::min(4, C >= registers / 2 ? 1 : registers / 2 / C);
     head_groups<HG>(heads, [&](auto nh, int64_t g) {
-      value_pass<T, HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim);
+      value_pass<T, HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim, ahead);
     });
   } else {
     std::fill(acc, acc + heads * head_dim, 0.f);
     for (int64_t i = 0; i < n; ++i) {
+      if ((i & 15) == 0) ahead.step();
       const float* vf = row_as_float(v_head + offsets[i], scratch, head_dim);
       for (int64_t g = 0; g < heads; ++g) axpy(p[g * n + i], vf, acc + g * head_dim, head_dim);
     }
@@ -344,9 +375,10 @@ inline void score_rows(const BF16* q, int64_t heads, const BF16* const* rows, in
 
 template <int HeadDim>
 void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
-                     int64_t n, float scale, float* scores) {
+                     int64_t n, float scale, float* scores, Ahead& ahead) {
   const BF16* rows[16];
   for (int64_t i = 0; i < n; i += 16) {
+    ahead.step();
     const int count = static_cast<int>(std::min<int64_t>(16, n - i));
     for (int j = 0; j < 16; ++j) rows[j] = k_head + offsets[i + std::min(j, count - 1)];
     // Keys 32 ahead, and this group's values for the pass after this one: the cache lies in DRAM, blocks anywhere.
@@ -360,13 +392,15 @@ void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF1
 // in pairs; an odd last one is paired with a zero row. Lane i of chunk c's low/high sums holds dim
 // 32c + 8(i/4) + i%4 (+ 4 for the high ones), the order unpacklo/unpackhi leave, put back in order at the end.
 template <int HeadDim, int NH>
-void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int64_t* offsets, float* acc) {
+void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int64_t* offsets, float* acc,
+                     Ahead& ahead) {
   constexpr int C = HeadDim / 32;
   alignas(64) static const BF16 zero_row[HeadDim] = {};
   __m512 sums[NH][2 * C];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < 2 * C; ++c) sums[h][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 2) {
+    if ((i & 15) == 0) ahead.step();
     const bool two = i + 1 < n;
     const BF16* a = v_head + offsets[i];
     const BF16* b = two ? v_head + offsets[i + 1] : zero_row;
@@ -396,17 +430,17 @@ void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int
 // acc[g] = sum_t p[g][t] * v[t]: the heads in passes whose sums fill half the registers.
 template <int HeadDim>
 void value_sum_bf16(const uint16_t* p, int64_t heads, const BF16* v_head, const int64_t* offsets, int64_t n,
-                    float* acc) {
+                    float* acc, Ahead& ahead) {
   constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // 4 heads at 64 dims, 2 at 128, 1 at 256
   head_groups<HG>(heads, [&](auto nh, int64_t g) {
-    value_pass_bf16<HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim);
+    value_pass_bf16<HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim, ahead);
   });
 }
 #else  // declared only, so the branches that would call them compile away
 template <int HeadDim>
-void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*);
+void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
 template <int HeadDim>
-void value_sum_bf16(const uint16_t*, int64_t, const BF16*, const int64_t*, int64_t, float*);
+void value_sum_bf16(const uint16_t*, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
 #endif
 
 // T: the query's and output's type; C: the cache's (T, or an FP8 tag with k_scale / v_scale folded in).
@@ -443,32 +477,45 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     std::vector<float> q(heads_per_item * head_dim), row(head_dim), acc(heads_per_item * head_dim), scores;
     std::vector<T> qb(bf16_dot ? heads_per_item * head_dim : 0);
     std::vector<uint16_t> probs;
-    std::vector<int64_t> offsets;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (num_kv_heads * splits);
-      const int64_t kvh = (item / splits) % num_kv_heads;
-      const int64_t h0 = kvh * group + (item % splits) * heads_per_item;
-      const int64_t len = lens[b];
+    std::vector<int64_t> offsets, next_offsets;
+    Ahead ahead;
+    struct Rows { int64_t b, kvh, n; };  // a work item's request, kv head and token count
+    auto rows_of = [&](int64_t item, std::vector<int64_t>& offs) {
+      const int64_t b = item / (num_kv_heads * splits), kvh = (item / splits) % num_kv_heads, len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      const int64_t* table = tables + b * table_width;
+      offs.resize(len - first);
+      token_offsets(tables + b * table_width, block_size, head_dim, first, len, offs.data());
+      return Rows{b, kvh, len - first};
+    };
+    Rows next = end > begin ? rows_of(begin, next_offsets) : Rows{};
+    for (int64_t item = begin; item < end; ++item) {
+      const Rows cur = next;
+      std::swap(offsets, next_offsets);  // this item's rows, found while the one before ran
+      const int64_t b = cur.b, kvh = cur.kvh, n = cur.n;
+      const int64_t h0 = kvh * group + (item % splits) * heads_per_item;
       const C* k_head = k_ptr + kvh * head_stride;
       const C* v_head = v_ptr + kvh * head_stride;
       scores.resize(heads_per_item * n);
-      offsets.resize(n);
-      token_offsets(table, block_size, head_dim, first, len, offsets.data());
+      ahead = Ahead{};
+      if (item + 1 < end) {
+        next = rows_of(item + 1, next_offsets);
+        if (next.b != b || next.kvh != kvh)  // (a split item shares its rows with the one before)
+          ahead = Ahead(k_ptr + next.kvh * head_stride, v_ptr + next.kvh * head_stride, next_offsets.data(),
+                        next.n, sizeof(C), head_dim * sizeof(C), n);
+      }
       for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
       if constexpr (bf16_dot) {
         for (int64_t g = 0; g < heads_per_item; ++g)
           std::memcpy(qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
-        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_head, v_head, offsets.data(), n, fscale, scores.data());
+        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_head, v_head, offsets.data(), n, fscale, scores.data(),
+                                 ahead);
       } else {
         for (int64_t g = 0; g < heads_per_item; ++g) {
           load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, q.data() + g * head_dim, head_dim);
           scale_row(q.data() + g * head_dim, fscale, head_dim);
         }
         key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_head, v_head, offsets.data(), n, scores.data(),
-                               row.data());
+                               row.data(), ahead);
       }
       if (cap > 0.f)  // soft-capping
         for (int64_t i = 0; i < heads_per_item * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
@@ -482,10 +529,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       if constexpr (bf16_dot) {
         probs.resize(heads_per_item * n);
         at::vec::convert(scores.data(), reinterpret_cast<BF16*>(probs.data()), heads_per_item * n);
-        value_sum_bf16<HeadDim>(probs.data(), heads_per_item, v_head, offsets.data(), n, acc.data());
+        value_sum_bf16<HeadDim>(probs.data(), heads_per_item, v_head, offsets.data(), n, acc.data(), ahead);
       } else {
         value_sum<C, HeadDim>(scores.data(), heads_per_item, head_dim, v_head, offsets.data(), n, acc.data(),
-                              row.data());
+                              row.data(), ahead);
       }
       if (vscale != 1.f) scale_row(acc.data(), vscale, heads_per_item * head_dim);
       for (int64_t g = 0; g < heads_per_item; ++g)
