@@ -15,6 +15,7 @@ from torch import nn
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, ParamFiller, need
 from aserve.models.layers import Linear, activation
+from aserve.models.parallel import plain_embedding
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # the causal mask, saved as tensors by old checkpoints
@@ -105,8 +106,8 @@ class GPT2LMHeadModel(nn.Module):
         self.args = args
         self.shape = ModelShape(args.num_layers, args.num_heads, args.head_dim, args.vocab_size,
                                 args.max_position_embeddings)
-        self.wte = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.wpe = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        self.wte = plain_embedding(args.vocab_size, args.hidden_size)
+        self.wpe = plain_embedding(args.max_position_embeddings, args.hidden_size)
         self.h = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         self.ln_f = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_epsilon)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size)

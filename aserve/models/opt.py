@@ -15,6 +15,7 @@ from torch import nn
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import Linear, activation
+from aserve.models.parallel import plain_embedding
 
 POSITION_OFFSET = 2  # fairseq reserved the first two rows of the position table: position p uses row p + 2
 
@@ -108,8 +109,8 @@ class OPTForCausalLM(nn.Module):
         self.args = args
         self.shape = ModelShape(args.num_layers, args.num_heads, args.head_dim, args.vocab_size,
                                 args.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.word_embed_proj_dim)
-        self.embed_positions = nn.Embedding(args.max_position_embeddings + POSITION_OFFSET, args.hidden_size)
+        self.embed_tokens = plain_embedding(args.vocab_size, args.word_embed_proj_dim)
+        self.embed_positions = plain_embedding(args.max_position_embeddings + POSITION_OFFSET, args.hidden_size)
         projected = args.word_embed_proj_dim != args.hidden_size
         self.project_in = Linear(args.word_embed_proj_dim, args.hidden_size) if projected else None
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))

@@ -200,10 +200,16 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
+def plain_embedding(num: int, dim: int) -> nn.Embedding:
+    """An `nn.Embedding` left unfilled, as every layer is until the checkpoint fills it: its random init would be
+    wasted, and nn.init's first call imports torch._dynamo (1.3 s of start-up)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def embedding(vocab_size: int, hidden_size: int, tp: TensorParallel | None = None) -> nn.Module:
     tp = tp or current()
-    return nn.Embedding(vocab_size, hidden_size) if tp.size == 1 else VocabParallelEmbedding(vocab_size, hidden_size,
-                                                                                            tp)
+    return plain_embedding(vocab_size, hidden_size) if tp.size == 1 else VocabParallelEmbedding(vocab_size,
+                                                                                               hidden_size, tp)
 
 
 def lm_head(hidden_size: int, vocab_size: int, tp: TensorParallel | None = None) -> Linear:
