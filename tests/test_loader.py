@@ -164,3 +164,26 @@ def test_embedded_default_model_loads():
     with torch.no_grad():
         logits = load_reference(DEFAULT_MODEL_DIR)(torch.tensor([out.prompt_token_ids])).logits[0, -1]
     assert generated.token_ids[0] == int(logits.argmax())
+
+
+def test_tokenizer_loads_without_autoconfig_and_without_a_named_class(tmp_path):
+    """The tokenizer of a folder whose tokenizer_config.json names its class loads without AutoConfig (whose model
+    configs import torch._dynamo, seconds of start-up); a folder that names none still gets the class its config
+    maps to, and both encode alike."""
+    import subprocess
+    import sys
+
+    from aserve.models.loader import load_tokenizer
+
+    probe = ("import sys; from aserve.models.loader import load_tokenizer; "
+             f"load_tokenizer({str(DEFAULT_MODEL_DIR)!r}); print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip() == "False"
+
+    unnamed = tmp_path / "unnamed"
+    shutil.copytree(DEFAULT_MODEL_DIR, unnamed, ignore=shutil.ignore_patterns("*.safetensors"))
+    settings = json.loads((unnamed / "tokenizer_config.json").read_text())
+    del settings["tokenizer_class"]
+    (unnamed / "tokenizer_config.json").write_text(json.dumps(settings))
+    text = "Paged attention, continuous batching: 42 tokens!"
+    assert load_tokenizer(unnamed).encode(text) == load_tokenizer(DEFAULT_MODEL_DIR).encode(text)

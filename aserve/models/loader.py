@@ -127,11 +127,13 @@ def load_tokenizer(path: str | Path):
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist")
-    # AutoTokenizer reads the model's config only for its model_type (to pick a tokenizer class where
-    # tokenizer_config.json names none). Handed the base config class, it skips AutoConfig, whose model-specific
-    # config modules import torch._dynamo: 1.2 s of every start-up.
-    config_file = Path(path) / "config.json"
-    config = PretrainedConfig.from_dict(read_json(config_file)) if config_file.is_file() else None
+    # Where tokenizer_config.json names the tokenizer class, AutoTokenizer reads the model's config only for its
+    # model_type. Handed the base config class then, it skips AutoConfig, whose model-specific config modules
+    # import torch._dynamo: 1.2 s of every start-up. (Without a named class it maps the config's own class to a
+    # tokenizer, so that case keeps AutoConfig.)
+    config_file, tokenizer_config = Path(path) / "config.json", _optional_json(Path(path) / "tokenizer_config.json")
+    config = (PretrainedConfig.from_dict(read_json(config_file))
+              if config_file.is_file() and tokenizer_config.get("tokenizer_class") else None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), config=config)
     except Exception as exc:
