@@ -6,16 +6,21 @@ import torch
 from torch import nn
 
 from aserve import LLM, SamplingParams
-from aserve.ops.cpu_gemm import PackedLinear, prepack_linears
+from aserve.ops.cpu_gemm import PackedLinear, can_pack, prepack_linears
 from conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+NO_BF16_PACKING = "oneDNN packs bf16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks"
+# A 16-bit dtype where this CPU packs one, else float32: the engine test below runs on every CPU kind.
+PACK_DTYPE = torch.bfloat16 if can_pack(torch.bfloat16) else torch.float32
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])  # sums in another order
 def test_packed_linear_equals_linear(bias, rows, dtype, tol):
+    if not can_pack(dtype):
+        pytest.skip(NO_BF16_PACKING)
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     x = torch.randn(rows, 96, dtype=dtype)
@@ -26,10 +31,9 @@ def test_packed_linear_equals_linear(bias, rows, dtype, tol):
 
 
 def test_prepack_swaps_the_linears_of_the_dtype_and_keeps_the_parameters():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).float())
-    model[0].to(torch.bfloat16), model[1].to(torch.bfloat16)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).to(torch.bfloat16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert prepack_linears(model, torch.bfloat16) == 2
+    assert prepack_linears(model, torch.float32) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
     assert type(model[2]) is nn.Linear  # another dtype: left alone
     after = model.state_dict()
@@ -37,18 +41,33 @@ def test_prepack_swaps_the_linears_of_the_dtype_and_keeps_the_parameters():
     assert prepack_linears(nn.Sequential(nn.Linear(2, 2)), torch.float64) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prepack_packs_16_bit_weights_only_where_onednn_can(dtype):
+    """On an AVX2-only CPU oneDNN refuses to reorder 16-bit weights (it raises): prepacking must leave them as
+    nn.Linear, still computing, rather than fail the load. Where it can, they are packed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8)).to(dtype)
+    x = torch.randn(3, 16, dtype=dtype)
+    expected = model(x).float()
+    packed = prepack_linears(model, dtype)
+    assert packed == (2 if can_pack(dtype) else 0)
+    assert all(type(layer) is (PackedLinear if packed else nn.Linear) for layer in model)
+    torch.testing.assert_close(model(x).float(), expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])
 def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monkeypatch, family):
-    """The same engine before and after packing (forced here, whatever the CPU), with an untied head (a Linear) and
-    a tied one (the embedding, packed apart): the chosen token's logprob agrees to bf16 precision."""
+    """The same engine before and after packing (forced here, in bf16 even where bf16 is emulated if oneDNN can
+    pack it, else in fp32), with an untied head (a Linear) and a tied one (the embedding, packed apart): the
+    chosen token's logprob agrees to bf16 precision."""
     monkeypatch.setenv("ASERVE_PREPACK", "0")
-    llm = LLM(str(model_dirs[family]), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False,
-              device="cpu")
+    llm = LLM(str(model_dirs[family]), dtype=str(PACK_DTYPE).replace("torch.", ""), kv_cache_memory="16MiB",
+              enable_prefix_caching=False, device="cpu")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, lengths=(5, 30), seed=7)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     plain = llm.generate(prompts, params, use_tqdm=False)
     model = llm.engine.runner.model
-    assert prepack_linears(model, torch.bfloat16) == 4 * 2 + 1  # qkv, o, gate_up, down per layer, and the head
+    assert prepack_linears(model, PACK_DTYPE) == 4 * 2 + 1  # qkv, o, gate_up, down per layer, and the head
     assert (model.packed_head is not None) == (model.lm_head is None)
     packed = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(plain, packed):

@@ -1,7 +1,8 @@
 """models.flat_forward: the straight-line CPU forward of Llama-family stacks is the modules' forward, bit for bit.
 
-Runs on any CPU: bf16 weights are packed here even where the CPU emulates bf16 (the loader packs only native
-dtypes), so the path runs in both dtypes everywhere. Token-for-token parity with transformers through this path
+bf16 weights are packed here even where the CPU emulates bf16 (the loader packs only native dtypes), so the
+path runs in both dtypes wherever oneDNN can pack bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); on an AVX2-only CPU
+it cannot, the flat path never builds in bf16 (it needs packed weights), and only the fp32 cases run. Token-for-token parity with transformers through this path
 is tests/test_parity.py's (its Llama-family models take it on every step the kernel covers).
 """
 from __future__ import annotations
@@ -55,6 +56,8 @@ def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, monkeypatch
     """Biases in every linear layer (llama-untied), q/k norms (qwen3), a sliding window and partial rotary
     (phi3). The kernel takes prefill chunks of up to 24 attended tokens here, so steps with longer chunks go
     through the modules and the rest through the flat path, in one run."""
+    if not cpu_gemm.can_pack(getattr(torch, dtype)):
+        pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU, so the flat path does not run in {dtype}")
     monkeypatch.setattr(torch_backend, "prefill_kernel_max_len", lambda: 24)
     tokens, hidden, used, model = run(model_dirs[family], dtype, flat=True)
     assert isinstance(model.flat, FlatForward) and 0 < used < len(hidden)

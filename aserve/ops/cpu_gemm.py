@@ -5,7 +5,8 @@ Measured on an AMD EPYC with AVX512-BF16 (2 threads), bf16: a 64x576 @ 576x1728 
 every call; the packed one is reordered once. In float32 `F.linear` goes to MKL, which on that AMD CPU
 reached 92-137 GFLOP/s where oneDNN's packed fp32 GEMM reached 178-209 (64x576 @ 576x3072: 2.46 -> 1.26 ms;
 the 49152-wide logits projection at batch 64: 48.1 -> 19.9 ms), so fp32 weights are packed too. Weights
-are packed only in a dtype the CPU runs natively (16-bit ones are emulated elsewhere and run as fp32).
+are packed only in a dtype the CPU runs natively (16-bit ones are emulated elsewhere and run as fp32), and only
+in one oneDNN can pack here (`can_pack`).
 """
 from __future__ import annotations
 
@@ -47,7 +48,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    return dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether oneDNN packs `dtype` weights on this CPU. float32 everywhere it is built in; bf16 and fp16 only
+    with the instructions oneDNN converts them with (AVX-512 BW/VL/DQ or AVX-NE-CONVERT for bf16): on an
+    AVX2-only CPU the reorder raises rather than emulate."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
 def prepack_linears(model: nn.Module, dtype: torch.dtype) -> int:
