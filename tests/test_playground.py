@@ -25,11 +25,13 @@ SHOTS = os.environ.get("ASERVE_SCREENSHOTS")
 @pytest.fixture(scope="module")
 def servers():
     """The playground's server and one with --no-ui, started at once: start-up is most of this module's time.
-    A small KV cache, so that one long reply shows on the usage chart; --root-path as behind a prefix-stripping
-    proxy, which forwards /llm/ as /."""
+    A small KV cache, so that one long reply shows on the usage chart, in float32 whatever the CPU (with `auto`
+    the same bytes hold twice the tokens where bf16 is native); --root-path as behind a prefix-stripping proxy,
+    which forwards /llm/ as /."""
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         starts = [pool.submit(RunningServer, *args) for args in
-                  (("--api-key", KEY, "--kv-cache-memory", "8MiB", "--root-path", "/llm"), ("--no-ui",))]
+                  (("--api-key", KEY, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--root-path", "/llm"),
+                   ("--no-ui",))]
     started = [f.result() for f in starts if f.exception() is None]
     try:
         for f in starts:
