@@ -1,8 +1,10 @@
 """aserve's fused CPU kernels (ops.cpu_kernels) against the torch path they replace.
 
 Decode attention over the paged cache at block sizes 1/16/32, with GQA and without, mixed context lengths
-(one token, inside a block, on and past block edges), sliding windows and soft-capping; RMSNorm, rotary
-embedding (full and partial) and SiLU-and-mul. fp32 must agree to rounding; bf16/fp16 within their precision.
+(one token, inside a block, on and past block edges), sliding windows and soft-capping; prefill attention over
+the same cache (chunks with and without cached context, causal within the chunk), checked against the same
+reference (each of a chunk's queries is a decode query over its own causal prefix); RMSNorm, rotary embedding
+(full and partial) and SiLU-and-mul. fp32 must agree to rounding; bf16/fp16 within their precision.
 """
 from __future__ import annotations
 
@@ -106,6 +108,80 @@ def test_decode_attention_reads_an_fp8_cache(fmt, dtype, head_dim):
     k_ref, v_ref = (dequantize(b, sc, f, torch.float32) for b, sc in ((k_bits, k_scale), (v_bits, v_scale)))
     expected = reference(query, k_ref, v_ref, tables, lens, num_physical, 16, head_dim ** -0.5, None, None)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def prefill_case(chunks, block_size, heads, head_dim, dtype, gen):
+    """Chunks (cached context, new tokens) over a scattered cache holding every chunk's context and tokens, with
+    each query row's expansion as a decode query: its chunk's table and its own causal length."""
+    query, k_cache, v_cache, tables, _, num_physical = paged_case([c + n for c, n in chunks], block_size, heads,
+                                                                   head_dim, dtype, gen)
+    rows = sum(n for _, n in chunks)
+    query = torch.randn(rows, heads[0], head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0] + [n for _, n in chunks]).cumsum(0)
+    contexts = torch.tensor([c for c, _ in chunks])
+    row_tables = torch.cat([tables[i:i + 1].expand(n, -1) for i, (_, n) in enumerate(chunks)])
+    row_lens = torch.cat([torch.arange(c + 1, c + n + 1) for c, n in chunks])
+    return query, k_cache, v_cache, tables, starts, contexts, row_tables, row_lens, num_physical
+
+
+def run_prefill(query, k_cache, v_cache, tables, starts, contexts, scale, window=0, softcap=0.0, *scales):
+    out = torch.full_like(query, float("nan"))  # every row must be written
+    with torch.inference_mode():
+        torch.ops.aserve.paged_prefill_attention(out, query, k_cache, v_cache, tables, starts, contexts, scale,
+                                                 window, softcap, *scales)
+    return out
+
+
+CHUNKS = [(0, 1), (0, 7), (0, 70), (5, 20), (16, 16), (33, 64), (3, 1), (0, 130)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # the register tiles' widths and a tail of head dims
+def test_prefill_attention_matches_torch_path(block_size, heads, dtype, head_dim):
+    gen = torch.Generator().manual_seed(block_size * 100 + heads[0] + head_dim)
+    query, k_cache, v_cache, tables, starts, contexts, row_tables, row_lens, num_physical = prefill_case(
+        CHUNKS, block_size, heads, head_dim, dtype, gen)
+    scale = head_dim ** -0.5
+    out = run_prefill(query, k_cache, v_cache, tables, starts, contexts, scale)
+    expected = reference(query, k_cache, v_cache, row_tables, row_lens, num_physical, block_size, scale, None, None)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 30.0), (17, 50.0), (40, None)])
+def test_prefill_attention_windows_and_softcap(window, softcap):
+    """Windows shorter than a chunk (rows whose first keys lie in a later step of the walk) and soft-capping."""
+    gen = torch.Generator().manual_seed(window or 1)
+    query, k_cache, v_cache, tables, starts, contexts, row_tables, row_lens, num_physical = prefill_case(
+        CHUNKS, 16, (8, 2), 32, torch.float32, gen)
+    out = run_prefill(query, k_cache, v_cache, tables, starts, contexts, 0.2, window or 0, softcap or 0.0)
+    expected = reference(query, k_cache, v_cache, row_tables, row_lens, num_physical, 16, 0.2, window, softcap)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_reads_an_fp8_cache(fmt, dtype):
+    gen = torch.Generator().manual_seed(3)
+    f = FP8_FORMATS[fmt]
+    query, k_cache, v_cache, tables, starts, contexts, row_tables, row_lens, num_physical = prefill_case(
+        CHUNKS, 16, (6, 2), 64, torch.float32, gen)
+    k_scale, v_scale = 0.01, 0.02
+    k_bits, v_bits = quantize(k_cache, k_scale, f), quantize(v_cache * 1.5, v_scale, f)
+    query = query.to(dtype)
+    out = run_prefill(query, k_bits, v_bits, tables, starts, contexts, 0.125, 0, 0.0, k_scale, v_scale, f.code)
+    k_ref, v_ref = (dequantize(b, sc, f, torch.float32) for b, sc in ((k_bits, k_scale), (v_bits, v_scale)))
+    expected = reference(query, k_ref, v_ref, row_tables, row_lens, num_physical, 16, 0.125, None, None)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_prefill_attention_refuses_tables_shorter_than_the_chunk():
+    gen = torch.Generator().manual_seed(0)
+    query, k_cache, v_cache, tables, starts, contexts, *_ = prefill_case([(4, 40)], 16, (2, 2), 32,
+                                                                         torch.float32, gen)
+    with pytest.raises(RuntimeError, match="block table is shorter"):
+        run_prefill(query, k_cache, v_cache, tables[:, :2], starts, contexts, 0.1)
 
 
 def test_fp8_bytes_round_trip_every_pattern():
@@ -330,16 +406,16 @@ def test_sampler_draws_from_16_bit_logits_without_an_fp32_copy(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0)])
-def test_prefill_chunks_through_the_kernel_match_sdpa(monkeypatch, dtype, block_size, window, softcap):
-    """Decode rows, then prefill chunks alone and after cached context, the last one too long for the kernel
-    (so SDPA takes it): through the kernel in `dtype` against SDPA for every chunk in fp32, from the same
+def test_backend_kernels_match_the_torch_path(monkeypatch, dtype, block_size, window, softcap):
+    """One step of decode rows and prefill chunks alone and after cached context, through the backend: its
+    kernels (decode, prefill) in `dtype` against its torch path (gather + matmuls, SDPA) in fp32, from the same
     rounded inputs."""
     from types import SimpleNamespace
 
     from aserve.attention import torch_backend
     from conftest import make_layout
 
-    requests = [(0, 1), (3, 1), (40, 1), (0, 9), (21, 6), (5, 19), (30, 12)]  # the last attends 42 tokens
+    requests = [(0, 1), (3, 1), (40, 1), (0, 9), (21, 6), (5, 19), (30, 12)]
     gen = torch.Generator().manual_seed(block_size)
     layout = make_layout(requests, block_size, gen)
     num_heads, num_kv_heads, head_dim = 6, 2, 64
@@ -352,15 +428,14 @@ def test_prefill_chunks_through_the_kernel_match_sdpa(monkeypatch, dtype, block_
                                                                  num_kv_heads, head_dim)
     cache = torch.randn(shape, generator=gen).to(dtype)  # stale values: only the lengths keep them out
     outs = {}
-    for kind, limit in ((dtype, 40), (torch.float32, 0)):
-        monkeypatch.setattr(torch_backend, "prefill_kernel_max_len", lambda: limit)
+    for kind, kernels in ((dtype, True), (torch.float32, False)):
+        monkeypatch.setattr(cpu_kernels, "usable", (lambda *t: True) if kernels else (lambda *t: False))
         backend = torch_backend.TorchAttentionBackend()
         kv = cache.to(kind, copy=True)
         meta = backend.build_metadata(layout, num_kv_heads)
+        assert (meta.num_decode_tokens, len(meta.prefills)) == (3, 4)
         with torch.inference_mode():
-            outs[limit] = backend.forward(layer, query.to(kind), key.to(kind), value.to(kind), (kv[0, 0], kv[0, 1]),
-                                          meta).float()
-        rows, taken, _, _ = meta.kernel_batch(limit)
-        assert (rows, taken) == ((tokens - 12, 3) if limit else (3, 0))  # three short chunks, or decodes only
+            outs[kernels] = backend.forward(layer, query.to(kind), key.to(kind), value.to(kind),
+                                            (kv[0, 0], kv[0, 1]), meta).float()
     tol = TOL[dtype]
-    torch.testing.assert_close(outs[40], outs[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[True], outs[False], atol=tol, rtol=tol)

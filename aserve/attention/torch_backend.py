@@ -1,37 +1,24 @@
 """The torch backend: the CPU path, and the reference every other backend is tested against.
 
-Decode requests attend in one call: on the CPU, aserve's fused kernel reads each request's blocks in place
-(ops.cpu_kernels); elsewhere, or without the kernels, a head-major gather of their blocks and two batched
-matmuls. With the kernel, the leading prefill chunks of up to prefill_kernel_max_len() attended tokens (cached
-context + chunk) join the decode rows in the same call: each of a chunk's queries is read as a decode query over
-its own causal prefix of the cache (the chunk's keys are written before attention runs). Other chunks attend
-through SDPA (causal, after any cached context). Masks for sliding-window layers are built once per step and
-window size, and shared by the layers that use them.
+On the CPU, two of aserve's kernels (ops.cpu_kernels) read the paged cache in place: decode requests attend in
+one call of the decode kernel, and every prefill chunk in one call of the prefill kernel (FlashAttention's
+blocking: each chunk's queries over its cached context, then causally over itself, whose keys are written
+before attention runs). Elsewhere, or without the kernels, decode requests go through a head-major gather of
+their blocks and two batched matmuls, and each prefill chunk through SDPA (causal, after any cached context).
+Masks for sliding-window layers are built once per step and window size, and shared by the layers that use them.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-
-from functools import partial
 
 from aserve.attention import kv_quant
 from aserve.attention.backend import BatchLayout
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention
-
-
-@functools.cache  # asked by every layer of every step; the CPU does not change
-def prefill_kernel_max_len() -> int:
-    """Attended tokens up to which the kernel takes a prefill chunk: where it beats SDPA, whose blocked matmuls
-    win on long chunks. One layer of the bench model's shapes (9 query heads, 3 KV heads, 64 dims) on 2 AMD EPYC
-    cores, kernel against SDPA: bf16 (AVX512-BF16) 16 x 128 tokens 3.4 / 9.4 ms, 2 x 1024 19.4 / 27.0, 1 x 2048
-    54.9 / 48.9; fp32 (AVX-512) 4 x 512 14.9 / 23.1, 2 x 1024 30.0 / 30.0; fp32 with torch, oneDNN and MKL held to
-    AVX2 (ATEN_CPU_CAPABILITY=avx2 etc.) 8 x 256 10.1 / 11.2, 4 x 512 19.3 / 20.5, 2 x 1024 38.7 / 29.6."""
-    return 1024 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 512
 
 
 @dataclass
@@ -67,30 +54,21 @@ class TorchAttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
     _decode_rows: torch.Tensor | None = None
-    _kernel_batch: tuple | None = None
+    _prefill_batch: tuple | None = None
 
-    def kernel_batch(self, max_len: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """The rows the kernel takes in one call, as decode queries: (rows, prefill chunks among them, a block
-        table per row, each row's attended length). The decode rows, then the leading prefill chunks of at most
-        max_len attended tokens, each query over its causal prefix. Built once per step (every layer asks the
-        same)."""
-        if self._kernel_batch is None:
-            tables, lens = ([self.decode_tables], [self.decode_context]) if self.num_decode_tokens else ([], [])
-            rows, taken = self.num_decode_tokens, 0
-            for chunk in self.prefills:
-                n = chunk.end - chunk.start
-                if chunk.context_len + n > max_len:
-                    break
-                tables.append(chunk.table.expand(n, -1))
-                lens.append(chunk.context_len + torch.arange(1, n + 1))
-                rows, taken = chunk.end, taken + 1
-            if not rows:
-                self._kernel_batch = (0, 0, None, None)
-            else:
-                width = max(t.shape[1] for t in tables)
-                table = torch.cat([F.pad(t, (0, width - t.shape[1]), value=self.null_block) for t in tables])
-                self._kernel_batch = (rows, taken, table, torch.cat(lens))
-        return self._kernel_batch
+    def prefill_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill kernel's view of the step's chunks: (a block table per chunk, padded with the null block;
+        each chunk's first row among the prefill rows, then their end; each chunk's cached context). Built once
+        per step (every layer asks the same)."""
+        if self._prefill_batch is None:
+            width = max(c.table.shape[1] for c in self.prefills)
+            tables = torch.cat([F.pad(c.table, (0, width - c.table.shape[1]), value=self.null_block)
+                                for c in self.prefills])
+            first = self.num_decode_tokens
+            starts = torch.tensor([c.start - first for c in self.prefills] + [self.prefills[-1].end - first])
+            contexts = torch.tensor([c.context_len for c in self.prefills])
+            self._prefill_batch = (tables, starts, contexts)
+        return self._prefill_batch
 
     @property
     def decode_rows(self) -> torch.Tensor:
@@ -163,17 +141,22 @@ class TorchAttentionBackend:
         if fmt is not None and meta.prefills:  # fresh prefill keys, as the cache holds them
             key, value = kv_quant.as_stored(key, layer.k_scale, fmt), kv_quant.as_stored(value, layer.v_scale, fmt)
         out = torch.empty_like(query)
-        nd, done = meta.num_decode_tokens, 0  # prefill chunks the kernel took
+        nd = meta.num_decode_tokens
         if cpu_kernels.usable(query) and (fmt is not None or k_cache.dtype == query.dtype):
-            rows, done, tables, lens = meta.kernel_batch(prefill_kernel_max_len())
-            if rows:
-                torch.ops.aserve.paged_decode_attention(out[:rows], query[:rows], k_cache, v_cache, tables, lens,
-                                                        layer.scale, window or 0, cap or 0.0, layer.k_scale,
-                                                        layer.v_scale, 0 if fmt is None else fmt.code)
-        elif nd:
+            code = 0 if fmt is None else fmt.code
+            if nd:
+                torch.ops.aserve.paged_decode_attention(out[:nd], query[:nd], k_cache, v_cache, meta.decode_tables,
+                                                        meta.decode_context, layer.scale, window or 0, cap or 0.0,
+                                                        layer.k_scale, layer.v_scale, code)
+            if meta.prefills:
+                torch.ops.aserve.paged_prefill_attention(out[nd:], query[nd:], k_cache, v_cache, *meta.prefill_batch(),
+                                                         layer.scale, window or 0, cap or 0.0, layer.k_scale,
+                                                         layer.v_scale, code)
+            return out
+        if nd:
             out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta.decode_rows, meta.decode_mask(window),
                                         layer.scale, cap, widen)
-        for i, chunk in enumerate(meta.prefills[done:], start=done):
+        for i, chunk in enumerate(meta.prefills):
             q = query[chunk.start:chunk.end].transpose(0, 1)  # [Hq, n, D]
             if chunk.context_len == 0:
                 k = key[chunk.start:chunk.end].transpose(0, 1)

@@ -4,10 +4,10 @@ Through the modules (llama.DecoderLayer and what it calls), every op of every la
 takes: the device, the dtype, the cache format, whether the kernels are built, whether the weight is packed;
 then nn.Module's call machinery runs around it. On the CPU that Python is a fixed few milliseconds a step. Where
 every answer is the same for the whole model (the CPU kernels built, every linear dense and prepacked, a cache
-in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a step whose rows the
-decode-attention kernel takes in one call (decode rows and the short prefill chunks) is the same ops in the
+in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a step whose attention
+the kernels take (decode rows and prefill chunks, over a cache in the model's dtype) is the same ops in the
 same order with nothing between them: bit for bit the modules' output (tests/test_flat_forward.py). Anything
-else (a long prefill chunk, an FP8 cache, another layer type) goes through the modules as before.
+else (an FP8 cache, another layer type) goes through the modules as before.
 
 Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), a decode step with the flat path on and off in
 alternate pairs of steps of one engine (tools/flat_forward_ab.py): batch 64 bf16 81.8 against 89.7 ms and 96.7 against
@@ -77,22 +77,19 @@ class FlatForward:
         return cls(model, layers)
 
     @staticmethod
-    def takes(meta, num_tokens: int) -> tuple | None:
-        """The kernel's batch (rows, prefill chunks, tables, lengths) where it covers all `num_tokens` rows of a
-        step over a cache in the model's dtype, with no gradient recorded (the kernels have none); else None."""
-        from aserve.attention.torch_backend import TorchAttentionBackend, prefill_kernel_max_len
+    def takes(meta) -> bool:
+        """Whether the kernels take this step's attention: a cache in the model's dtype read by the torch backend,
+        with no gradient recorded (the kernels have none). Decode rows and prefill chunks alike."""
+        from aserve.attention.torch_backend import TorchAttentionBackend
 
-        if torch.is_grad_enabled():
-            return None
         backend = getattr(meta, "backend", None)
-        if not isinstance(backend, TorchAttentionBackend) or backend.kv_format is not None:
-            return None
-        batch = meta.kernel_batch(prefill_kernel_max_len())
-        return batch if batch[0] == num_tokens else None
+        return (not torch.is_grad_enabled() and isinstance(backend, TorchAttentionBackend)
+                and backend.kv_format is None)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, batch: tuple) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
         ops, linear = torch.ops.aserve, torch.ops.mkldnn._linear_pointwise
-        _, _, tables, lens = batch
+        nd = meta.num_decode_tokens
+        prefill = meta.prefill_batch() if meta.prefills else None
         slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
         x = nn.functional.embedding(input_ids, self.embed)
         T, residual = x.shape[0], None
@@ -110,9 +107,13 @@ class FlatForward:
                 k = ops.rms_norm(k.reshape(-1, D), k_norm.weight, k_norm.eps).view(T, Hkv, D)
             ops.rotary_embedding(positions, q, k, cos, sin, rotary_dim)
             ops.write_kv(k, v, k_cache, v_cache, slots, attn.k_scale, attn.v_scale, 0)
-            out = torch.empty(T, H, D, dtype=x.dtype)
-            ops.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, attn.scale, attn.sliding_window or 0,
-                                       0.0, attn.k_scale, attn.v_scale, 0)
+            out, window = torch.empty(T, H, D, dtype=x.dtype), attn.sliding_window or 0
+            if nd:
+                ops.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context,
+                                           attn.scale, window, 0.0, attn.k_scale, attn.v_scale, 0)
+            if prefill is not None:
+                ops.paged_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, *prefill, attn.scale, window, 0.0,
+                                            attn.k_scale, attn.v_scale, 0)
             x = ops.add_rms_norm(linear(out.view(T, H * D), o_w, o_b, *_LINEAR), residual, norm_post.weight,
                                  norm_post.eps)
             x = linear(ops.silu_and_mul(linear(x, gate_up_w, gate_up_b, *_LINEAR)), down_w, down_b, *_LINEAR)

@@ -172,9 +172,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
         if self.flat is UNBUILT:  # at the first step, once the weights are loaded and packed
             self.flat = FlatForward.build(self)
-        batch = self.flat is not None and FlatForward.takes(meta, input_ids.shape[0])
-        if batch:  # the same ops as below, without the per-op checks (models.flat_forward)
-            return self.flat(input_ids, positions, kv_caches, meta, batch)
+        if self.flat is not None and FlatForward.takes(meta):  # the ops below, without per-op checks (flat_forward)
+            return self.flat(input_ids, positions, kv_caches, meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
