@@ -75,3 +75,77 @@ def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monke
         top_a, top_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert token in top_b and abs(top_b[token].logprob - top_a[token].logprob) < 0.05
     llm.engine.check_idle()
+
+
+@pytest.fixture
+def aserve_gemm(monkeypatch):
+    """aserve's fp32 GEMM chosen for this test whatever the CPU (the default picks it on AVX2-only CPUs)."""
+    from aserve.ops import cpu_gemm, cpu_kernels
+
+    if not (cpu_kernels.available() and hasattr(torch.ops.aserve, "gemm_packed")):
+        pytest.skip("aserve's GEMM is not built here (no compiler, or a CPU without AVX2 and FMA)")
+    monkeypatch.setenv("ASERVE_GEMM", "aserve")
+    cpu_gemm.fp32_gemm.cache_clear()
+    yield
+    cpu_gemm.fp32_gemm.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 131])  # every micro-kernel height, and several row blocks
+@pytest.mark.parametrize("out_features,in_features", [(16, 8), (40, 33), (96, 576), (33, 2100)])  # panel tails, K
+@pytest.mark.parametrize("bias", [False, True])
+def test_aserve_gemm_equals_linear(aserve_gemm, rows, out_features, in_features, bias):
+    """Partial last panels (40, 33 outputs), odd and split K (2100 > one 2048-step chunk), biases: what F.linear
+    computes, up to the order of the fp32 sums."""
+    from aserve.ops.cpu_gemm import pack_weight, packed_linear
+
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = pack_weight(weight)
+    assert packed.aserve and packed.data.shape == (-(-out_features // 16), in_features, 16)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(packed_linear(x, packed, b).double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm):
+    from aserve.ops.cpu_gemm import pack_weight, packed_linear
+
+    weight, x = torch.randn(24, 20), torch.randn(3, 4, 40)
+    packed = pack_weight(weight)
+    strided = x[..., ::2]  # no unit inner stride: copied
+    wide = x[..., :20]  # unit inner stride, rows 40 apart: read in place
+    for view in (strided, wide):
+        got = packed_linear(view, packed, None)
+        assert got.shape == (3, 4, 24)
+        torch.testing.assert_close(got, torch.nn.functional.linear(view, weight), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="weight must be pack_gemm_weight"):
+        torch.ops.aserve.gemm_packed(torch.randn(2, 21), packed.data, None, 24)
+
+
+def test_asking_for_an_unknown_gemm_is_an_error(monkeypatch):
+    from aserve.ops import cpu_gemm
+
+    monkeypatch.setenv("ASERVE_GEMM", "blas")
+    cpu_gemm.fp32_gemm.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="ASERVE_GEMM='blas'"):
+            cpu_gemm.fp32_gemm()
+    finally:
+        cpu_gemm.fp32_gemm.cache_clear()
+
+
+def test_an_engine_on_aserve_gemm_is_greedy_equal_to_transformers(aserve_gemm, model_dirs):
+    """The fp32 parity guarantee through aserve's GEMM on any CPU (tests/test_parity.py runs whichever GEMM the CPU
+    picks by default)."""
+    from conftest import load_reference, reference_greedy
+
+    path = model_dirs["llama-gqa-tied"]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", device="cpu")
+    model = llm.engine.runner.model
+    assert model.packed_head.packed.aserve and model.layers[0].mlp.down_proj.packed.aserve
+    prompts = random_prompts(4, lengths=(5, 40), seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12)  # stops at eos, as the reference does
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == reference_greedy(load_reference(path), prompts, 12)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder stack run as one straight loop of aserve's CPU kernels and oneDNN's packed GEMMs.
+"""A Llama-family decoder stack run as one straight loop of aserve's CPU kernels and the packed GEMMs.
 
 Through the modules (llama.DecoderLayer and what it calls), every op of every layer first asks which path it
 takes: the device, the dtype, the cache format, whether the kernels are built, whether the weight is packed;
@@ -10,7 +10,7 @@ same order with nothing between them: bit for bit the modules' output (tests/tes
 else (an FP8 cache, another layer type) goes through the modules as before.
 
 Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), a decode step with the flat path on and off in
-alternate pairs of steps of one engine (tools/flat_forward_ab.py): batch 64 bf16 81.8 against 89.7 ms and 96.7 against
+alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against 89.7 ms and 96.7 against
 101.1 (two runs), fp32 173.3 against 180.8; batch 1 bf16 23.8 against 27.6 ms.
 `ASERVE_FLAT_FORWARD=0` turns it off.
 """
@@ -23,10 +23,10 @@ from torch import nn
 
 from aserve.models.layers import RMSNorm
 from aserve.ops import cpu_kernels
+from aserve.ops.cpu_gemm import packed_linear
 from aserve.quantization.base import UnquantizedLinearMethod
 
 UNBUILT = object()  # a model's `flat` before its first step
-_LINEAR = "none", [], ""  # oneDNN's packed linear with no fused post-op (ops.cpu_gemm.packed_linear)
 
 
 def _packed(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -87,7 +87,7 @@ class FlatForward:
                 and backend.kv_format is None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
-        ops, linear = torch.ops.aserve, torch.ops.mkldnn._linear_pointwise
+        ops, linear = torch.ops.aserve, packed_linear
         nd = meta.num_decode_tokens
         prefill = meta.prefill_batch() if meta.prefills else None
         slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
@@ -99,7 +99,7 @@ class FlatForward:
                 residual, x = x, ops.rms_norm(x, norm_in.weight, norm_in.eps)
             else:
                 x = ops.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
-            q, k, v = linear(x, qkv_w, qkv_b, *_LINEAR).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = linear(x, qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
             H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
             q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
             if q_norm is not None:  # Qwen3: RMSNorm over each head's features
@@ -114,7 +114,6 @@ class FlatForward:
             if prefill is not None:
                 ops.paged_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, *prefill, attn.scale, window, 0.0,
                                             attn.k_scale, attn.v_scale, 0)
-            x = ops.add_rms_norm(linear(out.view(T, H * D), o_w, o_b, *_LINEAR), residual, norm_post.weight,
-                                 norm_post.eps)
-            x = linear(ops.silu_and_mul(linear(x, gate_up_w, gate_up_b, *_LINEAR)), down_w, down_b, *_LINEAR)
+            x = ops.add_rms_norm(linear(out.view(T, H * D), o_w, o_b), residual, norm_post.weight, norm_post.eps)
+            x = linear(ops.silu_and_mul(linear(x, gate_up_w, gate_up_b)), down_w, down_b)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -134,7 +134,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:  # the tied head's own copy: oneDNN-packed (ops.cpu_gemm) or quantized
+        if self.packed_head is not None:  # the tied head's own copy: packed (ops.cpu_gemm) or quantized
             return self.packed_head(hidden)
         if self.lm_head is not None:
             return self.lm_head(hidden)

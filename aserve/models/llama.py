@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[T, vocab] logits; with tensor parallelism on rank 0 only (None on the others, which do not sample)."""
-        if self.packed_head is not None:  # the tied head's own copy: oneDNN-packed (ops.cpu_gemm) or quantized
+        if self.packed_head is not None:  # the tied head's own copy: packed (ops.cpu_gemm) or quantized
             logits = self.packed_head(hidden)
         elif self.lm_head is not None:
             logits = self.lm_head(hidden)

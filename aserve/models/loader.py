@@ -17,7 +17,7 @@ from aserve.hardware import native, resolve_dtype
 from aserve.models import parallel
 from aserve.models.interface import CausalLM
 from aserve.models.registry import architecture, model_class, read_config, read_json
-from aserve.ops.cpu_gemm import prepack_linears
+from aserve.ops.cpu_gemm import gemm_name, prepack_linears
 from aserve.quantization import resolve as resolve_quantization
 
 log = logging.getLogger("aserve")
@@ -109,7 +109,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     if device.type == "cpu" and native(torch_dtype, device) and os.environ.get("ASERVE_PREPACK", "1") != "0":
         packed = prepack_linears(model, torch_dtype)
         if packed:
-            log.info("prepacked %d linear layers for oneDNN (%s)", packed, str(torch_dtype).replace("torch.", ""))
+            log.info("prepacked %d linear layers for %s (%s)", packed, gemm_name(torch_dtype),
+                     str(torch_dtype).replace("torch.", ""))
 
     eos: set[int] = set()
     for source in (config, _optional_json(model_dir / "generation_config.json")):

@@ -1,4 +1,4 @@
-"""Linear layers whose weights are prepacked once, at load, into oneDNN's blocked layout.
+"""Linear layers whose weights are prepacked once, at load, for the GEMM that multiplies by them.
 
 Measured on an AMD EPYC with AVX512-BF16 (2 threads), bf16: a 64x576 @ 576x1728 product took 0.51 ms through
 `F.linear` and 0.31 ms prepacked; at batch 1, 0.065 ms against 0.034 ms. `F.linear` reorders the weight on
@@ -7,10 +7,16 @@ reached 92-137 GFLOP/s where oneDNN's packed fp32 GEMM reached 178-209 (64x576 @
 the 49152-wide logits projection at batch 64: 48.1 -> 19.9 ms), so fp32 weights are packed too. Weights
 are packed only in a dtype the CPU runs natively (16-bit ones are emulated elsewhere and run as fp32), and only
 in one oneDNN can pack here (`can_pack`).
+
+fp32 weights on a CPU whose widest vectors are AVX2 go to aserve's own GEMM instead (csrc/cpu_gemm.cpp, see
+`fp32_gemm`). A packed weight records which layout it is in, so callers only ever call `packed_linear`.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,10 +24,42 @@ from torch import nn
 log = logging.getLogger("aserve")
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GEMMS = ("aserve", "onednn")
+
+
+class PackedWeight(NamedTuple):
+    """A weight reordered for one GEMM: oneDNN's blocked layout, or aserve's [ceil(out/16), in, 16] panels."""
+    data: torch.Tensor
+    out_features: int
+    aserve: bool
+
+
+@functools.cache
+def fp32_gemm() -> str:
+    """Which GEMM multiplies packed fp32 weights in this process: `aserve` on CPUs whose widest vectors are AVX2
+    (there its decode steps measured 2-7% faster than oneDNN's, see csrc/cpu_gemm.cpp) when the CPU kernels are
+    built, else `onednn` (on AVX-512 CPUs oneDNN's 512-bit kernels are the faster; this one is 256-bit).
+    ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels)."""
+    from aserve.ops import cpu_kernels
+
+    asked = os.environ.get("ASERVE_GEMM", "").lower()
+    if asked and asked not in GEMMS:
+        raise ValueError(f"ASERVE_GEMM={asked!r}: expected one of {', '.join(GEMMS)}")
+    built = cpu_kernels.available() and hasattr(torch.ops.aserve, "gemm_packed")
+    if asked == "aserve" and not built:
+        log.warning("ASERVE_GEMM=aserve, but aserve's GEMM is not built here (no compiler, or no AVX2/FMA): "
+                    "using oneDNN")
+    wanted = asked or ("aserve" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn")
+    return "aserve" if wanted == "aserve" and built else "onednn"
+
+
+def gemm_name(dtype: torch.dtype) -> str:
+    """The GEMM that multiplies weights of `dtype` packed here, for the start-up log."""
+    return "aserve's GEMM" if dtype == torch.float32 and fp32_gemm() == "aserve" else "oneDNN"
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with a oneDNN-packed copy of its weight. The plain weight stays a parameter (so the model's
+    """`nn.Linear` with a packed copy of its weight. The plain weight stays a parameter (so the model's
     state is still readable and checkable); the packed one is what the forward uses."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None, batch_hint: int = 64):
@@ -38,13 +76,18 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
-    """A [out, in] weight reordered once into oneDNN's blocked layout."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> PackedWeight:
+    """An [out, in] weight reordered once for the GEMM that will multiply by it."""
+    weight = weight.detach()
+    if weight.dtype == torch.float32 and fp32_gemm() == "aserve":
+        return PackedWeight(torch.ops.aserve.pack_gemm_weight(weight), weight.shape[0], True)
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), weight.shape[0], False)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.aserve:
+        return torch.ops.aserve.gemm_packed(x, packed.data, bias, packed.out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
 
 
 def can_pack(dtype: torch.dtype) -> bool:

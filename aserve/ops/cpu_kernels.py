@@ -1,7 +1,8 @@
-"""aserve's CPU kernels (csrc/cpu_kernels.cpp) as torch ops: built once per CPU kind, cached on disk.
+"""aserve's CPU kernels (csrc/*.cpp) as torch ops: built once per CPU kind, cached on disk.
 
 Fused decode attention over the paged cache, RMSNorm, rotary embedding and SiLU-and-mul, each one pass
-instead of a chain of small torch ops. The source is compiled with -march=native, so the build is cached per
+instead of a chain of small torch ops (csrc/cpu_kernels.cpp), and the fp32 GEMM used on AVX2 CPUs
+(csrc/cpu_gemm.cpp, see ops.cpu_gemm). The sources are compiled with -march=native, so the build is cached per
 CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
 The first use on a machine compiles it (about 10 s); later start-ups load the cached library. Where no
 compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and every caller keeps its torch path.
@@ -20,7 +21,7 @@ import torch
 
 log = logging.getLogger("aserve")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "cpu_gemm.cpp")]
 
 
 def cflags() -> list[str]:
@@ -46,9 +47,10 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """One folder per (source, its path, flags, torch, CPU features): a changed CPU gets its own build, and two
-    checkouts do not take turns rebuilding one folder (ninja's build file names the source's path)."""
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), str(SOURCE), " ".join(cflags()), torch.__version__,
+    """One folder per (sources, their paths, flags, torch, CPU features): a changed CPU gets its own build, and two
+    checkouts do not take turns rebuilding one folder (ninja's build file names the sources' paths)."""
+    parts = [text for source in SOURCES for text in (source.read_text(), str(source))]
+    key = hashlib.sha256("\n".join([*parts, " ".join(cflags()), torch.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     root = os.environ.get("ASERVE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "aserve")
@@ -78,7 +80,8 @@ def available() -> bool:
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        load(name="aserve_cpu_kernels", sources=[str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
+        load(name="aserve_cpu_kernels", sources=[str(source) for source in SOURCES], extra_cflags=cflags(),
+             extra_ldflags=["-fopenmp"],
              build_directory=str(folder), is_python_module=False, verbose=False)
         took = time.perf_counter() - start
         if took > 1.0:

@@ -68,7 +68,7 @@ class LinearMethod:
         raise NotImplementedError
 
     def prepack(self, layer: nn.Module, dtype: torch.dtype) -> bool:
-        """Reorder the weight for oneDNN (ops.cpu_gemm) if this format can; whether it did."""
+        """Reorder the weight for the CPU's GEMM (ops.cpu_gemm) if this format can; whether it did."""
         return False
 
     def weight_bytes(self, layer: nn.Module) -> int:
@@ -79,7 +79,7 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The dense weight [out, in] as the checkpoint holds it, prepacked for oneDNN on the CPU at load."""
+    """The dense weight [out, in] as the checkpoint holds it, prepacked for the CPU's GEMM at load."""
 
     name = "unquantized"
 

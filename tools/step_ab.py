@@ -1,0 +1,102 @@
+"""Two ways of running the same engine step, alternated in one engine so both see the same machine state (a VM's
+speed drifts by 10-50% from minute to minute, so runs one after the other compare nothing). Prints each side's
+median and mean step time.
+
+    python tools/step_ab.py --model /tmp/bench-model --dtype bfloat16 --compare flat
+    python tools/step_ab.py --model /tmp/bench-model --dtype float32 --compare gemm --phase prefill
+
+--compare flat: the flat forward (aserve/models/flat_forward.py) against the modules' forward.
+--compare gemm: aserve's fp32 GEMM (csrc/cpu_gemm.cpp) against oneDNN's, every linear layer packed for both.
+--phase decode: N requests prefilled, then decode steps in alternate pairs. --phase prefill: every step prefills
+fresh prompts (one output token each) up to the engine's step budget.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.ops import cpu_gemm
+
+
+def flat_sides(model):
+    flat = model.flat
+
+    def use(side: str) -> None:
+        model.flat = flat if side == "flat" else None
+    return ("flat", "modules"), use
+
+
+def gemm_sides(model):
+    """Each packed fp32 weight in both layouts; `use` points every layer at one."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "packed", None), cpu_gemm.PackedWeight)]
+    if not layers or layers[0].weight.dtype != torch.float32:
+        raise SystemExit("--compare gemm needs an fp32 model with packed weights")
+    both = []
+    for layer in layers:
+        w = layer.weight.detach()
+        both.append((layer, {"aserve": cpu_gemm.PackedWeight(torch.ops.aserve.pack_gemm_weight(w), w.shape[0], True),
+                             "onednn": cpu_gemm.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64),
+                                                             w.shape[0], False)}))
+
+    def use(side: str) -> None:
+        for layer, packed in both:
+            layer.packed = packed[side]
+    return ("aserve", "onednn"), use
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compare", choices=("flat", "gemm"), default="flat")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=80)
+    args = parser.parse_args()
+    engine = LLM(args.model, dtype=args.dtype, disable_log_stats=True).engine
+    model = engine.runner.model
+    rng = random.Random(0)
+    prompt = lambda: [rng.randrange(1000, engine.vocab_size) for _ in range(args.prompt_len)]  # noqa: E731
+
+    if args.phase == "decode":
+        params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=args.steps + 1000)
+        for i in range(args.requests):
+            engine.add_request(prompt(), params, request_id=f"r{i}")
+        while any(s.num_computed_tokens < args.prompt_len for s in engine.runner.requests.values()) or \
+                len(engine.runner.requests) < args.requests:
+            engine.step()  # prefill (the first step builds the flat path where the model allows it)
+        refill = lambda: None  # noqa: E731
+    else:
+        per_step = max(1, engine.scheduler.max_num_batched_tokens // args.prompt_len)
+        params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=1)
+        count = iter(range(10**9))
+
+        def refill() -> None:
+            for _ in range(per_step - engine.num_unfinished):
+                engine.add_request(prompt(), params, request_id=f"p{next(count)}")
+        refill()
+        engine.step()
+
+    names, use = (flat_sides if args.compare == "flat" else gemm_sides)(model)
+    print(f"{args.compare}, {args.phase}: {names[0]} against {names[1]}")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(args.steps):
+        side = names[step // 2 % 2]
+        use(side)
+        refill()
+        start = time.perf_counter()
+        engine.step()
+        times[side].append(time.perf_counter() - start)
+    use(names[0])
+    for side in names:
+        t = sorted(times[side])
+        print(f"{side}: median {t[len(t) // 2] * 1e3:.2f} ms, mean {sum(t) / len(t) * 1e3:.2f} ms over {len(t)} steps")
+
+
+if __name__ == "__main__":
+    main()
