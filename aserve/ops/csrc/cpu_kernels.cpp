@@ -572,27 +572,33 @@ void decode_attention_by_cache(at::Tensor& out, const at::Tensor& query, const a
   TORCH_CHECK(false, "paged_decode_attention: kv_format must be 0 (the query's dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2)");
 }
 
+// What both attention ops require of the query, the output and the caches.
+void check_attention_args(const char* op, const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, int64_t kv_format) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), op, ": query and out must be [rows, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              op, ": k_cache and v_cache must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(query.size(1) % k_cache.size(0) == 0, op, ": query heads must be a multiple of kv heads");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), op, ": head_dim differs between query and cache");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, op, ": query and out need unit stride in head_dim");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              op, ": query and out must share a dtype, and so must the two caches");
+  TORCH_CHECK(kv_format == 0 ? k_cache.scalar_type() == query.scalar_type() : k_cache.scalar_type() == at::kByte,
+              op, ": the cache must be in the query's dtype, or uint8 (FP8 bytes) with kv_format 1 or 2");
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
                             double scale, int64_t window, double softcap, double k_scale, double v_scale,
                             int64_t kv_format) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [batch, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must be contiguous [kv_heads, blocks, block_size, head_dim]");
-  TORCH_CHECK(query.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(query.size(2) == k_cache.size(3), "head_dim differs between query and cache");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need unit stride in head_dim");
+  check_attention_args("paged_decode_attention", out, query, k_cache, v_cache, kv_format);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
                   block_tables.size(0) == query.size(0),
               "block_tables must be contiguous int64 [batch, width]");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
                   context_lens.size(0) == query.size(0),
               "context_lens must be contiguous int64 [batch]");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "query and out must share a dtype, and so must the two caches");
-  TORCH_CHECK(kv_format == 0 ? k_cache.scalar_type() == query.scalar_type() : k_cache.scalar_type() == at::kByte,
-              "the cache must be in the query's dtype, or uint8 (FP8 bytes) with kv_format 1 or 2");
   switch (query.scalar_type()) {
     case at::kFloat: return decode_attention_by_cache<float>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
     case at::kBFloat16: return decode_attention_by_cache<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
@@ -840,13 +846,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_starts, const at::Tensor& context_lens, double scale,
                              int64_t window, double softcap, double k_scale, double v_scale, int64_t kv_format) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [tokens, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must be contiguous [kv_heads, blocks, block_size, head_dim]");
-  TORCH_CHECK(query.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(query.size(2) == k_cache.size(3), "head_dim differs between query and cache");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need unit stride in head_dim");
+  check_attention_args("paged_prefill_attention", out, query, k_cache, v_cache, kv_format);
   const int64_t chunks = context_lens.size(0);
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() && context_lens.dim() == 1,
               "context_lens must be a contiguous int64 [chunks] vector");
@@ -865,10 +865,6 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
                     block_tables.size(1),
                 "a chunk's block table is shorter than its context and tokens");
   }
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "query and out must share a dtype, and so must the two caches");
-  TORCH_CHECK(kv_format == 0 ? k_cache.scalar_type() == query.scalar_type() : k_cache.scalar_type() == at::kByte,
-              "the cache must be in the query's dtype, or uint8 (FP8 bytes) with kv_format 1 or 2");
   if (chunks == 0) return;
   switch (query.scalar_type()) {
     case at::kFloat: return prefill_attention_by_cache<float>(out, query, k_cache, v_cache, block_tables, query_starts, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
