@@ -27,7 +27,7 @@ class PrefillChunk:
     end: int
     context_len: int  # tokens already in the cache before this chunk
     table: torch.Tensor  # [1, blocks] the blocks that hold its context and itself
-    rows: torch.Tensor | None = None  # gather_index of its block table, only when context_len > 0
+    rows: torch.Tensor | None = None  # gather_index of its block table (torch path, context_len > 0), made once
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[n, context_len + n] bool, True = attend; None for a plain causal chunk with no context."""
@@ -123,10 +123,7 @@ class TorchAttentionBackend:
         row = nd
         for i in range(nd, len(layout.counts)):
             start, n = layout.starts[i], layout.counts[i]
-            chunk = PrefillChunk(row, row + n, start, tables[i:i + 1, :(start + n + bs - 1) // bs])
-            if start:
-                chunk.rows = gather_index(chunk.table[0], num_kv_heads, layout.num_physical_blocks)
-            meta.prefills.append(chunk)
+            meta.prefills.append(PrefillChunk(row, row + n, start, tables[i:i + 1, :(start + n + bs - 1) // bs]))
             row += n
         return meta
 
@@ -138,8 +135,6 @@ class TorchAttentionBackend:
         # An FP8 cache is read back through these (the torch path); the C++ kernel dequantizes as it reads.
         widen = None if fmt is None else (partial(kv_quant.dequantize, scale=layer.k_scale, fmt=fmt, dtype=query.dtype),
                                           partial(kv_quant.dequantize, scale=layer.v_scale, fmt=fmt, dtype=query.dtype))
-        if fmt is not None and meta.prefills:  # fresh prefill keys, as the cache holds them
-            key, value = kv_quant.as_stored(key, layer.k_scale, fmt), kv_quant.as_stored(value, layer.v_scale, fmt)
         out = torch.empty_like(query)
         nd = meta.num_decode_tokens
         if cpu_kernels.usable(query) and (fmt is not None or k_cache.dtype == query.dtype):
@@ -156,6 +151,8 @@ class TorchAttentionBackend:
         if nd:
             out[:nd] = decode_attention(query[:nd], k_cache, v_cache, meta.decode_rows, meta.decode_mask(window),
                                         layer.scale, cap, widen)
+        if fmt is not None and meta.prefills:  # fresh prefill keys, as the cache holds them
+            key, value = kv_quant.as_stored(key, layer.k_scale, fmt), kv_quant.as_stored(value, layer.v_scale, fmt)
         for i, chunk in enumerate(meta.prefills):
             q = query[chunk.start:chunk.end].transpose(0, 1)  # [Hq, n, D]
             if chunk.context_len == 0:
@@ -163,6 +160,8 @@ class TorchAttentionBackend:
                 v = value[chunk.start:chunk.end].transpose(0, 1)
             else:
                 total = chunk.context_len + chunk.end - chunk.start
+                if chunk.rows is None:  # the first layer to need it; the others reuse it
+                    chunk.rows = gather_index(chunk.table[0], meta.num_kv_heads, meta.num_physical_blocks)
                 k = gather(k_cache, chunk.rows)[:, :total]
                 v = gather(v_cache, chunk.rows)[:, :total]
                 if widen is not None:
