@@ -180,6 +180,24 @@ def test_penalties_follow_the_reference_formula():
     assert torch.equal(penalized[2], logits[2])  # a row not asked for is left alone
 
 
+def test_soft_preferences_never_leave_a_row_nothing_to_sample():
+    """min_tokens and penalties are undone for a row they would empty (every logit -inf or NaN), and only there:
+    the other rows keep them."""
+    from aserve.worker.sampler import sample
+
+    logits = torch.full((2, 8), float("-inf"))
+    logits[:, [5, 3]] = torch.tensor([-2.0, 0.0])  # a grammar allows eos (5) and token 3
+    reqs = [RequestState("ends-now", [3], SamplingParams(temperature=0, min_tokens=5, repetition_penalty=1e300,
+                                                         stop_token_ids=[3])),
+            RequestState("keeps-going", [3], SamplingParams(temperature=0, min_tokens=5))]
+    for r in reqs:
+        r.params.eos_token_ids = [5]
+    results = sample(logits.clone(), reqs)
+    assert [r.error for r in results] == [None, None]
+    assert results[0].token_id in (5, 3)  # both banned by min_tokens: the ban is lifted for this row
+    assert results[1].token_id == 3  # eos banned, token 3 left: the ban holds
+
+
 def test_penalized_greedy_decoding_matches_the_reference_model(llm, model_dirs):
     """End to end: at every step the engine's greedy token is the argmax of transformers' logits after the
     reference penalties (teacher-forced on the engine's own output), and the penalties changed some choices."""

@@ -444,6 +444,17 @@ def test_a_grammar_that_dead_ends_stops_there(small_llm):
         small_llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[^\\s\\S]")))
 
 
+@pytest.mark.parametrize("options", [dict(min_tokens=20, min_p=0.16), dict(repetition_penalty=2.6e267, min_p=0.16),
+                                     dict(min_tokens=20, repetition_penalty=1e30, temperature=1e-300)])
+def test_min_tokens_and_extreme_penalties_give_way_to_the_grammar(small_llm, options):
+    """A grammar that must end before min_tokens, or a penalty so large (found by the API fuzzer) that every
+    allowed logit overflows to -inf: the constrained text still comes out whole, not an error or a cut."""
+    params = SamplingParams(max_tokens=30, structured_outputs=StructuredOutputsParams(regex=":\u00be,n\u00ac'"),
+                            **options)
+    out = small_llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == (":\u00be,n\u00ac'", "stop")
+
+
 def test_the_matcher_replays_when_the_tokens_are_cut_back(small_llm):
     from aserve.structured_output.grammar import GrammarCompiler, RequestGrammar
 

@@ -6,12 +6,17 @@ its own generator, so its text does not depend on what else is in the batch.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from aserve.ops import cpu_kernels
 from aserve.worker.request_state import RequestState
+
+
+FP32_MAX = torch.finfo(torch.float32).max  # a larger factor (JSON allows 1e300) would round to inf in fp32
+MIN_TEMPERATURE = 0.01  # as vLLM: dividing by less overflows fp32 logits (to inf, then NaN in the softmax)
 
 
 @dataclass
@@ -37,7 +42,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[i
     counts = counts[:, :vocab]
     prompt_ids = _pad([r.prompt_token_ids for r in sub], vocab)
     seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool).scatter_(1, prompt_ids, True)[:, :vocab] | (counts > 0)
-    rep = torch.tensor([r.params.repetition_penalty for r in sub]).unsqueeze(1)
+    rep = torch.tensor([r.params.repetition_penalty for r in sub]).clamp_(max=FP32_MAX).unsqueeze(1)
     freq = torch.tensor([r.params.frequency_penalty for r in sub]).unsqueeze(1)
     pres = torch.tensor([r.params.presence_penalty for r in sub]).unsqueeze(1)
     index = torch.tensor(rows)
@@ -83,6 +88,19 @@ def unusable_rows(logits: torch.Tensor) -> list[int]:
     return bad.nonzero().flatten().tolist() if bad.any() else []
 
 
+@contextmanager
+def keeping_a_candidate(logits: torch.Tensor, rows: list[int]):
+    """Undo, row by row, a soft preference (min_tokens, penalties) that left a row nothing to sample: a grammar
+    that must end now outranks min_tokens, and a penalty that overflows every allowed logit to -inf must not
+    turn the draw into noise that the grammar then rejects."""
+    index = torch.tensor(rows)
+    before = logits[index]
+    yield
+    emptied = ~torch.isfinite(logits[index].amax(dim=-1))
+    if emptied.any():
+        logits[index[emptied]] = before[emptied]
+
+
 def reads_logits_as_they_are(r: RequestState) -> bool:
     """True where this row's token comes from the model's logits untouched (greedy, or a plain draw at
     temperature 1): argmax and the draw then read 16-bit logits directly, as exact as from an fp32 copy."""
@@ -101,15 +119,21 @@ def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]
     want_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
 
+    held_back = {}  # row -> the stop ids min_tokens bans there
     for i, r in enumerate(reqs):
         p = r.params
         if r.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
+                held_back[i] = banned
+    if held_back:
+        with keeping_a_candidate(logits, list(held_back)):
+            for i, banned in held_back.items():
                 logits[i, banned] = float("-inf")
     penalized = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
     if penalized:
-        apply_penalties(logits, reqs, penalized)
+        with keeping_a_candidate(logits, penalized):
+            apply_penalties(logits, reqs, penalized)
 
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if len(random_rows) < n:
@@ -122,7 +146,7 @@ def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]
         x = logits if len(random_rows) == n else logits[index]
         temperatures = [r.params.temperature for r in sub]
         if any(t != 1.0 for t in temperatures):
-            x = x / torch.tensor(temperatures).unsqueeze(1)
+            x = x / torch.tensor(temperatures).clamp_(MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
         if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
             x = _filter(x, sub)
         uniform = torch.rand(len(sub))
