@@ -79,60 +79,73 @@ def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monke
 
 @pytest.fixture
 def aserve_gemm(monkeypatch):
-    """aserve's fp32 GEMM chosen for this test whatever the CPU (the default picks it on AVX2-only CPUs)."""
+    """aserve's GEMM chosen for this test (the default where the kernels are built), whatever the environment."""
     from aserve.ops import cpu_gemm, cpu_kernels
 
     if not (cpu_kernels.available() and hasattr(torch.ops.aserve, "gemm_packed")):
         pytest.skip("aserve's GEMM is not built here (no compiler, or a CPU without AVX2 and FMA)")
     monkeypatch.setenv("ASERVE_GEMM", "aserve")
-    cpu_gemm.fp32_gemm.cache_clear()
+    cpu_gemm.gemm_for.cache_clear()
     yield
-    cpu_gemm.fp32_gemm.cache_clear()
+    cpu_gemm.gemm_for.cache_clear()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 131])  # every micro-kernel height, and several row blocks
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 64, 131])  # every micro-kernel height, several row blocks
 @pytest.mark.parametrize("out_features,in_features", [(16, 8), (40, 33), (96, 576), (33, 2100)])  # panel tails, K
 @pytest.mark.parametrize("bias", [False, True])
-def test_aserve_gemm_equals_linear(aserve_gemm, rows, out_features, in_features, bias):
-    """Partial last panels (40, 33 outputs), odd and split K (2100 > one 2048-step chunk), biases: what F.linear
-    computes, up to the order of the fp32 sums."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aserve_gemm_equals_linear(aserve_gemm, rows, out_features, in_features, bias, dtype):
+    """Partial last panels (40, 33 outputs), odd and split K (2100 > one 2048-step fp32 chunk), biases: what F.linear
+    computes, up to the order of the fp32 sums (and in bf16, one rounding of each sum)."""
     from aserve.ops.cpu_gemm import pack_weight, packed_linear
 
+    if dtype == torch.bfloat16 and not torch.ops.aserve.gemm_packs_bf16():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    b = torch.randn(out_features, generator=gen) if bias else None
-    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     packed = pack_weight(weight)
-    assert packed.aserve and packed.data.shape == (-(-out_features // 16), in_features, 16)
+    nr, k = (16, in_features) if dtype == torch.float32 else (32, -(-in_features // 2) * 2)
+    assert packed.aserve and packed.data.shape == (-(-out_features // nr), k, nr) and packed.data.dtype == dtype
     expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
-    torch.testing.assert_close(packed_linear(x, packed, b).double(), expected, atol=1e-4, rtol=1e-5)
+    got = packed_linear(x, packed, b)
+    assert got.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -8)
+    torch.testing.assert_close(got.double(), expected, **tol)
 
 
-def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm, dtype):
     from aserve.ops.cpu_gemm import pack_weight, packed_linear
 
-    weight, x = torch.randn(24, 20), torch.randn(3, 4, 40)
+    if dtype == torch.bfloat16 and not torch.ops.aserve.gemm_packs_bf16():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+    weight, x = torch.randn(24, 20).to(dtype), torch.randn(3, 4, 40).to(dtype)
     packed = pack_weight(weight)
     strided = x[..., ::2]  # no unit inner stride: copied
     wide = x[..., :20]  # unit inner stride, rows 40 apart: read in place
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for view in (strided, wide):
         got = packed_linear(view, packed, None)
         assert got.shape == (3, 4, 24)
-        torch.testing.assert_close(got, torch.nn.functional.linear(view, weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, torch.nn.functional.linear(view, weight), atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="weight must be pack_gemm_weight"):
-        torch.ops.aserve.gemm_packed(torch.randn(2, 21), packed.data, None, 24)
+        torch.ops.aserve.gemm_packed(torch.randn(2, 22).to(dtype), packed.data, None, 24)
+    with pytest.raises(RuntimeError, match="in the packed weight's dtype"):
+        torch.ops.aserve.gemm_packed(torch.randn(2, 20, dtype=torch.float16), packed.data, None, 24)
 
 
 def test_asking_for_an_unknown_gemm_is_an_error(monkeypatch):
     from aserve.ops import cpu_gemm
 
     monkeypatch.setenv("ASERVE_GEMM", "blas")
-    cpu_gemm.fp32_gemm.cache_clear()
+    cpu_gemm.gemm_for.cache_clear()
     try:
         with pytest.raises(ValueError, match="ASERVE_GEMM='blas'"):
-            cpu_gemm.fp32_gemm()
+            cpu_gemm.gemm_for(torch.float32)
     finally:
-        cpu_gemm.fp32_gemm.cache_clear()
+        cpu_gemm.gemm_for.cache_clear()
 
 
 def test_an_engine_on_aserve_gemm_is_greedy_equal_to_transformers(aserve_gemm, model_dirs):

@@ -6,7 +6,7 @@ median and mean step time.
     python tools/step_ab.py --model /tmp/bench-model --dtype float32 --compare gemm --phase prefill
 
 --compare flat: the flat forward (aserve/models/flat_forward.py) against the modules' forward.
---compare gemm: aserve's fp32 GEMM (csrc/cpu_gemm.cpp) against oneDNN's, every linear layer packed for both.
+--compare gemm: aserve's GEMM (csrc/cpu_gemm.cpp; fp32, or bf16 with AVX512-BF16) against oneDNN's, every linear layer packed for both.
 --phase decode: N requests prefilled, then decode steps in alternate pairs. --phase prefill: every step prefills
 fresh prompts (one output token each) up to the engine's step budget.
 """
@@ -19,6 +19,7 @@ import time
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.models.flat_forward import FlatForward
 from aserve.ops import cpu_gemm
 
 
@@ -31,10 +32,12 @@ def flat_sides(model):
 
 
 def gemm_sides(model):
-    """Each packed fp32 weight in both layouts; `use` points every layer at one."""
+    """Each packed weight in both layouts; `use` points every layer at one."""
     layers = [m for m in model.modules() if isinstance(getattr(m, "packed", None), cpu_gemm.PackedWeight)]
-    if not layers or layers[0].weight.dtype != torch.float32:
-        raise SystemExit("--compare gemm needs an fp32 model with packed weights")
+    if not layers or layers[0].weight.dtype not in (torch.float32, torch.bfloat16):
+        raise SystemExit("--compare gemm needs an fp32 or bf16 model with packed weights")
+    if layers[0].weight.dtype == torch.bfloat16 and not torch.ops.aserve.gemm_packs_bf16():
+        raise SystemExit("--compare gemm in bf16 needs a CPU with AVX512-BF16")
     both = []
     for layer in layers:
         w = layer.weight.detach()
@@ -42,9 +45,16 @@ def gemm_sides(model):
                              "onednn": cpu_gemm.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64),
                                                              w.shape[0], False)}))
 
+    flats = {}
+    for side in ("aserve", "onednn"):  # the flat forward holds the packed weights it was built with: one per side
+        for layer, packed in both:
+            layer.packed = packed[side]
+        flats[side] = FlatForward.build(model) if model.flat is not None else None
+
     def use(side: str) -> None:
         for layer, packed in both:
             layer.packed = packed[side]
+        model.flat = flats[side]
     return ("aserve", "onednn"), use
 
 

@@ -8,8 +8,9 @@ the 49152-wide logits projection at batch 64: 48.1 -> 19.9 ms), so fp32 weights 
 are packed only in a dtype the CPU runs natively (16-bit ones are emulated elsewhere and run as fp32), and only
 in one oneDNN can pack here (`can_pack`).
 
-fp32 weights on a CPU whose widest vectors are AVX2 go to aserve's own GEMM instead (csrc/cpu_gemm.cpp, see
-`fp32_gemm`). A packed weight records which layout it is in, so callers only ever call `packed_linear`.
+fp32 weights, and bf16 weights on a CPU with AVX512-BF16, go to aserve's own GEMM instead where the CPU kernels are
+built (csrc/cpu_gemm.cpp, see `gemm_for`). A packed weight records which layout it is in, so callers only
+ever call `packed_linear`.
 """
 from __future__ import annotations
 
@@ -28,34 +29,39 @@ GEMMS = ("aserve", "onednn")
 
 
 class PackedWeight(NamedTuple):
-    """A weight reordered for one GEMM: oneDNN's blocked layout, or aserve's [ceil(out/16), in, 16] panels."""
+    """A weight reordered for one GEMM: oneDNN's blocked layout, or aserve's panels (fp32 [ceil(out/16), in, 16],
+    bf16 [ceil(out/32), 2 * ceil(in/2), 32], pairs of k interleaved)."""
     data: torch.Tensor
     out_features: int
     aserve: bool
 
 
 @functools.cache
-def fp32_gemm() -> str:
-    """Which GEMM multiplies packed fp32 weights in this process: `aserve` on CPUs whose widest vectors are AVX2
-    (there its decode steps measured 2-7% faster than oneDNN's, see csrc/cpu_gemm.cpp) when the CPU kernels are
-    built, else `onednn` (on AVX-512 CPUs oneDNN's 512-bit kernels are the faster; this one is 256-bit).
-    ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels)."""
+def gemm_for(dtype: torch.dtype) -> str:
+    """Which GEMM multiplies packed weights of `dtype` in this process: `aserve` (csrc/cpu_gemm.cpp) for fp32, and
+    for bf16 on CPUs with AVX512-BF16, where the CPU kernels are built; else `onednn`. Decode steps of the bench
+    model alternated in one engine (tools/step_ab.py --compare gemm) on an AMD EPYC (Zen 4, 2 threads) took, with
+    aserve's GEMM against oneDNN's: bf16 batch 64 62.7 against 71.5 ms, batch 1 11.4 against 16.6; fp32 119.6
+    against 127.8 and 19.4 against 24.6 (fp32 held to AVX2, as on an AVX2-only CPU: 118.7 against 143.6 and 22.3
+    against 29.6). Prefill steps were level in bf16 and 3% slower in fp32 (256-bit against oneDNN's 512-bit).
+    ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels, and AVX512-BF16 for bf16)."""
     from aserve.ops import cpu_kernels
 
     asked = os.environ.get("ASERVE_GEMM", "").lower()
     if asked and asked not in GEMMS:
         raise ValueError(f"ASERVE_GEMM={asked!r}: expected one of {', '.join(GEMMS)}")
     built = cpu_kernels.available() and hasattr(torch.ops.aserve, "gemm_packed")
-    if asked == "aserve" and not built:
-        log.warning("ASERVE_GEMM=aserve, but aserve's GEMM is not built here (no compiler, or no AVX2/FMA): "
-                    "using oneDNN")
-    wanted = asked or ("aserve" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn")
-    return "aserve" if wanted == "aserve" and built else "onednn"
+    can = built and (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.aserve.gemm_packs_bf16()))
+    if asked == "aserve" and not can and dtype in (torch.float32, torch.bfloat16):
+        log.warning("ASERVE_GEMM=aserve, but aserve's %s GEMM is not built here (no compiler, or no AVX2/FMA, or "
+                    "for bf16 no AVX512-BF16): using oneDNN", str(dtype).replace("torch.", ""))
+    wanted = asked != "onednn"
+    return "aserve" if wanted and can else "onednn"
 
 
 def gemm_name(dtype: torch.dtype) -> str:
     """The GEMM that multiplies weights of `dtype` packed here, for the start-up log."""
-    return "aserve's GEMM" if dtype == torch.float32 and fp32_gemm() == "aserve" else "oneDNN"
+    return "aserve's GEMM" if gemm_for(dtype) == "aserve" else "oneDNN"
 
 
 class PackedLinear(nn.Module):
@@ -79,7 +85,7 @@ class PackedLinear(nn.Module):
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> PackedWeight:
     """An [out, in] weight reordered once for the GEMM that will multiply by it."""
     weight = weight.detach()
-    if weight.dtype == torch.float32 and fp32_gemm() == "aserve":
+    if gemm_for(weight.dtype) == "aserve":
         return PackedWeight(torch.ops.aserve.pack_gemm_weight(weight), weight.shape[0], True)
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), weight.shape[0], False)
 

@@ -1,10 +1,12 @@
-// aserve's fp32 GEMM for AVX2 CPUs: out[M, N] = x[M, K] @ W[N, K]^T + bias, W packed once at load.
+// aserve's GEMMs: out[M, N] = x[M, K] @ W[N, K]^T + bias, W packed once at load; fp32 on any CPU with AVX2 and FMA
+// (256-bit), bf16 on CPUs with AVX512-BF16 (below, namespace bf16).
 //
-// Why: in the engine, weights stream from DRAM (the bench model's 538 MB of fp32 weights, once per step), and a
-// GEMM is as fast as it keeps them arriving ahead of the FMAs. On an AMD EPYC with AVX2 alone (Zen 2, 2 cores,
-// 213 GFLOP/s of FMA peak), decode steps alternated between this kernel and oneDNN's packed fp32 linear in one
-// engine (tools/step_ab.py --compare gemm) took 2-7% less time with this one at batch 64 (more when the VM's
-// neighbours load the memory system) and 2% less at batch 1; prefill steps, compute-bound, were level. The
+// Why: in the engine, weights stream from DRAM (the bench model's 270 MB of bf16 or 538 MB of fp32 weights, once
+// per step), and a GEMM is as fast as it keeps them arriving ahead of the multiplies. Decode steps alternated
+// between these kernels and oneDNN's packed linear in one engine (tools/step_ab.py --compare gemm) on an AMD EPYC
+// (Zen 4, 2 threads) took, bf16: 62.7 against 71.5 ms at batch 64, 11.4 against 16.6 at batch 1; fp32: 119.6
+// against 127.8 and 19.4 against 24.6; fp32 with torch and oneDNN held to AVX2: 118.7 against 143.6 and 22.3 against
+// 29.6. Prefill steps, compute-bound, were level in bf16 and 3% slower in fp32 (oneDNN's are 512-bit there). The
 // scheme is the one GotoBLAS and BLIS made standard:
 //  - W is packed at load into panels of 16 output channels, [ceil(N/16)][K][16] (the int8 kernel's tile
 //    layout), so one k step reads 16 adjacent weights as two 8-lane vectors;
@@ -149,8 +151,7 @@ void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const float*
   }
 }
 
-at::Tensor pack_gemm_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_gemm_weight: weight must be fp32 [out, in]");
+at::Tensor pack_fp32(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kNR - 1) / kNR;
   at::Tensor w = weight.contiguous();
   at::Tensor packed = at::empty({panels, K, kNR}, w.options());
@@ -169,27 +170,46 @@ at::Tensor pack_gemm_weight(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "gemm_packed: x must be fp32 [..., in_features]");
-  const int64_t K = x.size(-1), N = out_features;
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
-                  packed.size(1) == K && packed.size(2) == kNR && packed.size(0) == (N + kNR - 1) / kNR,
-              "gemm_packed: weight must be pack_gemm_weight's [ceil(out/16), in, 16] for x's in_features and out");
-  const float* b = nullptr;
+// x's rows as a matrix with unit inner stride (a view where they allow it, read with their stride; else a copy),
+// the output shaped like x with out_features last, and the checked bias.
+struct GemmArgs {
+  at::Tensor rows, out;
+  const void* bias = nullptr;
+  int64_t M, K, N;
+};
+
+GemmArgs gemm_args(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                   int64_t out_features, int64_t panel_k, int64_t nr, const char* layout) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == packed.scalar_type(),
+              "gemm_packed: x must be [..., in_features] in the packed weight's dtype");
+  GemmArgs a;
+  a.K = x.size(-1), a.N = out_features;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == panel_k && packed.size(2) == nr &&
+                  packed.size(0) == (a.N + nr - 1) / nr,
+              "gemm_packed: weight must be pack_gemm_weight's ", layout, " for x's in_features and out");
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
-                "gemm_packed: bias must be a contiguous fp32 [out] vector");
-    b = bias->data_ptr<float>();
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == a.N && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "gemm_packed: bias must be a contiguous [out] vector in x's dtype");
+    a.bias = bias->data_ptr();
   }
-  at::Tensor rows = x.reshape({-1, K});  // a view where the rows allow it (read with their stride), else a copy
-  if (rows.stride(-1) != 1 || (rows.size(0) > 1 && rows.stride(0) < K)) rows = rows.contiguous();
-  const int64_t M = rows.size(0);
+  a.rows = x.reshape({-1, a.K});
+  if (a.rows.stride(-1) != 1 || (a.rows.size(0) > 1 && a.rows.stride(0) < a.K)) a.rows = a.rows.contiguous();
+  a.M = a.rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty(shape, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return b != nullptr ? out.copy_(bias->expand_as(out)) : out.zero_();
+  shape.back() = a.N;
+  a.out = at::empty(shape, x.options());
+  if (a.M > 0 && a.N > 0 && a.K == 0) a.bias != nullptr ? a.out.copy_(bias->expand_as(a.out)) : a.out.zero_();
+  return a;
+}
+
+at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                     int64_t out_features) {
+  GemmArgs args = gemm_args(x, packed, bias, out_features, x.size(-1), kNR, "[ceil(out/16), in, 16]");
+  const int64_t M = args.M, K = args.K, N = args.N;
+  at::Tensor out = args.out, rows = args.rows;
+  if (M == 0 || N == 0 || K == 0) return out;
+  const float* b = static_cast<const float*>(args.bias);
   const float* xp = rows.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -199,11 +219,203 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10:
   return out;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The bf16 GEMM for CPUs with AVX512-BF16: the same scheme, on vdpbf16ps, which multiplies pairs of bf16 values
+// and adds both products to an fp32 lane. A panel holds 32 output channels as [ceil(K/2)][32][2] (lane j of
+// the panel's two vectors holds output j's pair of weights for k = 2kk, 2kk + 1), x is copied 12 rows
+// interleaved as pairs ([K/2][12] 32-bit words), and a 12 x 32 tile keeps 24 accumulators in registers: 24
+// dot products per 2 weight loads and 12 broadcasts. Sums are fp32, rounded to bf16 once at the end (RNE, as
+// oneDNN rounds). K is never cut: a partial sum stored as bf16 would lose bits.
+namespace bf16 {
+
+constexpr int kNR = 32;
+constexpr int kMR = 12;
+constexpr int64_t kBlockBytes = 256 * 1024;
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+template <int MR>
+inline void micro_kernel(const uint32_t* a, const uint16_t* b, int64_t kp, __m512 (&acc)[kMR][2], const char* pf,
+                         int64_t lines) {
+  __m512 r[MR][2];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) r[i][0] = acc[i][0], r[i][1] = acc[i][1];
+  const int64_t every = lines > 0 ? (kp + lines - 1) / lines : kp + 1;
+  int64_t next = 0;
+  for (int64_t k = 0; k < kp; ++k) {
+    if (k == next && lines > 0) {
+      _mm_prefetch(pf, _MM_HINT_T0);
+      pf += 64, --lines, next += every;
+    }
+    const __m512bh b0 = as_bh(_mm512_load_si512(b + k * 2 * kNR)), b1 = as_bh(_mm512_load_si512(b + k * 2 * kNR + kNR));
+    const uint32_t* ak = a + k * kMR;
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh x = as_bh(_mm512_set1_epi32(static_cast<int>(ak[i])));
+      r[i][0] = _mm512_dpbf16_ps(r[i][0], x, b0);
+      r[i][1] = _mm512_dpbf16_ps(r[i][1], x, b1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
+}
+
+inline __m512 widen(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// One MR x 32 tile of out (bf16), from the bias or zero. `cols` < 32 only in the last panel.
+template <int MR>
+void tile(const uint32_t* a, const uint16_t* b, int64_t kp, uint16_t* c, int64_t ldc, int cols, const uint16_t* bias,
+          const char* pf, int64_t lines) {
+  __m512 acc[kMR][2];
+  alignas(64) uint16_t edge[kNR] = {};
+  const uint16_t* init = bias;
+  if (bias != nullptr && cols < kNR) {
+    std::memcpy(edge, bias, cols * sizeof(uint16_t));
+    init = edge;
+  }
+  for (int i = 0; i < MR; ++i) {
+    acc[i][0] = init != nullptr ? widen(init) : _mm512_setzero_ps();
+    acc[i][1] = init != nullptr ? widen(init + 16) : _mm512_setzero_ps();
+  }
+  micro_kernel<MR>(a, b, kp, acc, pf, lines);
+  for (int i = 0; i < MR; ++i) {
+    const __m256i lo = reinterpret_cast<const __m256i&>(static_cast<const __m256bh&>(_mm512_cvtneps_pbh(acc[i][0])));
+    const __m256i hi = reinterpret_cast<const __m256i&>(static_cast<const __m256bh&>(_mm512_cvtneps_pbh(acc[i][1])));
+    if (cols == kNR) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc + 16), hi);
+    } else {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(edge), lo);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(edge + 16), hi);
+      std::memcpy(c + i * ldc, edge, cols * sizeof(uint16_t));
+    }
+  }
+}
+
+using TileFn = void (*)(const uint32_t*, const uint16_t*, int64_t, uint16_t*, int64_t, int, const uint16_t*,
+                       const char*, int64_t);
+constexpr TileFn kTiles[kMR + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,  tile<5>, tile<6>,
+                                    tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+
+// x rows [m0, m0 + mc) as ceil(mc / 12) blocks of [kp][12] pairs (a missing row or odd K's last half is zero).
+void pack_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t mc, int64_t K, uint32_t* out) {
+  const int64_t kp = (K + 1) / 2, whole = K / 2;
+  for (int64_t r = 0; r < mc; r += kMR) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r));
+    uint32_t* block = out + r * kp;
+    for (int i = 0; i < kMR; ++i) {
+      const uint16_t* src = x + (m0 + r + i) * ldx;
+      for (int64_t k = 0; k < kp; ++k) {
+        uint32_t pair = 0;
+        if (i < rows) {
+          if (k < whole) std::memcpy(&pair, src + 2 * k, sizeof(pair));
+          else pair = src[2 * k];
+        }
+        block[k * kMR + i] = pair;
+      }
+    }
+  }
+}
+
+void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias,
+                 uint16_t* out, int64_t N, int64_t p0, int64_t p1) {
+  const int64_t kp = (K + 1) / 2, panel = kp * 2 * kNR;  // a panel's bf16 values
+  const int64_t row_block = std::max<int64_t>(kMR, kBlockBytes / (kp * 4) / kMR * kMR);
+  thread_local std::vector<uint32_t> packed;
+  packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
+  for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+    const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
+    pack_rows(x, ldx, m0, mc, K, packed.data());
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* b = w + p * panel;
+      const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(b + panel) : nullptr;
+      const int64_t total_lines = panel * 2 / 64;
+      const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+      const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
+      for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
+        const int64_t from = r * total_lines / blocks;
+        const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
+        const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
+        kTiles[rows](packed.data() + r * kMR * kp, b, kp, out + (m0 + r * kMR) * N + p * kNR, N, cols, pb,
+                     next != nullptr ? next + from * 64 : nullptr, lines);
+      }
+    }
+  }
+}
+
+at::Tensor pack(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kNR - 1) / kNR, kp = (K + 1) / 2;
+  at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty({panels, kp * 2, kNR}, w.options());  // [panels][kp][32][2], shaped as its K
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t k = 0; k < kp; ++k) {
+        uint16_t* row = dst + (p * kp + k) * 2 * kNR;
+        for (int64_t j = 0; j < kNR; ++j) {
+          const int64_t o = p * kNR + j;
+          for (int t = 0; t < 2; ++t) row[j * 2 + t] = o < N && 2 * k + t < K ? src[o * K + 2 * k + t] : 0;
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                int64_t out_features) {
+  GemmArgs args = gemm_args(x, packed, bias, out_features, (x.size(-1) + 1) / 2 * 2, kNR,
+                            "[ceil(out/32), 2 * ceil(in/2), 32] (bf16)");
+  if (args.M == 0 || args.N == 0 || args.K == 0) return args.out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const auto* b = static_cast<const uint16_t*>(args.bias);
+  auto* o = reinterpret_cast<uint16_t*>(args.out.data_ptr());
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    gemm_panels(xp, args.rows.stride(0), args.M, args.K, w, b, o, args.N, begin, end);
+  });
+  return args.out;
+}
+
+}  // namespace bf16
+#endif  // __AVX512BF16__ && __AVX512BW__
+
+// The ops take either dtype: fp32 everywhere this file builds, bf16 where the CPU has AVX512-BF16.
+at::Tensor pack_gemm_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_gemm_weight: weight must be [out, in]");
+  if (weight.scalar_type() == at::kFloat) return pack_fp32(weight);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (weight.scalar_type() == at::kBFloat16) return bf16::pack(weight);
+#endif
+  TORCH_CHECK(false, "pack_gemm_weight: weight must be fp32, or bf16 on a CPU with AVX512-BF16; got ",
+              weight.scalar_type());
+}
+
+at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (packed.scalar_type() == at::kBFloat16) return bf16::gemm(x, packed, bias, out_features);
+#endif
+  return gemm_fp32(x, packed, bias, out_features);
+}
+
+bool gemm_packs_bf16() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("gemm_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("gemm_packs_bf16() -> bool", &gemm_packs_bf16);  // no tensor to dispatch on: one kernel for all
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
