@@ -42,6 +42,20 @@ constexpr int kMR = 6;     // rows per micro-kernel call: 12 accumulators + 2 we
 constexpr int64_t kKC = 2048;  // most k steps per chunk: beyond, a panel's chunk (kc x 64 bytes) outgrows L2
 constexpr int64_t kBlockBytes = 256 * 1024;  // the packed x block a thread reuses for all its panels: half of L2
 
+// Fetches `lines` 64-byte lines, from `from` on, into L1 at an even pace over `steps` k steps of a micro-kernel.
+struct PacedPrefetch {
+  const char* next;
+  int64_t lines, every, due = 0;
+  PacedPrefetch(const void* from, int64_t lines, int64_t steps)
+      : next(static_cast<const char*>(from)), lines(lines), every(lines > 0 ? (steps + lines - 1) / lines : steps + 1) {}
+  inline void at(int64_t k) {
+    if (k == due && lines > 0) {
+      _mm_prefetch(next, _MM_HINT_T0);
+      next += 64, --lines, due += every;
+    }
+  }
+};
+
 // acc (MR x 2 vectors) over kc steps of a [kc][kMR] slice of x and a [kc][16] slice of a panel, prefetching
 // `lines` 64-byte lines from `pf` into L1 at an even pace meanwhile. The sums run in a local copy: __m256 may
 // alias float, so sums kept in the caller's array would be stored back on every step (half the speed).
@@ -51,13 +65,9 @@ inline void micro_kernel(const float* a, const float* b, int64_t kc, __m256 (&ac
   __m256 r[MR][2];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) r[i][0] = acc[i][0], r[i][1] = acc[i][1];
-  const int64_t every = lines > 0 ? (kc + lines - 1) / lines : kc + 1;
-  int64_t next = 0;
+  PacedPrefetch ahead(pf, lines, kc);
   for (int64_t k = 0; k < kc; ++k) {
-    if (k == next && lines > 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
-      pf += kNR, --lines, next += every;
-    }
+    ahead.at(k);
     const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
     const float* ak = a + k * kMR;
 #pragma GCC unroll 6
@@ -240,13 +250,9 @@ inline void micro_kernel(const uint32_t* a, const uint16_t* b, int64_t kp, __m51
   __m512 r[MR][2];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) r[i][0] = acc[i][0], r[i][1] = acc[i][1];
-  const int64_t every = lines > 0 ? (kp + lines - 1) / lines : kp + 1;
-  int64_t next = 0;
+  PacedPrefetch ahead(pf, lines, kp);
   for (int64_t k = 0; k < kp; ++k) {
-    if (k == next && lines > 0) {
-      _mm_prefetch(pf, _MM_HINT_T0);
-      pf += 64, --lines, next += every;
-    }
+    ahead.at(k);
     const __m512bh b0 = as_bh(_mm512_load_si512(b + k * 2 * kNR)), b1 = as_bh(_mm512_load_si512(b + k * 2 * kNR + kNR));
     const uint32_t* ak = a + k * kMR;
 #pragma GCC unroll 12
