@@ -1,8 +1,8 @@
 """aserve's CPU kernels (csrc/*.cpp) as torch ops: built once per CPU kind, cached on disk.
 
-Fused decode attention over the paged cache, RMSNorm, rotary embedding and SiLU-and-mul, each one pass
-instead of a chain of small torch ops (csrc/cpu_kernels.cpp), and the fp32 GEMM used on AVX2 CPUs
-(csrc/cpu_gemm.cpp, see ops.cpu_gemm). The sources are compiled with -march=native, so the build is cached per
+Fused decode and prefill attention over the paged cache, RMSNorm, rotary embedding and SiLU-and-mul, each one
+pass instead of a chain of small torch ops (csrc/cpu_kernels.cpp), and aserve's GEMMs for packed fp32 weights and,
+on CPUs with AVX512-BF16, bf16 ones (csrc/cpu_gemm.cpp, see ops.cpu_gemm). The sources are compiled with -march=native, so the build is cached per
 CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
 The first use on a machine compiles it (about 10 s); later start-ups load the cached library. Where no
 compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and every caller keeps its torch path.
