@@ -45,15 +45,17 @@ def gemm_sides(model):
                              "onednn": cpu_gemm.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64),
                                                              w.shape[0], False)}))
 
-    flats = {}
-    for side in ("aserve", "onednn"):  # the flat forward holds the packed weights it was built with: one per side
+    def point(side: str) -> None:
         for layer, packed in both:
             layer.packed = packed[side]
+
+    flats = {}
+    for side in ("aserve", "onednn"):  # the flat forward holds the packed weights it was built with: one per side
+        point(side)
         flats[side] = FlatForward.build(model) if model.flat is not None else None
 
     def use(side: str) -> None:
-        for layer, packed in both:
-            layer.packed = packed[side]
+        point(side)
         model.flat = flats[side]
     return ("aserve", "onednn"), use
 
