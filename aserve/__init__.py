@@ -11,7 +11,7 @@ if os.environ.get("ASERVE_CONFIGURE_LOGGING", "1") != "0" and not logging.getLog
     logging.getLogger("aserve").propagate = False
 
 # The public names load on first use, so `aserve --policy nope` can refuse a flag before torch is imported.
-_EXPORTS = {"AsyncLLM": "aserve.engine.async_llm", "EngineDeadError": "aserve.engine.errors", "LLM": "aserve.llm",
+_EXPORTS = {"AsyncLLM": "aserve.engine.async_llm", "EngineDeadError": "aserve.errors", "LLM": "aserve.llm",
             "CompletionOutput": "aserve.outputs", "Logprob": "aserve.outputs", "RequestOutput": "aserve.outputs",
             "SamplingParams": "aserve.sampling_params"}
 

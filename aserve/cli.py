@@ -8,7 +8,7 @@ import logging
 import sys
 
 from aserve.config import add_engine_arguments, engine_options
-from aserve.engine.errors import AserveError
+from aserve.errors import AserveError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -175,7 +175,7 @@ def check_before_loading(model: str | None, policy, policy_options: dict | None 
                          quantization: str | None = None, quantize_lm_head: bool = False) -> None:
     """Refuse a policy, a model folder or a weight format that cannot work: the checks read only config.json and
     the policy's class, so a wrong flag fails in well under a second instead of after the weights load."""
-    from aserve.engine.errors import ModelLoadError, ModelNotFoundError
+    from aserve.errors import ModelLoadError, ModelNotFoundError
     from aserve.models.registry import check_model_dir, read_config
     from aserve.policy import resolve_policy
     from aserve.quantization import resolve as resolve_quantization

@@ -8,11 +8,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from aserve.engine.errors import InvalidRequestError
+from aserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from aserve.engine.engine_core import EngineFacts
     from aserve.sampling_params import SamplingParams
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What is fixed once the engine is up: enough to reject a request without asking the core."""
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    num_host_blocks: int = 0
+    policy_name: str = ""
+    priority_classes: bool = False
+    max_n: int = 32
+    kv_cache_dtype: str = ""  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
+
 
 PROMPT_FORMS = "a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'"
 
@@ -63,7 +77,7 @@ def tokenize(prompts: list[Prompt], encode: Callable[[str], list[int]]) -> list[
     return prompts
 
 
-def validate_request(facts: "EngineFacts", prompt_token_ids: list[int], params: "SamplingParams") -> int:
+def validate_request(facts: EngineFacts, prompt_token_ids: list[int], params: "SamplingParams") -> int:
     """Raise InvalidRequestError for a request the engine could never serve; return its max_tokens."""
     if params.n > facts.max_n:
         raise InvalidRequestError(f"n must be at most {facts.max_n} on this server (max_n), got {params.n}", "n")
@@ -90,7 +104,7 @@ def validate_request(facts: "EngineFacts", prompt_token_ids: list[int], params: 
     return max_tokens
 
 
-def validate_prompts(facts: "EngineFacts", prompts: list[Prompt],
+def validate_prompts(facts: EngineFacts, prompts: list[Prompt],
                      params: "SamplingParams | Sequence[SamplingParams]") -> None:
     """Check every prompt of a batch before any is queued, so one bad prompt never leaves half a batch
     behind; in a batch of several, the error says which prompt."""

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore
-from aserve.engine.errors import ConfigError
+from aserve.errors import ConfigError
 from aserve.inputs import parse_prompts, tokenize, validate_prompts
 from aserve.metrics.loggers import StatLoggers
 from aserve.outputs import RequestOutput

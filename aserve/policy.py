@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from aserve.engine.errors import PolicyLoadError
+from aserve.errors import PolicyLoadError
 from aserve.plugins import PluginKind
 
 if TYPE_CHECKING:  # annotations only: resolving a policy must not import torch (see resolve_policy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from aserve.engine.errors import InvalidRequestError
+from aserve.errors import InvalidRequestError
 from aserve.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aserve import AsyncLLM, EngineDeadError, SamplingParams
-from aserve.engine.errors import (EngineError, EngineOverloadedError, InvalidRequestError, PolicyLoadError,
+from aserve.errors import (EngineError, EngineOverloadedError, InvalidRequestError, PolicyLoadError,
                                   RemoteEngineError, RemoteError)
 from conftest import random_prompts
 
@@ -127,7 +127,7 @@ def test_every_prompt_form_means_the_same_prompt():
 def test_one_status_table_answers_every_error():
     import msgspec
 
-    from aserve.engine.errors import EngineDeadError, RequestFailedError, RequestTimeoutError
+    from aserve.errors import EngineDeadError, RequestFailedError, RequestTimeoutError
     from aserve.server.errors import from_exception, stream_error
 
     def answer(exc):
@@ -156,7 +156,7 @@ def test_a_dying_core_fails_every_caller(engine_factory):
         streams = [engine.generate(f"doomed {i}", SamplingParams(max_tokens=400, ignore_eos=True)) for i in range(4)]
         for stream in streams:
             await anext(stream)
-        engine.core.proc.kill()  # the engine process dies (an OOM kill, a segfault in a kernel...)
+        engine.replicas.proc.kill()  # the engine process dies (an OOM kill, a segfault in a kernel...)
 
         async def drain(stream):
             async for _ in stream:

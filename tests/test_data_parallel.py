@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aserve import LLM, AsyncLLM, SamplingParams
-from aserve.engine.errors import ConfigError
+from aserve.errors import ConfigError
 from aserve.engine.router import Router
 from conftest import random_prompts
 from server_util import RunningServer

@@ -10,7 +10,8 @@ import torch
 import aserve.worker.model_runner as model_runner
 from aserve import AsyncLLM, LLM, SamplingParams
 from aserve.engine.async_llm import RequestFailedError, RequestTimeoutError
-from aserve.engine.engine_core import EngineCore, EngineOverloadedError
+from aserve.engine.engine_core import EngineCore
+from aserve.errors import EngineOverloadedError
 from aserve.engine.output_processor import SequenceText
 from aserve.config import EngineConfig
 from conftest import POISON, kv_memory_for_blocks, random_prompts

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.engine.errors import ModelLoadError
+from aserve.errors import ModelLoadError
 from aserve.models.layers import Linear
 from aserve.models.loader import load_model
 from aserve.quantization import int4, int8

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from aserve import LLM, SamplingParams
 from aserve.config import DEFAULT_MODEL_DIR
-from aserve.engine.errors import InvalidRequestError
+from aserve.errors import InvalidRequestError
 from aserve.structured_output import StructuredOutputsParams
 from conftest import kv_memory_for_blocks
 from server_util import RunningServer

@@ -47,7 +47,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block pairs, before the forward
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), copied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), copied next
-    fresh: list[int] = field(default_factory=list)  # newly allocated blocks, zeroed after swap-out (see KVCacheManager)
+    blocks_to_zero: list[int] = field(default_factory=list)  # newly allocated blocks, zeroed after swap-out (see KVCacheManager)
     finished_ids: list[str] = field(default_factory=list)  # requests the worker can forget
     # Structured output: the constrained requests that sample this step, in row order, and their rows of allowed
     # tokens as raw bytes: int32 words, a bit per token of the tokenizer (see structured_output.manager).
@@ -196,11 +196,11 @@ class Scheduler:
 
         self.scheduled = list(scheduled.items())
         out.copies = self.kv.take_copies()
-        out.fresh = self.kv.take_fresh()
-        self._describe(out)
+        out.blocks_to_zero = self.kv.take_fresh()
+        self._diff_for_worker(out)
         return out
 
-    def _describe(self, out: SchedulerOutput) -> None:
+    def _diff_for_worker(self, out: SchedulerOutput) -> None:
         """The batch as the worker needs it: new requests in full, the others as what changed."""
         out.finished_ids, self._finished_ids = self._finished_ids, []
         for req, num_new in self.scheduled:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aserve.config import EngineConfig
 from aserve.engine.core_process import CoreProcess
-from aserve.engine.errors import (EngineDeadError, InvalidRequestError, ReplicaDeadError,  # noqa: F401 - re-exported
+from aserve.errors import (EngineDeadError, InvalidRequestError, ReplicaDeadError,  # noqa: F401 - re-exported
                                   RequestFailedError, RequestTimeoutError)
 from aserve.engine.messages import Abort, AddRequest, GetState
 from aserve.engine.replicas import ReplicaSet
@@ -118,7 +118,7 @@ class RequestStream:
         engine = self.engine
         engine._collectors.pop(self.request_id, None)
         if engine.dead_error is None:
-            engine.core.call(Abort(request_ids=[self.request_id]))  # the consumer left: free its blocks
+            engine.replicas.call(Abort(request_ids=[self.request_id]))  # the consumer left: free its blocks
 
 
 class AsyncLLM:
@@ -139,20 +139,20 @@ class AsyncLLM:
         self.dead_error: BaseException | None = None
         self.on_death: list[Callable[[BaseException], None]] = []  # called on the event loop when the core dies
         try:  # one engine-core process per data-parallel replica (one by default)
-            self.core = ReplicaSet(self.config, CoreProcess, self._from_core, self._core_died, self._record_stats,
+            self.replicas = ReplicaSet(self.config, CoreProcess, self._from_core, self._core_died, self._record_stats,
                                    self._replica_died)
         finally:
             concurrent.futures.wait([tokenizer])
         try:
             self.tokenizer = tokenizer.result()
         except BaseException:
-            self.core.stop()
+            self.replicas.stop()
             raise
-        self.facts = self.core.facts
+        self.facts = self.replicas.facts
         self.stats = StatLoggers(self.config.model_name, self.facts, self.facts.policy_name,
                                  self.facts.priority_classes, log_stats=self.config.disable_log_stats is not True,
-                                 num_replicas=self.core.size)
-        for replica in self.core.dead:  # died while the others loaded
+                                 num_replicas=self.replicas.size)
+        for replica in self.replicas.dead:  # died while the others loaded
             self.stats.replica_died(replica)
 
     def _record_stats(self, stats, replica: int = 0) -> None:  # on a reader thread; the collectors are thread-safe
@@ -219,7 +219,7 @@ class AsyncLLM:
     @property
     def dead_replicas(self) -> dict[int, str]:
         """Data-parallel replicas that died while others serve on (index -> why); empty when all are up."""
-        return self.core.dead
+        return self.replicas.dead
 
     def _fail_all(self, exc: BaseException) -> None:
         for collector in self._collectors.values():
@@ -243,10 +243,10 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self.core.is_alive()
+        return self.dead_error is None and self.replicas.is_alive()
 
     async def shutdown(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.core.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self.replicas.stop)
         if self._output_task is not None:
             self._output_task.cancel()
         for collector in self._collectors.values():
@@ -297,7 +297,7 @@ class AsyncLLM:
             await self.run_in_tokenizer_pool(check_constraint, params.structured_outputs)
         collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
         stream = RequestStream(self, request_id, collector, timeout, arrival)
-        admitted = self.core.call(AddRequest(prompt_token_ids=prompt.token_ids, params=params, request_id=request_id,
+        admitted = self.replicas.call(AddRequest(prompt_token_ids=prompt.token_ids, params=params, request_id=request_id,
                                              prompt=prompt.text, priority=priority, arrival_time=arrival,
                                              output_kind=output_kind))
         try:  # the timeout holds while the core is busy admitting too (its abort follows the add in order)
@@ -332,14 +332,14 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._ensure_started()
-        for output in await asyncio.wrap_future(self.core.call(Abort(request_ids=[request_id]))):
+        for output in await asyncio.wrap_future(self.replicas.call(Abort(request_ids=[request_id]))):
             collector = self._collectors.get(output.request_id)
             if collector is not None:
                 collector.put(output)
 
     async def state(self) -> dict:
         """Free and used blocks, scheduler queues and live requests: what tests check to prove idleness."""
-        state = await asyncio.wrap_future(self.core.call(GetState()))
+        state = await asyncio.wrap_future(self.replicas.call(GetState()))
         state["num_collectors"] = len(self._collectors)  # live request objects on this side of the core
         state["server_rss_bytes"] = rss_bytes()
         return state

@@ -23,7 +23,7 @@ from typing import Callable
 
 import msgspec
 
-from aserve.engine.errors import EngineDeadError, RemoteError
+from aserve.errors import EngineDeadError, RemoteError
 from aserve.engine.messages import (Call, Died, Error, Failed, Kind, Ready, Result, Shutdown, Start,
                                     StepOutputs)
 

@@ -9,17 +9,16 @@ import gc
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
 from aserve.config import EngineConfig
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler, SchedulerOutput
-from aserve.engine.errors import EngineOverloadedError  # noqa: F401 - also imported from here
+from aserve.errors import EngineOverloadedError
 from aserve.engine.output_processor import OutputProcessor
 from aserve.hardware import cpu_info, resolve_device
-from aserve.inputs import validate_request
+from aserve.inputs import EngineFacts, validate_request
 from aserve.metrics.stats import FinishedRequestStats, IterationStats
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
@@ -32,25 +31,6 @@ from aserve.worker.executor import make_executor
 
 log = logging.getLogger("aserve")
 GRAMMAR_WAIT_S = 0.05  # an engine with only constrained prompts waiting blocks this long on their grammars
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What is fixed once the engine is up: enough to reject a request without asking the core."""
-    vocab_size: int
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    eos_token_ids: frozenset[int]
-    num_host_blocks: int = 0
-    policy_name: str = ""
-    priority_classes: bool = False
-    max_n: int = 32
-    kv_cache_dtype: str = ""  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise InvalidRequestError for a request the engine could never serve; return its max_tokens."""
-        return validate_request(self, prompt_token_ids, params)
 
 
 class EngineCore:
@@ -96,14 +76,11 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------------
 
     @property
-    def facts(self) -> "EngineFacts":
+    def facts(self) -> EngineFacts:
         return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
                            self.eos_token_ids, self.kv.num_host_blocks, self.policy.name,
                            bool(getattr(self.policy, "priority_classes", False)), self.config.max_n,
                            self.kv_cache_dtype)
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        return self.facts.validate(prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
@@ -112,7 +89,7 @@ class EngineCore:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_tokens = self.validate(prompt_token_ids, params)
+        max_tokens = validate_request(self.facts, prompt_token_ids, params)  # the authoritative check, for direct users
         limit = self.config.max_waiting_requests
         num_waiting = len(self.scheduler.waiting) + self.structured.num_awaiting
         if limit is not None and num_waiting >= limit:

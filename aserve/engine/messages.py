@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from aserve.engine.errors import RemoteError
+from aserve.errors import RemoteError
 
 
 class Kind(enum.Enum):

@@ -18,7 +18,7 @@ from typing import Callable
 
 import msgspec
 
-from aserve.engine.errors import EngineDeadError
+from aserve.errors import EngineDeadError
 from aserve.engine.messages import Abort, AddRequest, Call, Kind
 from aserve.engine.router import Router
 

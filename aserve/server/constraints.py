@@ -4,7 +4,7 @@ object. One per request; an invalid one is a 400 naming the field it came in.
 """
 from __future__ import annotations
 
-from aserve.engine.errors import InvalidRequestError
+from aserve.errors import InvalidRequestError
 from aserve.server import protocol as p
 from aserve.structured_output import StructuredOutputsParams
 from aserve.structured_output.grammar import check

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 from starlette.responses import Response
 
-from aserve.engine.errors import (EngineDeadError, EngineError, EngineOverloadedError, ReplicaDeadError,
+from aserve.errors import (EngineDeadError, EngineError, EngineOverloadedError, ReplicaDeadError,
                                   RequestFailedError, RequestTimeoutError)
 from aserve.server.protocol import ErrorInfo, ErrorResponse
 

@@ -9,7 +9,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from aserve.engine.errors import InvalidRequestError
+from aserve.errors import InvalidRequestError
 from aserve.server.errors import APIError
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import re
 import threading
 from collections import OrderedDict
 
-from aserve.engine.errors import InvalidRequestError
+from aserve.errors import InvalidRequestError
 from aserve.structured_output.params import StructuredOutputsParams
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'

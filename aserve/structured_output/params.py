@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from aserve.engine.errors import InvalidRequestError
+from aserve.errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -11,7 +11,7 @@ import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from aserve.engine.errors import ConfigError
+from aserve.errors import ConfigError
 from aserve.plugins import PluginKind
 from aserve.tool_parsers.scanner import CallPiece
 

@@ -129,8 +129,8 @@ class ModelRunner:
         # Order matters: save swapped-out blocks before anyone reuses them, then restore, then copy-on-write.
         if sched.swap_out:
             self.swap_out(sched.swap_out)
-        if sched.fresh:  # after swap-out: a victim's block may be handed to someone else in the same step
-            self.kv_cache.index_fill_(self.block_dim, torch.tensor(sched.fresh, device=self.device), 0)
+        if sched.blocks_to_zero:  # after swap-out: a victim's block may be handed to someone else in the same step
+            self.kv_cache.index_fill_(self.block_dim, torch.tensor(sched.blocks_to_zero, device=self.device), 0)
         if sched.swap_in:
             self.swap_in(sched.swap_in)
         if sched.copies:

@@ -24,7 +24,7 @@ from multiprocessing.connection import wait
 
 from aserve.config import EngineConfig
 from aserve.core.scheduler import SchedulerOutput
-from aserve.engine.errors import EngineDeadError
+from aserve.errors import EngineDeadError
 from aserve.worker.distributed import DistributedPlan
 from aserve.worker.model_runner import ModelRunnerOutput
 from aserve.worker.tp_worker import LIVE_REQUESTS, SHUTDOWN, STEP, RankStart, spawn_rank

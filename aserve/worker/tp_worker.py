@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from aserve.engine.errors import RemoteError
+from aserve.errors import RemoteError
 from aserve.worker.distributed import DistributedPlan, broadcast_bytes, rank_device, rendezvous, threads_per_rank
 
 log = logging.getLogger("aserve")
