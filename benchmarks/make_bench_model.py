@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Write the benchmark model: a SmolLM2-135M-shaped Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152)
+with random bf16 weights and a small byte-level BPE tokenizer.
+
+Usage: python benchmarks/make_bench_model.py OUT_DIR [--layers N] [--seed S] [--corpus-bytes B]
+
+Random weights measure speed as well as trained ones do: run them with ignore_eos and fixed lengths, as vLLM's own
+benchmarks do. The tokenizer is trained on this Python's standard library sources, so nothing is downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sysconfig
+
+
+def stdlib_sources(limit_bytes: int):
+    """Python sources of the standard library, up to about `limit_bytes` of text: the tokenizer's corpus."""
+    total = 0
+    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        text = path.read_text(errors="ignore")
+        total += len(text)
+        yield text
+        if total > limit_bytes:
+            return
+
+
+def train_tokenizer(corpus_bytes: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(stdlib_sources(corpus_bytes), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="the folder to write (Hugging Face format)")
+    ap.add_argument("--layers", type=int, default=30, help="decoder layers (30 is SmolLM2-135M's shape)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    ap.add_argument("--corpus-bytes", type=int, default=4_000_000, help="how much stdlib source trains the tokenizer")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = train_tokenizer(args.corpus_bytes)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+
+    # Older readers (the transformers release vLLM pins among them) look for rope_theta at the top level.
+    path = pathlib.Path(args.out) / "config.json"
+    saved = json.loads(path.read_text())
+    saved.setdefault("rope_theta", 10000.0)
+    saved["torch_dtype"] = "bfloat16"
+    path.write_text(json.dumps(saved, indent=2))
+    print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+
+
+if __name__ == "__main__":
+    main()

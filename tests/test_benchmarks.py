@@ -1,0 +1,39 @@
+"""The benchmark kit in benchmarks/ runs from a clone with nothing beside it: the bench-model maker writes a folder
+that aserve's own benchmark serves, and the comparison scripts say what they need instead of failing obscurely."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(tmp_path):
+    out = tmp_path / "bench-model"
+    made = subprocess.run([sys.executable, str(BENCH / "make_bench_model.py"), str(out), "--layers", "1",
+                           "--corpus-bytes", "100000"], capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["vocab_size"], config["num_hidden_layers"]) == (576, 9, 3, 49152, 1)
+    assert config["torch_dtype"] == "bfloat16" and config["rope_theta"] == 10000.0
+    ran = subprocess.run([sys.executable, "-m", "aserve", "bench", "throughput", "--model", str(out), "--num-prompts",
+                          "2", "--input-len", "8", "--output-len", "4", "--dtype", "float32",
+                          "--kv-cache-memory", "16MiB"], capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr
+    assert re.search(r"Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s",
+                     ran.stdout.splitlines()[-1])
+
+
+def test_comparison_scripts_parse_and_ask_for_vllm_when_it_is_missing(tmp_path):
+    for script in ("setup_vllm_cpu.sh", "compare_throughput.sh", "compare_serve.sh"):
+        assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0, script
+    env = dict(os.environ, VLLM_VENV=str(tmp_path / "no-vllm"))
+    proc = subprocess.run(["bash", str(BENCH / "compare_throughput.sh"), str(tmp_path / "model")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "benchmarks/setup_vllm_cpu.sh" in proc.stderr
+    assert proc.stdout.startswith("CPU: ")  # every figure carries the machine it came from
