@@ -42,9 +42,11 @@ class Target:
         return self
 
 
-async def state(target: Target) -> dict | None:
+async def state(target: Target, diagnostics: bool = False) -> dict | None:
+    """The server's /state; `diagnostics` asks for the core's heap and Python object counts too (costly to
+    measure, so the server measures them at most every few seconds)."""
     async with target.client(10) as c:
-        r = await c.get("/state")
+        r = await c.get("/state", params={"diagnostics": "1"} if diagnostics else None)
     return r.json() if r.status_code == 200 else None
 
 
@@ -296,7 +298,7 @@ async def soak(target: Target, duration_s: float = 600.0, rate: float = 3.0, see
     rng = random.Random(seed)
     host, port = target.host_port
     cases = malformed_cases(target)
-    start_state = await state(target)
+    start_state = await state(target, diagnostics=True)
     started = time.perf_counter()
     results: list[Result] = []
     tasks: set[asyncio.Task] = set()
@@ -328,7 +330,7 @@ async def soak(target: Target, duration_s: float = 600.0, rate: float = 3.0, see
     async with target.client() as c:
         while (elapsed := time.perf_counter() - started) < duration_s:
             if elapsed >= next_sample and start_state is not None:
-                now = await state(target)
+                now = await state(target, diagnostics=True)
                 timeline.append((round(elapsed), now.get("server_rss_bytes"), now.get("core_rss_bytes"),
                                  (now.get("core_heap_bytes") or {}).get("in_use"), now.get("core_python_objects")))
                 next_sample += 60.0
@@ -338,7 +340,7 @@ async def soak(target: Target, duration_s: float = 600.0, rate: float = 3.0, see
             await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*list(tasks))
     summary = await finish("soak", target, started, results)
-    end_state = await state(target)
+    end_state = await state(target, diagnostics=True)
     if start_state and end_state:
         summary.extra["memory"] = {k: {"start": start_state.get(k), "end": end_state.get(k)}
                                    for k in ("server_rss_bytes", "core_rss_bytes", "core_heap_bytes",

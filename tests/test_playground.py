@@ -138,7 +138,7 @@ def test_chat_streams_stop_frees_the_request_and_charts_update(server, browser):
 
     deadline = time.monotonic() + 15  # the closed connection aborted the request: its blocks are free again
     while True:
-        s = httpx.get(f"{server.url}/state", timeout=10).json()
+        s = httpx.get(f"{server.url}/state", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
         if (s["num_running"], s["num_waiting"], s["num_swapped"], s["num_live_requests"], s["num_collectors"]) \
                 == (0, 0, 0, 0, 0) and s["num_free_blocks"] == s["num_blocks"]:
             break

@@ -87,8 +87,9 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def describe_server(client) -> str:
-    """The first line: the hardware and dtype the figures come from. An aserve server says (GET /state);
-    for another server (vLLM's), this machine's CPU is named and the dtype is whatever that server chose."""
+    """The first line: the hardware and dtype the figures come from. An aserve server says (GET /state, which
+    is behind the API key: `client` carries it); for another server (vLLM's), this machine's CPU is named and
+    the dtype is whatever that server chose."""
     from aserve.hardware import cpu_info
 
     try:

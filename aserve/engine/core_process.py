@@ -28,16 +28,23 @@ from aserve.engine.messages import (Call, Died, Error, Failed, Kind, Ready, Resu
                                     StepOutputs)
 
 log = logging.getLogger("aserve")
+# Calls answered between two steps at most: enough to admit a full batch of new requests (max_num_seqs' default)
+# at once, and a bound, so the step after them always comes.
+MAX_CALLS_PER_STEP = 256
+IDLE_WAIT_S = 0.5  # an idle core waits this long for a call before it looks at its (empty) queues again
 
 
-def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
-    """Complete a call's future unless its caller gave up on it (a cancelled await cancels the future)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def complete(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Complete a call's future unless it is done already: its caller gave up (a cancelled await cancels it),
+    or another thread won. Checking done() first would not do: a caller can cancel between the check and the
+    set, and the InvalidStateError would then end the thread that completes everyone's calls."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class CoreProcess:
@@ -74,10 +81,10 @@ class CoreProcess:
     def call(self, message: Call) -> concurrent.futures.Future:
         """Send a call (AddRequest, Abort, GetState); its future completes with the core's answer."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if self.error is not None:
-            future.set_exception(EngineDeadError(f"the engine core died: {self.error}"))
-            return future
-        with self._send_lock:
+        with self._send_lock:  # the reader fails the pending calls under this lock: none can slip in after
+            if self.error is not None:
+                future.set_exception(EngineDeadError(f"the engine core died: {self.error}"))
+                return future
             call_id = next(self._ids)
             self._calls[call_id] = future
             try:
@@ -88,32 +95,52 @@ class CoreProcess:
         return future
 
     def _read(self) -> None:
+        """The reader thread: hands on outputs and answers until the connection ends. However it ends, the
+        engine is then dead to us: every pending call fails and on_death runs (the server answers 503 and exits 1),
+        so nothing hangs on a core that no one listens to any more."""
         try:
-            while True:
-                message: StepOutputs | Result | Error | Died = self.conn.recv()
-                if message.kind is Kind.STEP_OUTPUTS:
-                    try:
-                        if message.outputs:
-                            self.on_outputs(message.outputs)
-                        if message.stats is not None:
-                            self.on_stats(message.stats)
-                    except Exception:  # a front-end bug must not stop the outputs of everyone else
-                        log.exception("handling the engine core's outputs failed")
-                elif message.kind is Kind.RESULT:
-                    _settle(self._calls.pop(message.call_id), result=message.value)
-                elif message.kind is Kind.ERROR:
-                    _settle(self._calls.pop(message.call_id), error=message.error.rebuild())
-                elif message.kind is Kind.DIED:
-                    raise EngineDeadError(message.error.describe())
-        except (EOFError, OSError, EngineDeadError) as exc:
-            code = self.proc.poll()
-            self.error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
-                f"the engine process ended (status {code})")
-            for future in self._calls.values():
-                _settle(future, error=self.error)
+            self._dispatch()
+        except (EOFError, OSError):
+            error = EngineDeadError(f"the engine process ended (status {self.proc.poll()})")
+        except EngineDeadError as exc:  # the core said it died
+            error = exc
+        except BaseException as exc:  # noqa: BLE001 - a bug on this thread must not leave callers waiting forever
+            error = EngineDeadError(f"the engine core's reader thread failed: {exc!r}")
+            if not self._stopping:  # (stop() closing the connection under a recv may fail in odd ways)
+                log.exception("the engine core's reader thread failed")
+                self.proc.kill()  # no one reads its outputs any more: it could only fill the socket and block
+        self._fail_pending(error)
+
+    def _dispatch(self) -> None:
+        while True:
+            message: StepOutputs | Result | Error | Died = self.conn.recv()
+            if message.kind is Kind.STEP_OUTPUTS:
+                try:
+                    if message.outputs:
+                        self.on_outputs(message.outputs)
+                    if message.stats is not None:
+                        self.on_stats(message.stats)
+                except Exception:  # a front-end bug must not stop the outputs of everyone else
+                    log.exception("handling the engine core's outputs failed")
+            elif message.kind is Kind.RESULT:
+                complete(self._calls.pop(message.call_id), result=message.value)
+            elif message.kind is Kind.ERROR:
+                complete(self._calls.pop(message.call_id), error=message.error.rebuild())
+            elif message.kind is Kind.DIED:
+                raise EngineDeadError(message.error.describe())
+
+    def _fail_pending(self, error: EngineDeadError) -> None:
+        with self._send_lock:
+            self.error = error
+            pending = list(self._calls.values())
             self._calls.clear()
-            if not self._stopping:
-                self.on_death(self.error)
+        for future in pending:
+            complete(future, error=error)
+        if not self._stopping:
+            try:
+                self.on_death(error)
+            except Exception:  # noqa: BLE001 - the engine is marked dead already; say why its callback failed
+                log.exception("handling the engine core's death failed")
 
     def is_alive(self) -> bool:
         return self.error is None and self.proc.poll() is None
@@ -142,7 +169,7 @@ def _handlers(core) -> dict[Kind, Callable]:
                                                      prompt=m.prompt, priority=m.priority,
                                                      arrival_time=m.arrival_time, output_kind=m.output_kind),
         Kind.ABORT: lambda m: core.abort(m.request_ids),
-        Kind.GET_STATE: lambda m: core.state(),
+        Kind.GET_STATE: lambda m: core.state(m.diagnostics),
     }
 
 
@@ -155,7 +182,39 @@ def share_cpu_threads(num_replicas: int) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() // num_replicas))
 
 
+def _queued(conn: Connection, timeout: float) -> list:
+    """The messages already queued, at most MAX_CALLS_PER_STEP (waiting up to `timeout` for the first)."""
+    messages = []
+    while len(messages) < MAX_CALLS_PER_STEP and conn.poll(timeout if not messages else 0):
+        messages.append(conn.recv())
+    return messages
+
+
+def _answer(conn: Connection, handlers: dict[Kind, Callable], messages: list) -> bool:
+    """Answer each call; False once a Shutdown came. One snapshot answers every GetState of the batch (with
+    the same `diagnostics`) until another call may change what it says."""
+    states: dict[bool, dict] = {}
+    for message in messages:
+        if message.kind is Kind.SHUTDOWN:
+            return False
+        try:
+            if message.kind is Kind.GET_STATE:
+                if message.diagnostics not in states:
+                    states[message.diagnostics] = handlers[Kind.GET_STATE](message)
+                value = states[message.diagnostics]
+            else:
+                states.clear()
+                value = handlers[message.kind](message)
+            conn.send(Result(message.call_id, value))
+        except Exception as exc:  # the request's fault, not the core's
+            conn.send(Error(message.call_id, RemoteError.of(exc)))
+    return True
+
+
 def serve_core(conn: Connection) -> None:
+    """The child's loop: answer the calls that are queued, then take a step, and again. Calls never get ahead of
+    steps for longer than one batch of them, so no stream of calls (a client polling /state, say) can stall
+    generation: each call waits at most one step for its answer."""
     from aserve.engine.engine_core import EngineCore
 
     start: Start = conn.recv()
@@ -169,14 +228,8 @@ def serve_core(conn: Connection) -> None:
     handlers = _handlers(core)
     try:
         while True:
-            while conn.poll(0 if core.has_unfinished() else 0.5):
-                message: Call | Shutdown = conn.recv()
-                if message.kind is Kind.SHUTDOWN:
-                    return
-                try:
-                    conn.send(Result(message.call_id, handlers[message.kind](message)))
-                except Exception as exc:  # the request's fault, not the core's
-                    conn.send(Error(message.call_id, RemoteError.of(exc)))
+            if not _answer(conn, handlers, _queued(conn, 0 if core.has_unfinished() else IDLE_WAIT_S)):
+                return
             outputs = core.step() if core.has_unfinished() else []
             stats = core.take_stats()
             if outputs or stats:

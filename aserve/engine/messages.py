@@ -65,9 +65,11 @@ class Abort(Call, kw_only=True):
     request_ids: list[str]
 
 
-class GetState(Call):
-    """Answered with EngineCore.state(): free blocks, queues, live requests."""
+class GetState(Call, kw_only=True):
+    """Answered with EngineCore.state(): free blocks, queues, live requests (counters, cheap to poll);
+    `diagnostics` adds the core's heap and Python object counts (costly, so measured at most every few seconds)."""
     kind: ClassVar[Kind] = Kind.GET_STATE
+    diagnostics: bool = False
 
 
 class Shutdown(Message):

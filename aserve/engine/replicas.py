@@ -19,10 +19,12 @@ from typing import Callable
 import msgspec
 
 from aserve.errors import EngineDeadError
+from aserve.engine.core_process import complete
 from aserve.engine.messages import Abort, AddRequest, Call, Kind
 from aserve.engine.router import Router
 
-# summed over replicas in /state's totals; the other fields (dtype, hardware) are the same on every replica
+# summed over replicas in /state's totals (the last two only with diagnostics asked for); the other fields
+# (dtype, hardware) are the same on every replica
 SUMMED = ("num_blocks", "num_free_blocks", "num_host_blocks", "num_free_host_blocks", "num_running",
           "num_waiting", "num_swapped", "num_live_requests", "core_rss_bytes", "core_heap_bytes",
           "core_python_objects")
@@ -59,28 +61,17 @@ def replica_config(config, replica: int):
     return own
 
 
-def _complete(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
-    """Complete a future unless it is done already (its caller gave up, or another replica's thread won)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 def _chain(source: concurrent.futures.Future, target: concurrent.futures.Future, transform=None) -> None:
     """Complete `target` as `source` completes (with `transform` applied to a result)."""
     if source.exception() is not None:
-        _complete(target, error=source.exception())
+        complete(target, error=source.exception())
         return
     try:
         result = source.result() if transform is None else transform(source.result())
     except Exception as exc:  # noqa: BLE001 - a bug here must reach the caller, not hang it
-        _complete(target, error=exc)
+        complete(target, error=exc)
     else:
-        _complete(target, result)
+        complete(target, result)
 
 
 def _failed(error: BaseException) -> concurrent.futures.Future:
@@ -137,9 +128,11 @@ class ReplicaSet:
         def on_death(exc: BaseException) -> None:
             self.errors[replica] = exc
             lost, remaining = self.router.mark_dead(replica)
-            self.on_replica_death(replica, exc, lost, remaining)
-            if remaining == 0:
-                self.on_death(exc)  # the whole engine is gone: exactly what one core's death always did
+            try:
+                self.on_replica_death(replica, exc, lost, remaining)
+            finally:  # whatever the bookkeeping does, the last death must reach the dead-engine path
+                if remaining == 0:
+                    self.on_death(exc)  # the whole engine is gone: exactly what one core's death always did
         return on_death
 
     # -- calls ------------------------------------------------------------------------------------------
@@ -193,7 +186,7 @@ class ReplicaSet:
         replica = self.router.route(message.request_id, message.prompt_token_ids, exclude)
         if replica is None:
             self.router.release(message.request_id)
-            _complete(outer, error=EngineDeadError("every engine replica has died"))
+            complete(outer, error=EngineDeadError("every engine replica has died"))
             return outer
 
         def done(inner: concurrent.futures.Future) -> None:
@@ -225,7 +218,7 @@ class ReplicaSet:
 
         def all_done(_) -> None:
             if all(f.done() for f in inners):  # a dead replica's requests are gone anyway
-                _complete(outer, [out for f in inners if f.exception() is None for out in f.result()])
+                complete(outer, [out for f in inners if f.exception() is None for out in f.result()])
         for inner in inners:
             inner.add_done_callback(all_done)
         return outer
@@ -241,14 +234,14 @@ class ReplicaSet:
                 return
             answers = [f.exception() if f.exception() is not None else f.result() for f in inners]
             if all(isinstance(a, BaseException) for a in answers):
-                _complete(outer, error=answers[0])
+                complete(outer, error=answers[0])
                 return
             try:
                 combined = combine(answers)
             except Exception as exc:  # noqa: BLE001 - a bug here must reach the caller, not hang it
-                _complete(outer, error=exc)
+                complete(outer, error=exc)
             else:
-                _complete(outer, combined)
+                complete(outer, combined)
         for inner in inners:
             inner.add_done_callback(all_done)
         return outer

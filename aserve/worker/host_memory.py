@@ -1,4 +1,5 @@
-"""Host memory: lazily zeroed cache tensors, and large per-step allocations kept in glibc's heap.
+"""Host memory: lazily zeroed cache tensors, large per-step allocations kept in glibc's heap, and the
+memory figures a soak test watches (resident set, heap, Python objects).
 
 Each decode step allocates and frees tensors of several MB (gathered K/V, logits). By default glibc serves
 those with mmap and returns them with munmap, so every step pays page faults on memory it just had; on
@@ -9,9 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import gc
 import logging
 import math
 import mmap
+import threading
+import time
+from typing import NamedTuple
 
 import torch
 
@@ -19,14 +25,25 @@ log = logging.getLogger("aserve")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
-def keep_large_allocations_in_heap(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31) -> bool:
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once: find_library runs ldconfig (and may run gcc), tens of ms a call."""
     name = ctypes.util.find_library("c")
     if not name:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def keep_large_allocations_in_heap(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31) -> bool:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         ok = libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
-    except (OSError, AttributeError):  # not glibc
+    except AttributeError:  # not glibc
         return False
     if not ok:
         log.debug("mallopt refused the thresholds; large allocations stay mmapped")
@@ -66,11 +83,34 @@ def heap_bytes() -> dict[str, int] | None:
     """glibc's heap: bytes in use by live allocations vs bytes it keeps free for reuse (None off glibc).
     With the thresholds above the heap does not shrink, so RSS rises to the largest step's working set and
     stays; in-use bytes that keep climbing under a steady load would be a real leak."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).mallinfo2
-    except (OSError, AttributeError, TypeError):
+    fn = getattr(_libc(), "mallinfo2", None)  # glibc 2.33 and later
+    if fn is None:
         return None
     fn.restype = _MallInfo2
     info = fn()
     return {"in_use": info.uordblks + info.hblkhd, "free": info.fordblks}
+
+
+DIAGNOSTICS_MAX_AGE_S = 2.0  # how stale memory_diagnostics() may be: a caller polling faster gets the cached figures
+
+
+class MemoryDiagnostics(NamedTuple):
+    heap_bytes: dict[str, int] | None  # heap_bytes()
+    python_objects: int  # objects the garbage collector tracks: a count that climbs under steady load is a leak
+    age_s: float  # how long ago they were measured
+
+
+_diagnostics: tuple[float, dict[str, int] | None, int] | None = None
+_diagnostics_lock = threading.Lock()
+
+
+def memory_diagnostics(max_age_s: float = DIAGNOSTICS_MAX_AGE_S) -> MemoryDiagnostics:
+    """This process's heap and Python object counts, measured at most once per `max_age_s`: counting the objects
+    walks every one of them (tens of ms with torch loaded), too slow to do between steps on every request."""
+    global _diagnostics
+    with _diagnostics_lock:
+        now = time.monotonic()
+        if _diagnostics is None or now - _diagnostics[0] > max_age_s:
+            _diagnostics = (now, heap_bytes(), len(gc.get_objects()))
+        measured, heap, objects = _diagnostics
+    return MemoryDiagnostics(heap, objects, now - measured)
