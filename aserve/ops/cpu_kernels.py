@@ -1,11 +1,14 @@
 """aserve's CPU kernels (csrc/*.cpp) as torch ops: built once per CPU kind, cached on disk.
 
-Fused decode and prefill attention over the paged cache, RMSNorm, rotary embedding and SiLU-and-mul, each one
-pass instead of a chain of small torch ops (csrc/cpu_kernels.cpp), and aserve's GEMMs for packed fp32 weights and,
-on CPUs with AVX512-BF16, bf16 ones (csrc/cpu_gemm.cpp, see ops.cpu_gemm). The sources are compiled with -march=native, so the build is cached per
-CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
-The first use on a machine compiles it (about 10 s); later start-ups load the cached library. Where no
-compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and every caller keeps its torch path.
+Fused decode and prefill attention over the paged cache, KV cache writes, RMSNorm, rotary embedding, SiLU-and-mul,
+the int8 linear and sampling, each one pass instead of a chain of small torch ops (a csrc/*.cpp file per family:
+attention_decode, attention_prefill, kv_write, norm_activation, int8_linear, sampling; their shared helpers in
+csrc/vec_helpers.h), and aserve's GEMMs for packed fp32 weights and, on CPUs with AVX512-BF16, bf16 ones
+(csrc/cpu_gemm.cpp, see ops.cpu_gemm). All are one extension, compiled with -march=native, so the build is cached
+per CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
+The first use on a machine compiles it (about a minute of compiler time, spread over the cores); later start-ups
+load the cached library. Where no compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and
+every caller keeps its torch path.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import torch
 
 log = logging.getLogger("aserve")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "cpu_gemm.cpp")]
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))  # every file compiled into the one extension
+HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # included by them: part of the cache key too
 
 
 def cflags() -> list[str]:
@@ -47,9 +51,9 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """One folder per (sources, their paths, flags, torch, CPU features): a changed CPU gets its own build, and two
-    checkouts do not take turns rebuilding one folder (ninja's build file names the sources' paths)."""
-    parts = [text for source in SOURCES for text in (source.read_text(), str(source))]
+    """One folder per (sources and headers, their paths, flags, torch, CPU features): a changed CPU gets its own
+    build, and two checkouts do not take turns rebuilding one folder (ninja's build file names the sources' paths)."""
+    parts = [text for source in (*SOURCES, *HEADERS) for text in (source.read_text(), str(source))]
     key = hashlib.sha256("\n".join([*parts, " ".join(cflags()), torch.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     root = os.environ.get("ASERVE_CACHE_DIR") or os.path.join(

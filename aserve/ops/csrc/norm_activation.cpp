@@ -1,0 +1,262 @@
+// The per-row kernels of a decoder layer: RMSNorm (torch.ops.aserve.rms_norm, and add_rms_norm with the
+// residual add fused in), rotary embedding (rotary_embedding) and SiLU-and-mul (silu_and_mul).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "vec_helpers.h"
+
+namespace {
+
+using namespace aserve_kernels;
+
+// ---- RMSNorm ---------------------------------------------------------------------------------------------
+// out = weight * T(x / rms(x)), the normalisation in fp32 and the product rounded once, as the torch path does.
+// With `residual` (a decoder layer's running sum): first residual = T(x + residual), in place, and that sum is
+// what is normalised, so a residual add and the norm after it are one kernel.
+// Two passes a row, straight from and to T: the sum of squares (after the residual add, whose rounded sum is
+// stored and squared), then the scaled, rounded, weighted output. Same operations in the same order as
+// widening the row to fp32 first, so the results are those of the torch path's fp32 arithmetic.
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, T* residual, int64_t rs, const at::Tensor& weight,
+                   double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* x_ptr = x.data_ptr<T>();
+  const T* w_ptr = weight.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  using bVec = at::vec::Vectorized<T>;
+  constexpr int64_t step = bVec::size();  // fp32: one fVec; 16-bit types: two
+  auto widen2 = [](const T* p, fVec& lo, fVec& hi) {
+    if constexpr (std::is_same_v<T, float>) {
+      lo = fVec::loadu(p);
+    } else {
+      std::tie(lo, hi) = at::vec::convert_to_float<T>(bVec::loadu(p));
+    }
+  };
+  auto round2 = [](fVec& lo, fVec& hi, T* store) {  // through T (stored when `store`), and back
+    if constexpr (std::is_same_v<T, float>) {
+      if (store) lo.store(store);
+    } else {
+      const bVec b = at::vec::convert_from_float<T>(lo, hi);
+      if (store) b.store(store);
+      std::tie(lo, hi) = at::vec::convert_to_float<T>(b);
+    }
+  };
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(dim);
+    load_row(w_ptr, w.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = x_ptr + r * xs;
+      T* res = residual != nullptr ? residual + r * rs : nullptr;
+      fVec acc(0.f), lo, hi, rlo, rhi;
+      int64_t i = 0;
+      for (; i + step <= dim; i += step) {
+        widen2(src + i, lo, hi);
+        if (res != nullptr) {
+          widen2(res + i, rlo, rhi);
+          lo = lo + rlo;
+          if constexpr (!std::is_same_v<T, float>) hi = hi + rhi;
+          round2(lo, hi, res + i);
+        }
+        acc = at::vec::fmadd(lo, lo, acc);
+        if constexpr (!std::is_same_v<T, float>) acc = at::vec::fmadd(hi, hi, acc);
+      }
+      float total = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc);
+      for (int64_t j = i; j < dim; ++j) {
+        float v = static_cast<float>(src[j]);
+        if (res != nullptr) {
+          res[j] = static_cast<T>(v + static_cast<float>(res[j]));
+          v = static_cast<float>(res[j]);
+        }
+        total += v * v;
+      }
+      if (res != nullptr) src = res;
+      const float inv = 1.f / std::sqrt(total / static_cast<float>(dim) + static_cast<float>(eps));
+      const fVec inv_v(inv);
+      T* o = o_ptr + r * os;
+      for (i = 0; i + step <= dim; i += step) {
+        widen2(src + i, lo, hi);
+        lo = lo * inv_v;
+        if constexpr (!std::is_same_v<T, float>) hi = hi * inv_v;
+        round2(lo, hi, nullptr);
+        lo = lo * fVec::loadu(w.data() + i);
+        if constexpr (std::is_same_v<T, float>) {
+          lo.store(o + i);
+        } else {
+          hi = hi * fVec::loadu(w.data() + i + fVec::size());
+          at::vec::convert_from_float<T>(lo, hi).store(o + i);
+        }
+      }
+      for (; i < dim; ++i)
+        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(src[i]) * inv)) * w[i]);
+    }
+  });
+}
+
+void check_norm_args(const char* name, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [rows, dim] with unit inner stride");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              name, ": weight must be a contiguous [dim] vector of x's dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              name, ": unsupported dtype ", x.scalar_type());
+}
+
+template <typename T>
+void rms_norm_typed(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
+  rms_norm_impl<T>(out, x, residual ? residual->data_ptr<T>() : nullptr, residual ? residual->stride(0) : 0, weight,
+                   eps);
+}
+
+at::Tensor rms_norm_any(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_typed<float>(out, x, residual, weight, eps); break;
+    case at::kBFloat16: rms_norm_typed<c10::BFloat16>(out, x, residual, weight, eps); break;
+    default: rms_norm_typed<c10::Half>(out, x, residual, weight, eps); break;
+  }
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_norm_args("add_rms_norm", x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must be x's shape and dtype, with unit inner stride");
+  return rms_norm_any(x, &residual, weight, eps);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args("rms_norm", x, weight);
+  return rms_norm_any(x, nullptr, weight, eps);
+}
+
+// ---- rotary embedding (rotate-half convention), in place ---------------------------------------------------
+// x[t, h, :rotary_dim] = x * cos + rotate_half(x) * sin with cos/sin rows [max_pos, rotary_dim] taken at
+// positions[t]; features past rotary_dim (partial rotary) are left as they are.
+template <typename T>
+void rotary_impl(at::Tensor& x, const int64_t* positions, const at::Tensor& cos, const at::Tensor& sin,
+                 int64_t rotary_dim) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = rotary_dim / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  T* x_ptr = x.data_ptr<T>();
+  const T* c_ptr = cos.data_ptr<T>();
+  const T* s_ptr = sin.data_ptr<T>();
+  const int64_t cs = cos.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(rotary_dim), s(rotary_dim), v(rotary_dim), out(rotary_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      load_row(c_ptr + positions[t] * cs, c.data(), rotary_dim);
+      load_row(s_ptr + positions[t] * cs, s.data(), rotary_dim);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = x_ptr + t * s0 + h * s1;
+        load_row(x, v.data(), rotary_dim);
+        for (int64_t i = 0; i < half; ++i) {
+          out[i] = v[i] * c[i] - v[i + half] * s[i];
+          out[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+        }
+        store_row(out.data(), x, rotary_dim);
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t rotary_dim) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be contiguous int64");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "q and k must be [tokens, heads, head_dim] with unit inner stride");
+  TORCH_CHECK(cos.stride(1) == 1 && sin.stride(1) == 1 && cos.sizes() == sin.sizes() && cos.size(1) >= rotary_dim,
+              "cos and sin must be [max_positions, >= rotary_dim] rows");
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= q.size(2), "rotary_dim must be even and at most head_dim");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type(),
+              "q, k, cos and sin must share a dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  switch (q.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(q, pos, cos, sin, rotary_dim); rotary_impl<float>(k, pos, cos, sin, rotary_dim); break;
+    case at::kBFloat16: rotary_impl<c10::BFloat16>(q, pos, cos, sin, rotary_dim); rotary_impl<c10::BFloat16>(k, pos, cos, sin, rotary_dim); break;
+    case at::kHalf: rotary_impl<c10::Half>(q, pos, cos, sin, rotary_dim); rotary_impl<c10::Half>(k, pos, cos, sin, rotary_dim); break;
+    default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", q.scalar_type());
+  }
+}
+
+// ---- SiLU and mul ----------------------------------------------------------------------------------------
+// [rows, 2 * d] (gate | up) -> T(T(silu(gate)) * up), the two roundings of the torch path.
+// One pass per row, a vector at a time. 16-bit types take exp_u20 (about 20 ulp in fp32, far inside the bf16 or
+// fp16 rounding that follows); fp32 keeps the 1-ulp exp of the torch path.
+template <typename T> inline fVec silu(fVec g) {
+  if constexpr (std::is_same_v<T, float>) {
+    return g / (fVec(1.f) + g.neg().exp());
+  } else {
+    return g / (fVec(1.f) + g.neg().exp_u20());
+  }
+}
+
+template <typename T> void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), d = out.size(1);
+  const T* x_ptr = x.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x_ptr + r * xs;
+      const T* up = gate + d;
+      T* o = o_ptr + r * d;
+      int64_t i = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        for (; i + fVec::size() <= d; i += fVec::size())
+          (silu<T>(fVec::loadu(gate + i)) * fVec::loadu(up + i)).store(o + i);
+      } else {
+        using bVec = at::vec::Vectorized<T>;
+        for (; i + bVec::size() <= d; i += bVec::size()) {
+          auto [g0, g1] = at::vec::convert_to_float<T>(bVec::loadu(gate + i));
+          auto [u0, u1] = at::vec::convert_to_float<T>(bVec::loadu(up + i));
+          // silu rounded to T first, where the torch path stores it
+          auto [s0, s1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(silu<T>(g0), silu<T>(g1)));
+          at::vec::convert_from_float<T>(s0 * u0, s1 * u1).store(o + i);
+        }
+      }
+      for (; i < d; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float sg = static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<T>(sg * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [rows, 2 * d]");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: silu_and_mul_impl<float>(out, x); break;
+    case at::kBFloat16: silu_and_mul_impl<c10::BFloat16>(out, x); break;
+    case at::kHalf: silu_and_mul_impl<c10::Half>(out, x); break;
+    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int rotary_dim) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,93 @@
+// What more than one of aserve's CPU kernel files uses: the fp32 vector type, the FP8 cache tags and their
+// widening, rows converted to and from fp32 scratch and scaled there, and a vector's lanes summed. Inline, in
+// namespace aserve_kernels, which each kernel file brings into its anonymous namespace.
+//
+// The kernels (csrc/*.cpp, one file a family, each registering its own torch.ops.aserve.* ops) fuse decode and
+// prefill attention over the paged KV cache, KV cache writes (FP8 quantization included), RMSNorm, rotary
+// embedding, SiLU-and-mul, the int8 weight-only linear of decode batches and sampling. Each replaces a chain of
+// small torch ops (and, for attention, a gather that copied every request's context once per layer) with one
+// pass over the data. aserve/ops/cpu_kernels.py builds them, with cpu_gemm.cpp, as one extension once per CPU
+// kind and falls back to the torch path without it.
+//
+// Arithmetic is in fp32 whatever the storage dtype (float, bfloat16, half); results are rounded where the
+// torch path rounds, so the two agree to the last bit in fp32 up to summation order.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace aserve_kernels {
+
+using fVec = at::vec::Vectorized<float>;  // 16 lanes with AVX-512, 8 with AVX2 (CPU_CAPABILITY_* at build)
+
+// An FP8 KV cache stores bytes; these tags say how to read them. Bytes are widened through fp16 bit
+// patterns: e5m2 is an fp16's top byte; e4m3's exponent and mantissa moved into fp16's place read as the value
+// times 2^-8 (bias 7 against 15, subnormals included). decode_attention_by_cache folds that 2^8 into the
+// scales, so a row widens with no multiply. Saturated writes mean e4m3's NaN pattern never occurs.
+struct E4M3 { uint8_t bits; };
+struct E5M2 { uint8_t bits; };
+template <typename T> constexpr bool is_fp8 = std::is_same_v<T, E4M3> || std::is_same_v<T, E5M2>;
+
+template <typename T> inline uint16_t fp8_to_fp16_bits(uint8_t b) {
+  if constexpr (std::is_same_v<T, E5M2>) {
+    return static_cast<uint16_t>(b) << 8;
+  } else {
+    return static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+  }
+}
+
+template <typename T> inline float fp8_to_float(uint8_t b) {
+  return static_cast<float>(c10::Half(fp8_to_fp16_bits<T>(b), c10::Half::from_bits()));
+}
+
+// Rows are converted to fp32 scratch once and worked on there (at::vec's generic convert is scalar for
+// 16-bit -> fp32, so the widening is spelled out with Vectorized<T>; the narrowing one is vectorized).
+template <typename T> inline void load_row(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if constexpr (is_fp8<T>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_to_float<T>(src[i].bits);
+  } else {
+    using bVec = at::vec::Vectorized<T>;
+    int64_t i = 0;
+    for (; i + bVec::size() <= n; i += bVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(bVec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + fVec::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+template <typename T> inline void store_row(const float* src, T* dst, int64_t n) { at::vec::convert(src, dst, n); }
+
+// Round a fp32 row through T and back: where the torch path stores an intermediate in the model's dtype.
+template <typename T> inline void round_row(float* row, T* tmp, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    store_row(row, tmp, n);
+    load_row(tmp, row, n);
+  }
+}
+
+inline void scale_row(float* x, float alpha, int64_t n) {
+  const fVec a(alpha);
+  int64_t i = 0;
+  for (; i + fVec::size() <= n; i += fVec::size()) (fVec::loadu(x + i) * a).store(x + i);
+  for (; i < n; ++i) x[i] *= alpha;
+}
+
+inline float reduce_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
+}
+
+}  // namespace aserve_kernels
