@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -195,3 +196,33 @@ def test_models_the_ranks_cannot_split_are_refused_before_any_process_starts(tp_
         LLM(str(build_tiny_model(tmp_path / "opt", "opt")), tensor_parallel_size=2, **OPTIONS)
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(tp_models["qwen3-kv2"]), tensor_parallel_size=3, **OPTIONS)
+
+
+def test_a_rank_that_cannot_load_fails_the_start_with_its_reason(tp_models, tmp_path):
+    """Every rank hears of the failure at the rendezvous and answers Failed; the engine raises, naming the cause,
+    and no rank is left behind."""
+    path = tmp_path / "no-weights"
+    shutil.copytree(tp_models["qwen3-kv2"], path)
+    for weights in path.glob("*.safetensors"):
+        weights.unlink()
+    others = set(rank_pids())
+    with pytest.raises(RuntimeError, match="could not load the model: FileNotFoundError: no model.safetensors"):
+        LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+    assert not set(rank_pids()) - others
+
+
+def test_nodes_started_with_other_options_are_refused_by_name(tp_models):
+    """The ranks' facts (RankStatus, msgspec JSON in the rendezvous store) must agree: node 1 with another block
+    size fails both ranks with a ValueError that says which rank differs and how."""
+    path = str(tp_models["qwen3-kv2"])
+    method = f"tcp://127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen([sys.executable, "-m", "aserve.cli", "worker", "--node-rank", "1", "--model", path,
+                              "--dtype", "float32", "--kv-cache-memory", "8MiB", "--tensor-parallel-size", "2",
+                              "--nnodes", "2", "--distributed-init-method", method, "--block-size", "32"])
+    try:
+        with pytest.raises(ValueError, match=r"rank 1 differs from rank 0 \(RankFacts\(.*block_size=32"):
+            LLM(path, tensor_parallel_size=2, nnodes=2, distributed_init_method=method, **OPTIONS)
+        assert node1.wait(30) == 1
+    finally:
+        if node1.poll() is None:
+            node1.kill()

@@ -93,6 +93,7 @@ class Scheduler:
         self.finished_since_stats: list[Request] = []  # drained by the engine's stats hand-out
         self.scheduled: list[tuple[Request, int]] = []  # the last step's batch, for update()
         self._finished_ids: list[str] = []  # ended since the last step, for the worker to forget
+        self._ended_by_update: set[Request] = set()  # the requests the last update() ended (see finish)
 
     @property
     def num_preemptions(self) -> int:
@@ -106,9 +107,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.swapped) or len(self.waiting) > 0
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request wherever it is and give back its blocks (and those of samples not yet forked)."""
+    def finish(self, req: Request, status: RequestStatus, *, stop_reason: int | str | None = None,
+               error: str | None = None) -> None:
+        """End a request wherever it is and give back its blocks (and those of samples not yet forked).
+
+        The one place a request's end is decided: nothing else sets its status. A request ends once, with one
+        exception: a stop reported for the token that this step's update() ended the request on (a stop string
+        it completed, a grammar it terminated) outranks length, and a stop string names the reason."""
         if req.is_finished:
+            if status == RequestStatus.FINISHED_STOPPED and req in self._ended_by_update:
+                req.status = status
+                if stop_reason is not None:
+                    req.stop_reason = stop_reason
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
@@ -122,6 +132,7 @@ class Scheduler:
             self._finished_ids.append(req.request_id)
             req.sent_blocks = None
         req.status = status
+        req.stop_reason, req.error = stop_reason, error
         req.finished_time = time.monotonic()
         self.finished_since_stats.append(req)
         self.policy.on_event(req, "finished")
@@ -258,6 +269,7 @@ class Scheduler:
         """After the last step ran: advance computed tokens, append sampled ones (by request id), and finish
         requests that hit a stop condition."""
         finished = []
+        self._ended_by_update = set()
         now = time.monotonic()
         for req, num_new in self.scheduled:
             if req.status != RequestStatus.RUNNING:
@@ -275,20 +287,21 @@ class Scheduler:
                 for child in reversed(req.pending_forks):
                     self.waiting.prepend(child)
                 req.pending_forks = []
-            status = self._stop_status(req, token)
+            status, reason = self._stop_status(req, token)
             if status is not None:
-                self.finish(req, status)
+                self.finish(req, status, stop_reason=reason)
                 finished.append(req)
+        self._ended_by_update.update(finished)
         return finished
 
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+    def _stop_status(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        """How the token just appended ends the request, if it does, and the stop token that did it."""
         params = req.params
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in params.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, None
             if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, token
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None

@@ -1,11 +1,11 @@
 """EngineCore: schedule -> execute -> update -> outputs, one step at a time.
 
-The offline LLM drives it synchronously; the online AsyncLLM drives the same object from its own
-thread. Nothing about scheduling or the model is written twice.
+The offline LLM drives it synchronously in the caller's process; the online AsyncLLM runs it in a process of
+its own (engine/core_process.py) and talks to it in typed messages. Nothing about scheduling or the model is
+written twice.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import uuid
@@ -26,7 +26,7 @@ from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import SamplingParams
 from aserve.structured_output.manager import StructuredOutputManager
-from aserve.worker.host_memory import heap_bytes, rss_bytes
+from aserve.worker.host_memory import memory_diagnostics, rss_bytes
 from aserve.worker.executor import make_executor
 
 log = logging.getLogger("aserve")
@@ -173,12 +173,8 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - this request's text is lost, not the engine
                 self._fail(req, f"could not detokenize its output: {type(exc).__name__}: {exc}")
                 continue
-            if stop is not None:
-                req.stop_reason = stop
-                if req.is_finished:  # also ended by length this step: the stop string wins
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            if stop is not None:  # the scheduler decides, also when this token ended the request by length
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
             if req.grammar is not None:
                 self._follow_grammar(req)
         for group_id in touched:
@@ -201,8 +197,7 @@ class EngineCore:
                 self.scheduler.add_request(samples[0])
                 continue
             for sample in samples:
-                sample.error = error
-                self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR)
+                self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR, error=error)
             finals.append(self._finish_group(samples[0].group_id))
         return finals
 
@@ -211,11 +206,8 @@ class EngineCore:
         if not self.structured.advance(req):
             if not req.is_finished:  # the bitmask allows only what the grammar does: this is a bug, not input
                 self._fail(req, "its grammar rejected a sampled token")
-        elif req.grammar.terminated:
-            if not req.is_finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.status == RequestStatus.FINISHED_LENGTH:  # ended by length this step: the grammar wins
-                req.status = RequestStatus.FINISHED_STOPPED
+        elif req.grammar.terminated:  # the scheduler decides, also when this token ended it by length
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
 
     def _release_finished(self) -> None:
         """Once nothing is left to schedule, tell the worker at once which requests it can forget (otherwise
@@ -229,8 +221,7 @@ class EngineCore:
         """End one request (and the samples still waiting to fork from it) with an error; the batch goes on."""
         log.warning("request %s failed: %s", req.request_id, message)
         for sample in [req, *req.pending_forks]:
-            sample.error = message
-            self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR)
+            self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR, error=message)
         req.pending_forks = []
 
     def _finish_group(self, group_id: str) -> RequestOutput:
@@ -248,17 +239,24 @@ class EngineCore:
         stats.scheduler = self.scheduler.stats()
         return stats
 
-    def state(self) -> dict:
-        """Free and used blocks, scheduler queues and live requests: what proves an idle engine is clean."""
+    def state(self, diagnostics: bool = False) -> dict:
+        """Free and used blocks, scheduler queues and live requests: what proves an idle engine is clean. Only
+        counters the engine keeps as it runs, so polling it between steps costs next to nothing. `diagnostics`
+        adds the process's heap and Python object counts, which take tens of ms to measure: they are cached
+        (host_memory.memory_diagnostics) and `core_diagnostics_age_s` says how old they are."""
         kv, scheduler = self.kv, self.scheduler
-        return {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
-                "num_host_blocks": kv.num_host_blocks, "num_free_host_blocks": kv.num_free_host_blocks,
-                "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-                "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests),
-                "core_rss_bytes": rss_bytes(), "core_heap_bytes": heap_bytes(),
-                "core_python_objects": len(gc.get_objects()),
-                "dtype": str(self.dtype).replace("torch.", ""), "kv_cache_dtype": self.kv_cache_dtype,
-                "hardware": cpu_info().describe()}
+        state = {"num_blocks": kv.num_blocks, "num_free_blocks": kv.num_free_blocks,
+                 "num_host_blocks": kv.num_host_blocks, "num_free_host_blocks": kv.num_free_host_blocks,
+                 "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+                 "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests),
+                 "core_rss_bytes": rss_bytes(),
+                 "dtype": str(self.dtype).replace("torch.", ""), "kv_cache_dtype": self.kv_cache_dtype,
+                 "hardware": cpu_info().describe()}
+        if diagnostics:
+            measured = memory_diagnostics()
+            state.update(core_heap_bytes=measured.heap_bytes, core_python_objects=measured.python_objects,
+                         core_diagnostics_age_s=round(measured.age_s, 3))
+        return state
 
     def check_idle(self) -> None:
         """Assert the state every test wants after traffic ends: nothing live, every block free."""

@@ -10,7 +10,6 @@ hanging it; a rank that dies is seen at once (gloo's connection closes).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -19,9 +18,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
+import msgspec
 import torch
 
 from aserve.models.parallel import TensorParallel
+from aserve.worker.tp_messages import RankStatus
 
 log = logging.getLogger("aserve")
 RENDEZVOUS_TIMEOUT_S = 600.0
@@ -134,7 +135,7 @@ def rank_device(option: str, local_rank: int) -> torch.device:
 
 # -- the rendezvous --------------------------------------------------------------------------------------
 
-def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, status: dict) -> None:
+def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, status: RankStatus) -> None:
     """Meet the other ranks and join the process group. Every rank first publishes `status` (its load error,
     or the facts every rank must share: KV blocks, model class, dtype) in the TCPStore, then reads all of them,
     so a rank that could not load, or a node started with other options, fails every rank with one clear
@@ -144,7 +145,7 @@ def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, 
     store = dist.TCPStore(plan.host, plan.port, plan.world_size, is_master=tp.rank == 0,
                           timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
     keys = [f"aserve/rank/{r}" for r in range(plan.world_size)]
-    store.set(keys[tp.rank], json.dumps(status))
+    store.set(keys[tp.rank], msgspec.json.encode(status))
     try:
         store.wait(keys, timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     except Exception:  # noqa: BLE001 - say which ranks are missing
@@ -152,16 +153,16 @@ def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, 
         raise TimeoutError(f"tensor-parallel ranks {missing} did not join at {plan.init_method} within "
                            f"{RENDEZVOUS_TIMEOUT_S:.0f} s: start `aserve worker --node-rank R ...` on the other "
                            "nodes, with the same model and options") from None
-    statuses = [json.loads(store.get(key)) for key in keys]
+    statuses = [msgspec.json.decode(store.get(key), type=RankStatus) for key in keys]
     for r, s in enumerate(statuses):
-        if s.get("error") and r != tp.rank:
-            raise RuntimeError(f"tensor-parallel rank {r} could not load the model: {s['error']}")
-    if status.get("error"):
+        if s.error is not None and r != tp.rank:
+            raise RuntimeError(f"tensor-parallel rank {r} could not load the model: {s.error}")
+    if status.error is not None:
         return  # the caller raises its own error
     for r, s in enumerate(statuses):
-        if s["facts"] != statuses[0]["facts"]:
-            raise ValueError(f"tensor-parallel rank {r} differs from rank 0 ({s['facts']} against "
-                             f"{statuses[0]['facts']}): start every node with the same model and options "
+        if s.facts != statuses[0].facts:
+            raise ValueError(f"tensor-parallel rank {r} differs from rank 0 ({s.facts} against "
+                             f"{statuses[0].facts}): start every node with the same model and options "
                              "(--kv-cache-memory, --block-size, --dtype, ...)")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=plan.timeout_s)

@@ -24,10 +24,11 @@ from multiprocessing.connection import wait
 
 from aserve.config import EngineConfig
 from aserve.core.scheduler import SchedulerOutput
-from aserve.errors import EngineDeadError
+from aserve.errors import EngineDeadError, RemoteError
 from aserve.worker.distributed import DistributedPlan
 from aserve.worker.model_runner import ModelRunnerOutput
-from aserve.worker.tp_worker import LIVE_REQUESTS, SHUTDOWN, STEP, RankStart, spawn_rank
+from aserve.worker.tp_messages import Failed, Kind, LiveRequests, Message, RankStart, Ready, Result, Shutdown, Step
+from aserve.worker.tp_worker import spawn_rank
 from aserve.worker.worker import WorkerInfo
 
 log = logging.getLogger("aserve")
@@ -52,11 +53,12 @@ class MultiprocExecutor:
                      self.plan.init_method)
         infos = {}
         while len(infos) < len(self.ranks):
-            for rank, kind, value in self._next_messages():
-                if kind != "ready":
+            for rank, message in self._next_messages():
+                if message.kind is not Kind.READY:
                     self._kill()  # and raise the rank's own error (a bad checkpoint, a missing node, ...), by type
-                    raise value.rebuild() if kind == "failed" else value
-                infos[rank] = value
+                    raise (message.error.rebuild() if message.kind is Kind.FAILED
+                           else EngineDeadError(f"tensor-parallel rank {rank}: {_describe(message)}"))
+                infos[rank] = message.info
         self.info: WorkerInfo = infos[0]
         log.info("tensor parallel: %d ranks (%d on this machine) joined at %s", self.plan.world_size,
                  len(self.ranks), self.plan.init_method)
@@ -67,53 +69,54 @@ class MultiprocExecutor:
                              "in-process worker or runner (engine.runner) to inspect")
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call(STEP, sched)
+        return self._call(Step(sched))
 
     def live_request_ids(self) -> list[str]:
         """The requests any rank still holds (each rank's set, merged)."""
-        return sorted(set().union(*self._call(LIVE_REQUESTS)))
+        return sorted(set().union(*self._call(LiveRequests())))
 
-    def _call(self, kind: str, payload=None):
+    def _call(self, message: Message):
+        """Send rank 0 a message and return the value of its Result; any other word from a rank ends the engine."""
         if self.error is not None:
             raise self.error
         try:
-            self.ranks[0][1].send_bytes(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+            self.ranks[0][1].send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
             pass  # rank 0 is gone: the wait below says how
         while True:
-            for rank, kind_, value in self._next_messages():
-                if rank == 0 and kind_ == "ok":
-                    return value
-                self._die(rank, kind_, value)
+            for rank, answer in self._next_messages():
+                if rank == 0 and answer.kind is Kind.RESULT:
+                    return answer.value
+                self._die(rank, answer)
 
-    def _next_messages(self):
-        """(rank, kind, value) for each local rank with something to say; kind "died" for a process that ended."""
+    def _next_messages(self) -> list[tuple[int, Ready | Failed | Result]]:
+        """(rank, message) for each local rank with something to say; a rank whose pipe ended (its process did)
+        reads as Failed with an EngineDeadError that gives its exit status."""
         conns = {id(conn): rank for rank, (_, conn) in self.ranks.items()}
         found = []
         for conn in wait([conn for _, conn in self.ranks.values()]):
             rank = conns[id(conn)]
             try:
-                kind, value = conn.recv()
+                found.append((rank, conn.recv()))
             except (EOFError, OSError):
-                proc = self.ranks[rank][0]
                 try:
-                    code = proc.wait(timeout=REPORT_GRACE_S)
+                    code = self.ranks[rank][0].wait(timeout=REPORT_GRACE_S)
                 except Exception:  # noqa: BLE001 - still alive after closing its pipe
                     code = None
-                kind, value = "died", EngineDeadError(f"tensor-parallel rank {rank} ended (exit status {code})")
-            found.append((rank, kind, value))
+                ended = EngineDeadError(f"tensor-parallel rank {rank} ended (exit status {code})")
+                found.append((rank, Failed(RemoteError.of(ended))))
         return found
 
-    def _die(self, rank: int, kind: str, value) -> None:
+    def _die(self, rank: int, message: Ready | Failed | Result) -> None:
         """Stop every local rank and raise EngineDeadError naming what each one said or how it ended."""
-        reasons = [f"rank {rank}: {value.describe() if kind == 'failed' else value}"]
+        reasons = [f"rank {rank}: {_describe(message)}"]
         if rank != 0:  # rank 0's report usually follows (its collective failed): worth the wait
             conn = self.ranks[0][1]
             if conn.poll(REPORT_GRACE_S):
                 try:
-                    kind0, value0 = conn.recv()
-                    if kind0 == "failed":
-                        reasons.append(f"rank 0: {value0.describe()}")
+                    answer = conn.recv()
+                    if answer.kind is Kind.FAILED:
+                        reasons.append(f"rank 0: {_describe(answer)}")
                 except (EOFError, OSError):
                     pass
         self.error = EngineDeadError("a tensor-parallel worker failed; " + "; ".join(reasons))
@@ -130,12 +133,19 @@ class MultiprocExecutor:
         _stop(self.ranks, grace=0)
 
 
+def _describe(message: Ready | Failed | Result) -> str:
+    """A rank's word where a Result was due: the error it reported, or the message it should not have sent."""
+    if message.kind is Kind.FAILED:
+        return message.error.describe()
+    return f"an unexpected {message.kind.value} message"
+
+
 def _stop(ranks: dict, grace: float = STOP_TIMEOUT_S) -> None:
     """Ask rank 0 to broadcast the shutdown, then wait for every local rank, killing one that lingers past
     `grace` seconds."""
     if grace > 0:
         try:
-            ranks[0][1].send_bytes(pickle.dumps((SHUTDOWN, None)))
+            ranks[0][1].send_bytes(pickle.dumps(Shutdown()))
         except (OSError, KeyError):
             pass
     for proc, conn in ranks.values():

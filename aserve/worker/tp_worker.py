@@ -1,13 +1,13 @@
 """A tensor-parallel rank's process: `python -m aserve.worker.tp_worker FD` (started by the multi-process executor,
 or by `aserve worker` on the other machines), and the loop every rank runs.
 
-Every rank runs the same loop: rank 0 takes the next message from the executor's pipe and broadcasts it (with the
-tokens it sampled last step) over the gloo group; every rank then runs it. A step is a forward on every rank (the
-model's own all-reduces and the logits gather inside it) and sampling on rank 0 alone, which answers the
-executor; the other ranks append rank 0's tokens when the next message arrives, so every rank's requests hold
-the same tokens with no extra collective. While the engine is idle rank 0 broadcasts a no-op every HEARTBEAT_S,
-so the other ranks' wait for the next step never reaches the collective timeout, and a dead rank is noticed even
-when nothing runs.
+Every rank runs the same loop: rank 0 takes the next message (a typed struct of tp_messages) from the executor's
+pipe and broadcasts it (with the tokens it sampled last step) over the gloo group; every rank then runs it. A step
+is a forward on every rank (the model's own all-reduces and the logits gather inside it) and sampling on rank 0
+alone, which answers the executor; the other ranks append rank 0's tokens when the next message arrives, so every
+rank's requests hold the same tokens with no extra collective. While the engine is idle rank 0 broadcasts a Noop
+every HEARTBEAT_S, so the other ranks' wait for the next step never reaches the collective timeout, and a dead rank
+is noticed even when nothing runs.
 
 Started with `-m` rather than multiprocessing's spawn (as the engine-core process is), so a user's script without
 a `__main__` guard is never imported again in the ranks.
@@ -21,35 +21,27 @@ import pickle
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+import msgspec
 import torch
 
 from aserve.errors import RemoteError
 from aserve.worker.distributed import DistributedPlan, broadcast_bytes, rank_device, rendezvous, threads_per_rank
+from aserve.worker.tp_messages import (Failed, Kind, Message, Noop, RankFacts, RankStart, RankStatus, Ready, Result,
+                                       Shutdown)
 
 log = logging.getLogger("aserve")
 HEARTBEAT_S = 5.0  # at most; a third of the collective timeout when that is shorter
-STEP, LIVE_REQUESTS, NOOP, SHUTDOWN = "step", "live_requests", "noop", "shutdown"
-
-
-@dataclass
-class RankStart:
-    """What a rank's process is told first, over its pipe."""
-    config: object  # EngineConfig
-    plan: DistributedPlan
-    rank: int
-    local_rank: int
-    log_level: int = logging.INFO
-    threads: int = 0  # torch threads; 0: this process's share (threads_per_rank)
+NOOP, SHUTDOWN = pickle.dumps(Noop()), pickle.dumps(Shutdown())  # what rank 0 broadcasts of its own accord
 
 
 def spawn_rank(start: RankStart) -> tuple[subprocess.Popen, Connection]:
-    """Start one rank's process; the returned pipe carries its start message, its answer (ready or failed),
+    """Start one rank's process; the returned pipe carries its start message, its answer (Ready or Failed),
     and, for rank 0, the steps. Its end of file means the process ended."""
-    start.threads = start.threads or threads_per_rank(start.plan.ranks_per_node)  # a share of ours
+    if not start.threads:  # a share of ours
+        start = msgspec.structs.replace(start, threads=threads_per_rank(start.plan.ranks_per_node))
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen([sys.executable, "-m", "aserve.worker.tp_worker", str(theirs.fileno()),
                              f"--rank={start.rank}"],  # for ps and tests; the rank itself comes with `start`
@@ -78,10 +70,10 @@ def run_rank(start: RankStart, conn: Connection | None) -> int:
         if device.type == "cpu":  # now, not in the first forward: a first build (10-30 s) there would keep the
             cpu_kernels.available()  # other ranks waiting in a collective, towards its timeout
         i = worker.info
-        status = {"facts": [i.model_class, i.dtype, i.kv_cache_dtype, i.num_blocks, i.num_host_blocks, i.vocab_size,
-                            config.block_size]}
+        status = RankStatus(facts=RankFacts(i.model_class, i.dtype, i.kv_cache_dtype, i.num_blocks,
+                                            i.num_host_blocks, i.vocab_size, config.block_size))
     except Exception as exc:  # noqa: BLE001 - every rank hears of it at the rendezvous
-        device, error, status = torch.device("cpu"), exc, {"error": f"{type(exc).__name__}: {exc}"}
+        device, error, status = torch.device("cpu"), exc, RankStatus(error=f"{type(exc).__name__}: {exc}")
     try:
         rendezvous(plan, tp, device, status)
         if error is not None:
@@ -89,7 +81,7 @@ def run_rank(start: RankStart, conn: Connection | None) -> int:
     except Exception as exc:  # noqa: BLE001
         return _fail(conn, start.rank, exc)
     if conn is not None:
-        conn.send(("ready", worker.info))
+        conn.send(Ready(worker.info))
     log.info("tensor-parallel rank %d of %d ready (%s, %d threads)", tp.rank, tp.size, device,
              torch.get_num_threads())
     try:
@@ -108,7 +100,7 @@ def _fail(conn: Connection | None, rank: int, exc: BaseException) -> int:
     log.error("tensor-parallel rank %d: %s: %s", rank, type(exc).__name__, exc)
     if conn is not None:
         try:
-            conn.send(("failed", RemoteError.of(exc)))
+            conn.send(Failed(RemoteError.of(exc)))
         except OSError:
             pass
     return 1
@@ -122,33 +114,35 @@ def serve(worker, tp, conn: Connection | None, timeout_s: float) -> None:
     heartbeat = min(HEARTBEAT_S, timeout_s / 3)
     while True:
         parts = None
-        if tp.rank == 0:
+        if tp.rank == 0:  # the executor's message goes on as the bytes it came in: pickled once, by the executor
             try:
-                message = conn.recv_bytes() if conn.poll(heartbeat) else pickle.dumps((NOOP, None))
+                raw = conn.recv_bytes() if conn.poll(heartbeat) else NOOP
             except (EOFError, OSError):  # the engine is gone: take the others down with us, cleanly
-                message = pickle.dumps((SHUTDOWN, None))
-            parts = [pickle.dumps(sampled), message]
+                raw = SHUTDOWN
+            parts = [pickle.dumps(sampled), raw]
             sampled = {}
-        tokens, message = broadcast_bytes(parts, tp)
-        kind, payload = pickle.loads(message)
+        tokens, raw = broadcast_bytes(parts, tp)
+        message: Message = pickle.loads(raw)
         if tp.rank != 0:
             worker.runner.append_sampled(pickle.loads(tokens))
-        if kind == NOOP:
+        if message.kind is Kind.NOOP:
             continue
-        if kind == SHUTDOWN:
+        if message.kind is Kind.SHUTDOWN:
             return
-        if kind == STEP:
+        if message.kind is Kind.STEP:
             with torch.profiler.record_function("aserve.step"):  # one per step, for the profiler's table
-                out = worker.execute(payload)
+                out = worker.execute(message.sched)
             if tp.rank == 0:
                 sampled = {rid: r.token_id for rid, r in out.sampled.items() if r.error is None}
                 _reply(conn, out)
-        elif kind == LIVE_REQUESTS:  # every rank's, so a test can see that they agree
+        elif message.kind is Kind.LIVE_REQUESTS:  # every rank's, so a test can see that they agree
             ids = sorted(worker.runner.requests)
             gathered = [None] * tp.size if tp.rank == 0 else None
             dist.gather_object(ids, gathered, dst=0, group=tp.cpu_group)
             if tp.rank == 0:
                 _reply(conn, gathered)
+        else:
+            raise TypeError(f"tensor-parallel rank {tp.rank} got a message it does not serve: {message!r}")
 
 
 @contextlib.contextmanager
@@ -168,7 +162,7 @@ def profiled(rank: int):
 
 def _reply(conn: Connection, value) -> None:
     try:
-        conn.send(("ok", value))
+        conn.send(Result(value))
     except OSError:
         pass  # the engine is gone; the next recv says so
 
@@ -192,9 +186,9 @@ def run_node(config, log_level: int = logging.INFO) -> int:
             for conn in wait([c for _, c in pending.values()]):
                 rank = next(r for r, (_, c) in pending.items() if c is conn)
                 try:
-                    kind, value = conn.recv()
-                    if kind == "failed":
-                        log.error("rank %d failed: %s", rank, value.describe())
+                    message: Ready | Failed = conn.recv()
+                    if message.kind is Kind.FAILED:
+                        log.error("rank %d failed: %s", rank, message.error.describe())
                     continue
                 except (EOFError, OSError):
                     proc, _ = pending.pop(rank)
