@@ -4,6 +4,9 @@ The engine core fills the bitmask rows in its own order; the worker samples in t
 rows are matched by request id here. The bitmask covers the tokenizer's vocabulary: logits past it (a
 model's embedding rows padded beyond its tokenizer) are tokens no grammar can allow, and are masked with
 one fill instead of bit by bit.
+
+The mask is applied where the logits are: its packed int32 words (a bit per token, 1/32 of the logits' elements)
+are laid out in the logits' row order on the host and uploaded; the logits never leave their device.
 """
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples (see append_sampled)
                 return result
-            logits = logits.cpu()  # the sampler runs here
+            # Sampling stays on the logits' device; only token ids and the logprobs asked for come back.
             if sched.structured_request_ids:
                 apply_grammar_bitmask(logits, [r.request_id for r in sample_reqs], sched.structured_request_ids,
                                       sched.grammar_bitmask)
@@ -186,13 +186,15 @@ class ModelRunner:
                     req.num_prompt_logprobs = last
                     row += n
                     continue
-                logprobs = logits.float().cpu().log_softmax(dim=-1)
-                targets = torch.tensor(req.all_token_ids[first + 1:last + 1])
-                chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+                logprobs = logits.float().log_softmax(dim=-1)  # on the logits' device: a few numbers come back
+                targets = req.all_token_ids[first + 1:last + 1]
+                index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+                chosen = logprobs.gather(1, index).squeeze(1).tolist()
                 tops = logprobs.topk(k, dim=-1) if k else None
+                top_ids, top_vals = (tops.indices.tolist(), tops.values.tolist()) if k else ([], [])
                 entries = found.setdefault(req.request_id, [])
-                for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
-                    top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if k else []
+                for j, (token, lp) in enumerate(zip(targets, chosen)):
+                    top = list(zip(top_ids[j], top_vals[j])) if k else []
                     entries.append((token, lp, top))
                 req.num_prompt_logprobs = last
             row += n

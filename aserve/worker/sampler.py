@@ -3,6 +3,11 @@
 Order as in vLLM: raw logprobs (for `logprobs`), min_tokens masking, penalties, then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> inverse-CDF sampling. A seeded request draws its uniform from
 its own generator, so its text does not depend on what else is in the batch.
+
+It runs where the logits are: its small tensors (parameters, uniforms, indices) are made on the logits' device,
+and what comes back to the host is the sampled token ids, the logprobs asked for, and a flag saying whether any
+row is unusable (its row indices when one is). On the CPU that is the same work as before: there is nothing to
+move. The uniforms are drawn on the host, from the same generators on every device, and uploaded.
 """
 from __future__ import annotations
 
@@ -28,24 +33,26 @@ class SampleResult:
     error: str | None = None  # this row's logits were unusable: the engine ends the request with an error
 
 
-def _pad(rows: list[list[int]], fill: int) -> torch.Tensor:
+def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> None:
     """Repetition (prompt and output), frequency and presence (output) penalties, in place."""
-    vocab = logits.shape[-1]
+    vocab, device = logits.shape[-1], logits.device
     sub = [reqs[i] for i in rows]
-    out_ids = _pad([r.output_token_ids for r in sub], vocab)
-    counts = torch.zeros(len(sub), vocab + 1).scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float))
+    out_ids = _pad([r.output_token_ids for r in sub], vocab, device)
+    counts = torch.zeros(len(sub), vocab + 1, device=device).scatter_add_(
+        1, out_ids, torch.ones_like(out_ids, dtype=torch.float))
     counts = counts[:, :vocab]
-    prompt_ids = _pad([r.prompt_token_ids for r in sub], vocab)
-    seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool).scatter_(1, prompt_ids, True)[:, :vocab] | (counts > 0)
-    rep = torch.tensor([r.params.repetition_penalty for r in sub]).clamp_(max=FP32_MAX).unsqueeze(1)
-    freq = torch.tensor([r.params.frequency_penalty for r in sub]).unsqueeze(1)
-    pres = torch.tensor([r.params.presence_penalty for r in sub]).unsqueeze(1)
-    index = torch.tensor(rows)
+    prompt_ids = _pad([r.prompt_token_ids for r in sub], vocab, device)
+    seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool, device=device).scatter_(
+        1, prompt_ids, True)[:, :vocab] | (counts > 0)
+    rep = torch.tensor([r.params.repetition_penalty for r in sub], device=device).clamp_(max=FP32_MAX).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub], device=device).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in sub], device=device).unsqueeze(1)
+    index = torch.tensor(rows, device=device)
     x = logits[index]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - freq * counts - pres * (counts > 0)
@@ -54,12 +61,12 @@ def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[i
 
 def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
     """top-k, top-p and min-p on temperature-scaled logits [R, V], all rows at once."""
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs]).unsqueeze(1)
-    top_p = torch.tensor([r.params.top_p for r in reqs]).unsqueeze(1)
-    min_p = torch.tensor([r.params.min_p for r in reqs]).unsqueeze(1)
+    vocab, device = logits.shape[-1], logits.device
+    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs], device=device).unsqueeze(1)
+    top_p = torch.tensor([r.params.top_p for r in reqs], device=device).unsqueeze(1)
+    min_p = torch.tensor([r.params.min_p for r in reqs], device=device).unsqueeze(1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1]).unsqueeze(0)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
     drop = ranks >= top_k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
@@ -82,7 +89,8 @@ def draw(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def unusable_rows(logits: torch.Tensor) -> list[int]:
     """Rows whose logits hold a NaN or +inf, or are all -inf: nothing can be sampled from them.
-    (One reduction over the batch's logits; amax propagates NaN.)"""
+    (One reduction over the batch's logits; amax propagates NaN. One flag crosses to the host, and the rows'
+    indices only when there are any.)"""
     peak = logits.amax(dim=-1)
     bad = ~torch.isfinite(peak)
     return bad.nonzero().flatten().tolist() if bad.any() else []
@@ -93,7 +101,7 @@ def keeping_a_candidate(logits: torch.Tensor, rows: list[int]):
     """Undo, row by row, a soft preference (min_tokens, penalties) that left a row nothing to sample: a grammar
     that must end now outranks min_tokens, and a penalty that overflows every allowed logit to -inf must not
     turn the draw into noise that the grammar then rejects."""
-    index = torch.tensor(rows)
+    index = torch.tensor(rows, device=logits.device)
     before = logits[index]
     yield
     emptied = ~torch.isfinite(logits[index].amax(dim=-1))
@@ -110,7 +118,7 @@ def reads_logits_as_they_are(r: RequestState) -> bool:
 
 
 def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]:
-    n = len(reqs)
+    n, device = len(reqs), logits.device
     bad_rows = unusable_rows(logits)
     if logits.dtype != torch.float32 and (bad_rows or not all(map(reads_logits_as_they_are, reqs))):
         logits = logits.float()  # what follows writes to the logits or needs fp32 arithmetic
@@ -139,34 +147,36 @@ def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]
     if len(random_rows) < n:
         tokens = logits.argmax(dim=-1)
     else:
-        tokens = torch.empty(n, dtype=torch.long)
+        tokens = torch.empty(n, dtype=torch.long, device=device)
     if random_rows:
         sub = [reqs[i] for i in random_rows]
-        index = torch.tensor(random_rows)
+        index = torch.tensor(random_rows, device=device)
         x = logits if len(random_rows) == n else logits[index]
         temperatures = [r.params.temperature for r in sub]
         if any(t != 1.0 for t in temperatures):
-            x = x / torch.tensor(temperatures).clamp_(MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
+            x = x / torch.tensor(temperatures, device=device).clamp_(MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
         if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
             x = _filter(x, sub)
-        uniform = torch.rand(len(sub))
+        uniform = torch.rand(len(sub))  # on the host (the generators' device); .to() is free on the CPU
         for j, r in enumerate(sub):
             if r.generator is not None:
                 uniform[j] = torch.rand(1, generator=r.generator)
-        tokens[index] = draw(x, uniform)
+        tokens[index] = draw(x, uniform.to(device))
 
-    token_list = tokens.tolist()
+    token_list = tokens.tolist()  # what every step brings to the host
     results = [SampleResult(t) for t in token_list]
-    if raw_logprobs is not None:
+    if raw_logprobs is not None:  # and the logprobs asked for: a few numbers a row, each tensor in one transfer
         k = max(reqs[i].params.logprobs for i in want_logprobs)
-        top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-        chosen = torch.tensor([token_list[i] for i in want_logprobs])
+        chosen = tokens[torch.tensor(want_logprobs, device=device)]
         chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
         ranks = (raw_logprobs > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
+        top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+        chosen_lps, rank_list = chosen_lp.tolist(), ranks.tolist()
+        top_vals, top_ids = (top_vals.tolist(), top_ids.tolist()) if k else (None, None)
         for j, i in enumerate(want_logprobs):
             res, kk = results[i], reqs[i].params.logprobs
-            res.logprob, res.rank = chosen_lp[j].item(), ranks[j].item()
-            res.top_logprobs = list(zip(top_ids[j, :kk].tolist(), top_vals[j, :kk].tolist())) if kk else []
+            res.logprob, res.rank = chosen_lps[j], rank_list[j]
+            res.top_logprobs = list(zip(top_ids[j][:kk], top_vals[j][:kk])) if kk else []
     for i in bad_rows:
         results[i] = SampleResult(results[i].token_id, error="the model produced NaN or infinite logits for it")
     assert len(results) == n
