@@ -1,11 +1,15 @@
-"""Tiny random models built with transformers' own config classes, and transformers as the reference."""
+"""Tiny random models built with transformers' own config classes, transformers as the reference, and waiting
+for a state (never for a time)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import shutil
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -177,3 +181,57 @@ def nan_model(model_dirs, tmp_path_factory):
     weights["model.embed_tokens.weight"][POISON] = float("nan")
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+# -- waiting for a state, never for a time -------------------------------------------------------------
+
+PATIENCE = 60.0  # seconds; only a hung engine misses it, however loaded the CI machine
+
+
+def wait_for(probe, ok=bool, what: str = "the awaited state", timeout: float = PATIENCE):
+    """Call `probe()` until `ok` holds for its value and return that value. The deadline only turns a hang into
+    a failure naming `what` and the last value seen; no test waits a fixed time for something to happen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not come within {timeout:g} s; last seen: {value!r}")
+        time.sleep(0.05)
+
+
+async def until(probe, ok=bool, what: str = "the awaited state", timeout: float = PATIENCE):
+    """`wait_for` for an async probe (an AsyncLLM's state, a request made with httpx.AsyncClient)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not come within {timeout:g} s; last seen: {value!r}")
+        await asyncio.sleep(0.05)
+
+
+def is_idle(state: dict) -> bool:
+    """Nothing live on either side of the core and every block free: what a test proves after its traffic."""
+    return (state["num_live_requests"] == state["num_collectors"] == 0 and state["num_running"] == 0
+            and state["num_waiting"] == state["num_swapped"] == 0 and state["num_free_blocks"] == state["num_blocks"])
+
+
+def server_state(url: str, api_key: str | None = None) -> dict:
+    """A server's /state (it needs the API key when the server has one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{url}/state", headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_idle(url: str, api_key: str | None = None) -> dict:
+    """Wait for a server to be idle (requests just aborted or timed out are freed a moment later)."""
+    return wait_for(lambda: server_state(url, api_key), is_idle, f"{url} to be idle")
+
+
+async def engine_idle(engine) -> dict:
+    """Wait for an AsyncLLM to be idle; return its state."""
+    return await until(engine.state, is_idle, "the engine to be idle")

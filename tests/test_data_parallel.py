@@ -7,7 +7,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aserve import LLM, AsyncLLM, SamplingParams
 from aserve.errors import ConfigError
 from aserve.engine.router import Router
-from conftest import random_prompts
+from conftest import engine_idle, random_prompts, wait_for
 from server_util import RunningServer
 
 FAMILY = "llama-gqa-tied"
@@ -99,12 +98,7 @@ def test_dp2_equals_dp1_per_request_and_spreads_the_load(model_dirs):
                 await stream.aclose()  # aborts go to the replica holding the request
             outs = await asyncio.gather(*[engine.infer({"prompt_token_ids": p}, GREEDY) for p in PROMPTS])
             assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
-            for _ in range(100):
-                state = await engine.state()
-                if state["num_live_requests"] == 0 and state["num_free_blocks"] == state["num_blocks"]:
-                    break
-                await asyncio.sleep(0.02)
-            assert state["num_live_requests"] == 0 and state["num_free_blocks"] == state["num_blocks"]
+            state = await engine_idle(engine)  # the two long ones are freed once their aborts reach their replicas
             assert state["data_parallel_size"] == 2 and state["num_replicas_alive"] == 2
             assert state["num_blocks"] == sum(r["num_blocks"] for r in state["replicas"])
             assert [r["in_flight"] for r in state["replicas"]] == [0, 0]
@@ -154,10 +148,8 @@ def test_server_reports_replicas_and_serves_on_when_one_dies(model_dirs):
         assert state["data_parallel_size"] == 2 and [r["alive"] for r in state["replicas"]] == [True, True]
         pids = [r["pid"] for r in state["replicas"]]
         assert len(set(pids)) == 2 and os.getpid() not in pids
-        deadline = time.monotonic() + 5
-        while sum(by_replica(srv.url, "aserve:generation_tokens_total").values()) < 32 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        tokens = by_replica(srv.url, "aserve:generation_tokens_total")
+        tokens = wait_for(lambda: by_replica(srv.url, "aserve:generation_tokens_total"),
+                          lambda t: sum(t.values()) >= 32, "the replicas' stats for the four requests")
         assert set(tokens) == {"0", "1"} and sum(tokens.values()) == 32 and min(tokens.values()) > 0
         assert by_replica(srv.url, "aserve:replica_up") == {"0": 1.0, "1": 1.0}
 

@@ -3,6 +3,8 @@ error) ends that request with an error, the others finish unchanged, and every b
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from aserve.engine.engine_core import EngineCore
 from aserve.errors import EngineOverloadedError
 from aserve.engine.output_processor import SequenceText
 from aserve.config import EngineConfig
-from conftest import POISON, kv_memory_for_blocks, random_prompts
+from conftest import POISON, engine_idle, is_idle, kv_memory_for_blocks, random_prompts
 
 PROMPTS = random_prompts(6, lengths=(5, 30), seed=11)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -124,21 +126,20 @@ def test_async_timeouts_and_failures_reach_only_their_caller(model_dirs, monkeyp
 
             engine.tokenizer.encode = encode
             long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-            results = await asyncio.gather(
-                engine.infer("poison", GREEDY),
-                engine.infer({"prompt_token_ids": PROMPTS[0]}, long, timeout=0.05),
-                engine.infer({"prompt_token_ids": PROMPTS[1]}, GREEDY),
-                return_exceptions=True)
+            core = engine.replicas.proc.pid
+            os.kill(core, signal.SIGSTOP)  # the timed request cannot be served in time, however fast the CPU
+            try:
+                calls = [asyncio.ensure_future(engine.infer("poison", GREEDY)),
+                         asyncio.ensure_future(engine.infer({"prompt_token_ids": PROMPTS[0]}, long, timeout=0.05)),
+                         asyncio.ensure_future(engine.infer({"prompt_token_ids": PROMPTS[1]}, GREEDY))]
+                await asyncio.wait(calls[:2])  # neither the tokenizer's failure nor the timeout needs the core
+            finally:
+                os.kill(core, signal.SIGCONT)
+            results = await asyncio.gather(*calls, return_exceptions=True)
             assert isinstance(results[0], RuntimeError) and "injected" in str(results[0])
             assert isinstance(results[1], RequestTimeoutError)
             assert results[2].outputs[0].finish_reason == "length"
-            for _ in range(100):
-                state = await engine.state()
-                if state["num_live_requests"] == 0 and state["num_free_blocks"] == state["num_blocks"]:
-                    break
-                await asyncio.sleep(0.02)
-            assert state["num_live_requests"] == 0 and state["num_collectors"] == 0
-            assert state["num_free_blocks"] == state["num_blocks"]
+            state = await engine_idle(engine)  # the timed-out request is freed once its abort reaches the core
             assert state["server_rss_bytes"] > 0 and state["core_rss_bytes"] > 0
     asyncio.run(main())
 
@@ -161,6 +162,5 @@ def test_a_model_fault_in_one_request_never_reaches_the_others(nan_model):
             assert [r.outputs[0].token_ids for r in mixed[3:]] == alone
             again = await asyncio.gather(*[engine.infer({"prompt_token_ids": p}, params) for p in clean])
             assert [r.outputs[0].token_ids for r in again] == alone
-            state = await engine.state()
-            assert state["num_live_requests"] == 0 and state["num_free_blocks"] == state["num_blocks"]
+            assert is_idle(await engine.state())  # finished requests are freed before the core answers
     asyncio.run(main())

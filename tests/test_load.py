@@ -3,12 +3,13 @@ timeouts and a model fault. Each ends with every block free, no live request, no
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 
 import httpx
 import pytest
 
-from conftest import POISON
+from conftest import POISON, until
 from load_tests.scenarios import Target, burst, disconnect_storm, malformed, wait_idle
 from server_util import RunningServer
 
@@ -88,18 +89,27 @@ def test_cors_is_off_unless_origins_are_allowed(server, guarded):
 
 
 def test_a_full_queue_answers_503_with_retry_after(guarded):
-    """Twelve requests reach a core that is stopped (SIGSTOP), so they queue up whatever the CPU's speed: the core
-    then admits them in one go, as many as --max-waiting-requests allows, and refuses the rest."""
+    """A long request holds the only seat (--max-num-seqs 1) until the test ends it, so twelve more queue up
+    whatever the CPU's speed: the core accepts as many as --max-waiting-requests allows and refuses the rest."""
     async def go():
         async with httpx.AsyncClient(base_url=guarded.url, timeout=120) as c:
+            room = (await c.get("/v1/models")).json()["data"][0]["max_model_len"] - 16
+            seat = {"prompt": "all the world is a stage", "max_tokens": room, "ignore_eos": True, "stream": True}
             body = {"prompt": "to be or not to be", "max_tokens": 8, "ignore_eos": True}
-            with guarded.core_stopped():
+            async with c.stream("POST", "/v1/completions", json=seat) as holder:
+                events = holder.aiter_lines()  # kept: dropping a half-read iterator would close the connection
+                while not (await anext(events)).startswith("data: "):
+                    pass  # until its first token: it holds the seat
                 sent = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(12)]
-                await asyncio.sleep(1.0)  # for the front end to pass them all to the (stopped) core
-            return await asyncio.gather(*sent)
+
+                async def queue():
+                    return sum(t.done() for t in sent), (await c.get("/state")).json()
+                await until(queue, lambda q: q[0] == 10 and (q[1]["num_running"], q[1]["num_waiting"]) == (1, 2),
+                            "ten refusals, with two requests waiting behind the seat's holder")
+            return await asyncio.gather(*sent)  # the holder hung up: its abort frees the seat for the two
     answers = asyncio.run(go())
     statuses = [r.status_code for r in answers]
-    assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses  # at least the waiting queue's two
+    assert sorted(statuses) == [200] * 2 + [503] * 10, statuses  # the waiting queue's two, and no more
     refused = next(r for r in answers if r.status_code == 503)
     assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "overloaded"
     assert asyncio.run(wait_idle(Target(guarded.url)))["idle"] is True
@@ -107,7 +117,8 @@ def test_a_full_queue_answers_503_with_retry_after(guarded):
 
 @pytest.fixture(scope="module")
 def timed():
-    s = RunningServer("--request-timeout", "1", "--dtype", "float32")
+    # 3 s: ample to admit a request on a loaded machine, as the stream in the test below must be
+    s = RunningServer("--request-timeout", "3", "--dtype", "float32")
     yield s
     s.stop()
 
@@ -116,9 +127,10 @@ def test_a_request_past_its_timeout_is_aborted_with_504(timed):
     """The timeout runs from arrival; a stopped core makes sure no request can finish in time on any CPU."""
     long = {"prompt": "to be", "max_tokens": 64, "ignore_eos": True}
     with timed.core_stopped():  # not even admitted in time: 504 as the answer's status, streamed or not
-        r = httpx.post(f"{timed.url}/v1/completions", json=long, timeout=60)
-        s = httpx.post(f"{timed.url}/v1/completions", json={**long, "stream": True}, timeout=60)
-    for answer in (r, s):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda b: httpx.post(f"{timed.url}/v1/completions", json=b, timeout=60),
+                                    [long, {**long, "stream": True}]))
+    for answer in answers:
         assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout", answer.text
     with httpx.stream("POST", f"{timed.url}/v1/completions", json={**long, "max_tokens": 2000, "stream": True},
                       timeout=60) as s:

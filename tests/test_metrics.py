@@ -6,7 +6,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from aserve import LLM, SamplingParams
-from conftest import kv_memory_for_blocks, random_prompts
+from conftest import kv_memory_for_blocks, random_prompts, wait_for
 from server_util import RunningServer, free_port
 
 GRAFANA = Path(__file__).parent.parent / "grafana"
@@ -177,24 +176,29 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(model_dirs, t
             body = {"prompt": list(range(1 + i, 40 + i)), "max_tokens": 30, "ignore_eos": True, "priority": i % 2}
             return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code
 
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # short load for a few scrape intervals
+        def missing_after_a_round() -> list[str]:
+            """Serve a round of load, then list the dashboard queries Prometheus has no data for yet."""
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 assert set(pool.map(one, range(16))) == {200}
-            up = httpx.get(f"{api}/query", params={"query": "aserve:generation_tokens_total"}).json()
-            if up["status"] == "success" and up["data"]["result"] and time.monotonic() > deadline - 52:
-                break
-        missing = []
-        for board, title, expr in dashboard_queries():
-            query = (expr.replace("$model_name", "tiny").replace("$__rate_interval", "30s"))
-            if query.startswith("label_values("):
-                metric = query[len("label_values("):].split(",")[0]
-                query = f"count by (model_name) ({metric})"
-            answer = httpx.get(f"{api}/query", params={"query": query}).json()
-            assert answer["status"] == "success", (board, title, query, answer)
-            if not answer["data"]["result"]:
-                missing.append(f"{board} / {title}: {urllib.parse.unquote(query)}")
-        assert not missing, "queries with no data:\n" + "\n".join(missing)
+            missing = []
+            for board, title, expr in dashboard_queries():
+                query = (expr.replace("$model_name", "tiny").replace("$__rate_interval", "30s"))
+                if query.startswith("label_values("):
+                    metric = query[len("label_values("):].split(",")[0]
+                    query = f"count by (model_name) ({metric})"
+                try:
+                    answer = httpx.get(f"{api}/query", params={"query": query}, timeout=10)
+                except httpx.TransportError:
+                    return ["prometheus is not listening yet"]
+                if answer.status_code == 503:
+                    return ["prometheus is not ready yet"]
+                assert answer.json()["status"] == "success", (board, title, query, answer.text)
+                if not answer.json()["data"]["result"]:
+                    missing.append(f"{board} / {title}: {urllib.parse.unquote(query)}")
+            return missing
+
+        # load goes on until every query has data (a rate needs two scrapes in its window), whatever the speed
+        wait_for(missing_after_a_round, lambda missing: not missing, "data for every dashboard query", timeout=180)
     finally:
         prom.terminate()
         prom.wait(timeout=30)
@@ -231,13 +235,12 @@ def test_server_metrics_endpoint(model_dirs):
                                                               "ignore_eos": True}).status_code == 200
         from prometheus_client.parser import text_string_to_metric_families
 
-        deadline = time.monotonic() + 5
-        while True:
+        def scrape():
             text = httpx.get(f"{srv.url}/metrics").text
-            samples = [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
-            if value(samples, "aserve:generation_tokens_total") == 5 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+            return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+        samples = wait_for(scrape, lambda s: value(s, "aserve:generation_tokens_total") >= 5,
+                           "the request's stats in /metrics")
         assert value(samples, "aserve:generation_tokens_total", model_name="tiny") == 5
         assert value(samples, "aserve:prompt_tokens_total", model_name="tiny") == 3
         assert value(samples, "aserve:request_success_total", finished_reason="length") == 1
