@@ -1,6 +1,10 @@
-"""Prompts and requests on their way in: one normalization and one validation, shared by LLM, AsyncLLM
+"""Prompts and requests on their way in: one normalization and one admission, shared by LLM, AsyncLLM
 and the server, so a prompt means the same everywhere and a bad one gets the same error (with the
 offending field as `param`) whichever door it came through.
+
+Admission (`admit_prompts`) is the front end's only check: tokenize, validate, check the output
+constraint, once per request. What it returns (`Admitted`) goes to the core unchecked on this side; the
+core's own `validate_request` stays the authoritative check for those who drive EngineCore directly.
 """
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from aserve.errors import InvalidRequestError
+from aserve.structured_output.grammar import check as check_constraint
 
 if TYPE_CHECKING:
     from aserve.sampling_params import SamplingParams
@@ -116,3 +121,28 @@ def validate_prompts(facts: EngineFacts, prompts: list[Prompt],
             if len(prompts) == 1:
                 raise
             raise InvalidRequestError(f"prompt {i}: {exc}", exc.param) from None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """One prompt that passed admission, with the sampling params it was admitted under: the front end
+    hands it to the core as it is, checking nothing again."""
+    text: str | None  # None when the prompt came as token ids
+    token_ids: list[int]
+    params: "SamplingParams"
+
+
+def admit_prompts(facts: EngineFacts, prompts: list[Prompt], params: "SamplingParams | Sequence[SamplingParams]",
+                  encode: Callable[[str], list[int]], constraint_field: str = "structured_outputs") -> list[Admitted]:
+    """Admit a batch: tokenize the prompts that came as text, validate every prompt, and check each distinct
+    output constraint once (an error names `constraint_field`, the request field it came in). Raises
+    InvalidRequestError before anything is queued; the caller runs it off the event loop when it encodes
+    text or checks a constraint (parsing a schema may take a while)."""
+    per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    tokenize(prompts, encode)
+    validate_prompts(facts, prompts, per_prompt)
+    for constraint in {id(sp.structured_outputs): sp.structured_outputs for sp in per_prompt}.values():
+        if constraint is not None:
+            check_constraint(constraint, constraint_field)
+    return [Admitted(prompt.text, prompt.token_ids, sp) for prompt, sp in zip(prompts, per_prompt)]
+

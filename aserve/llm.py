@@ -9,11 +9,10 @@ from tqdm.auto import tqdm
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore
 from aserve.errors import ConfigError
-from aserve.inputs import parse_prompts, tokenize, validate_prompts
+from aserve.inputs import admit_prompts, parse_prompts
 from aserve.metrics.loggers import StatLoggers
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
-from aserve.structured_output.grammar import check as check_constraint
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
 
@@ -50,7 +49,7 @@ class LLM:
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. Invalid input raises ValueError
         before anything is queued, so one bad prompt never leaves half a batch behind."""
-        prompts = tokenize(parse_prompts(prompts), self.engine.tokenizer.encode)
+        prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
@@ -59,17 +58,14 @@ class LLM:
         if len(params) != len(prompts) or len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params and "
                              f"{len(priorities)} priorities")
-        validate_prompts(self.engine.facts, prompts, params)
-        for constraint in {id(sp.structured_outputs): sp.structured_outputs for sp in params}.values():
-            if constraint is not None:
-                check_constraint(constraint)  # an invalid schema or regex fails here, before anything is queued
+        admitted = admit_prompts(self.engine.facts, prompts, params, self.engine.tokenizer.encode)
 
         ids_in_order = []
-        for prompt, sp, prio in zip(prompts, params, priorities):
+        for prompt, prio in zip(admitted, priorities):
             request_id = f"gen-{self._counter}"
             self._counter += 1
-            self.engine.add_request(prompt.token_ids, sp, request_id=request_id, prompt=prompt.text, priority=prio,
-                                    output_kind="final")
+            self.engine.add_request(prompt.token_ids, prompt.params, request_id=request_id, prompt=prompt.text,
+                                    priority=prio, output_kind="final")
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
 

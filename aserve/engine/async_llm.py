@@ -1,11 +1,12 @@
 """AsyncLLM: the engine core behind an asyncio API, for servers and async applications.
 
 The core runs in its own process (see core_process.py for why not a thread) and steps while work exists;
-the event loop only tokenizes (in an executor), sends commands and moves outputs. One background task
-takes each step's outputs and merges them into per-request collectors: a single slot each, so a slow
-consumer holds one merged output instead of a growing queue. A consumer that goes away aborts its
-request, which frees its blocks. With `data_parallel_size` N the core is N processes, one per replica, and
-replicas.py routes each request to one of them; the rest of this file does not know how many there are.
+the event loop only admits requests (once each, tokenizing in an executor), sends commands and moves
+outputs. One background task takes each step's outputs and merges them into per-request collectors: a
+single slot each, so a slow consumer holds one merged output instead of a growing queue. A consumer that
+goes away aborts its request, which frees its blocks. With `data_parallel_size` N the core is N processes,
+one per replica, and replicas.py routes each request to one of them; the rest of this file does not know
+how many there are.
 """
 from __future__ import annotations
 
@@ -23,12 +24,11 @@ from aserve.errors import (EngineDeadError, InvalidRequestError, ReplicaDeadErro
                                   RequestFailedError, RequestTimeoutError)
 from aserve.engine.messages import Abort, AddRequest, GetState
 from aserve.engine.replicas import ReplicaSet
-from aserve.inputs import Prompt, parse_prompt, parse_prompts, validate_request
+from aserve.inputs import Admitted, Prompt, admit_prompts, parse_prompt, parse_prompts
 from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
-from aserve.structured_output.grammar import check as check_constraint
 from aserve.worker.host_memory import rss_bytes
 
 log = logging.getLogger("aserve")
@@ -170,10 +170,6 @@ class AsyncLLM:
     def vocab_size(self) -> int:
         return self.facts.vocab_size
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise InvalidRequestError for a request the engine could never serve (no round trip to the core)."""
-        return validate_request(self.facts, prompt_token_ids, params)
-
     # -- life cycle -------------------------------------------------------------------------------
 
     def _ensure_started(self) -> None:
@@ -267,18 +263,26 @@ class AsyncLLM:
     async def run_in_tokenizer_pool(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    async def prepare_prompts(self, raw) -> list[Prompt]:
-        """One prompt or a batch in any accepted form (see aserve.inputs), tokenized off the event loop."""
-        return [await self._tokenized(prompt) for prompt in parse_prompts(raw)]
+    async def admit(self, prompts, sampling_params: SamplingParams | None = None,
+                    constraint_field: str = "structured_outputs") -> list[Admitted]:
+        """The front end's one admission of one prompt or a batch (any form aserve.inputs accepts): parse,
+        tokenize, validate, check the output constraint (its error names `constraint_field`). Raises
+        InvalidRequestError before anything is queued, so a server can answer 400 before a stream starts;
+        submit, generate and infer take each Admitted as it is."""
+        return await self._admit(parse_prompts(prompts), sampling_params or SamplingParams(), constraint_field)
 
-    async def _tokenized(self, prompt: Prompt) -> Prompt:
-        if prompt.token_ids is None:
-            prompt.token_ids = list(await self.run_in_tokenizer_pool(self.tokenizer.encode, prompt.text))
-        return prompt
+    async def _admit(self, prompts: list[Prompt], params: SamplingParams,
+                     constraint_field: str = "structured_outputs") -> list[Admitted]:
+        args = (self.facts, prompts, params, self.tokenizer.encode, constraint_field)
+        if params.structured_outputs is None and all(prompt.token_ids is not None for prompt in prompts):
+            return admit_prompts(*args)  # token ids alone are quick to validate
+        # Text to encode or a schema to parse may take a while: the whole batch goes off the loop in one hop.
+        return await self.run_in_tokenizer_pool(admit_prompts, *args)
 
     async def submit(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
                      priority: int = 0, output_kind: str = "delta", timeout: float | None = None) -> "RequestStream":
-        """Tokenize, validate and hand a request to the core; return its stream once the core has accepted it.
+        """Hand one request to the core; return its stream once the core has accepted it. `prompt` is an
+        Admitted (from admit(), with its own params: pass none here) or a raw prompt, which is admitted first.
 
         Refusals (bad input: ValueError; a full waiting queue: EngineOverloadedError) surface here, before any
         output, so a server can answer them with a status code. The caller must iterate or close the stream.
@@ -287,21 +291,22 @@ class AsyncLLM:
         arrival = time.monotonic()  # CLOCK_MONOTONIC is system-wide: the core's process reads the same clock
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.dead_error}")
-        params = sampling_params or SamplingParams()
-        prompt = await self._tokenized(parse_prompt(prompt))
+        if isinstance(prompt, Admitted):
+            if sampling_params is not None and sampling_params is not prompt.params:
+                raise TypeError("an Admitted prompt carries the sampling params it was admitted under; "
+                                "pass sampling_params=None with it")
+        else:
+            [prompt] = await self._admit([parse_prompt(prompt)], sampling_params or SamplingParams())
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.validate(prompt.token_ids, params)
-        if params.structured_outputs is not None:  # parsing a schema may take a while: off the event loop
-            await self.run_in_tokenizer_pool(check_constraint, params.structured_outputs)
         collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
         stream = RequestStream(self, request_id, collector, timeout, arrival)
-        admitted = self.replicas.call(AddRequest(prompt_token_ids=prompt.token_ids, params=params, request_id=request_id,
-                                             prompt=prompt.text, priority=priority, arrival_time=arrival,
-                                             output_kind=output_kind))
+        accepted = self.replicas.call(AddRequest(prompt_token_ids=prompt.token_ids, params=prompt.params,
+                                                 request_id=request_id, prompt=prompt.text, priority=priority,
+                                                 arrival_time=arrival, output_kind=output_kind))
         try:  # the timeout holds while the core is busy admitting too (its abort follows the add in order)
-            await asyncio.wait_for(asyncio.wrap_future(admitted), stream.remaining())
+            await asyncio.wait_for(asyncio.wrap_future(accepted), stream.remaining())
         except asyncio.TimeoutError:
             stream.close()
             raise stream.timeout_error() from None
@@ -313,7 +318,8 @@ class AsyncLLM:
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, output_kind: str = "delta",
                        timeout: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs: by default each carries only what is new since the last one."""
+        """Stream a request's outputs (`prompt`: raw or Admitted, as for submit): by default each carries
+        only what is new since the last one."""
         stream = await self.submit(prompt, sampling_params, request_id, priority, output_kind, timeout)
         try:
             async for output in stream:
@@ -323,7 +329,7 @@ class AsyncLLM:
 
     async def infer(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, timeout: float | None = None) -> RequestOutput:
-        """Run one request to the end and return its finished output."""
+        """Run one request (`prompt`: raw or Admitted, as for submit) to the end and return its finished output."""
         final = None
         async with aclosing(self.generate(prompt, sampling_params, request_id, priority, "final", timeout)) as stream:
             async for final in stream:
@@ -337,9 +343,10 @@ class AsyncLLM:
             if collector is not None:
                 collector.put(output)
 
-    async def state(self) -> dict:
-        """Free and used blocks, scheduler queues and live requests: what tests check to prove idleness."""
-        state = await asyncio.wrap_future(self.replicas.call(GetState()))
+    async def state(self, diagnostics: bool = False) -> dict:
+        """Free and used blocks, scheduler queues and live requests: what tests check to prove idleness.
+        `diagnostics` adds the core's heap and Python object counts (see EngineCore.state)."""
+        state = await asyncio.wrap_future(self.replicas.call(GetState(diagnostics=diagnostics)))
         state["num_collectors"] = len(self._collectors)  # live request objects on this side of the core
         state["server_rss_bytes"] = rss_bytes()
         return state

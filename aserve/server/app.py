@@ -20,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import aserve
 from aserve.engine.async_llm import AsyncLLM
-from aserve.inputs import validate_prompts
 from aserve.server import constraints, openai, protocol as p
 from aserve.server import ui as playground
 from aserve.server.errors import APIError, error_response, from_exception, stream_error
@@ -29,7 +28,8 @@ from aserve.server.openai import ServerContext
 from aserve.server.openapi import build_openapi
 from aserve.tool_parsers import load_tool_parser
 
-OPEN_PATHS = ("/health", "/version", "/metrics", "/state", "/openapi.json")  # everything else needs the API key if one is set
+# Everything else needs the API key if one is set; /state too, since it describes the engine's internals (as in vLLM)
+OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")
 OPEN_PATHS += playground.PATHS  # the playground page holds no secret; the key is typed into it
 
 
@@ -91,8 +91,15 @@ async def metrics(ctx: ServerContext, request: Request) -> Response:
     return Response(generate_latest(ctx.engine.stats.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+STATE_FLAGS = {"0": False, "false": False, "1": True, "true": True}
+
+
 async def state(ctx: ServerContext, request: Request) -> Response:
-    return json_response(await ctx.engine.state())
+    """The engine's counters (AsyncLLM.state); `?diagnostics=1` adds heap and Python object counts, cached."""
+    flag = request.query_params.get("diagnostics", "0").lower()
+    if flag not in STATE_FLAGS:
+        raise APIError(400, f"diagnostics must be 0 or 1 (or false or true), got {flag!r}", param="diagnostics")
+    return json_response(await ctx.engine.state(diagnostics=STATE_FLAGS[flag]))
 
 
 async def tokenize(ctx: ServerContext, request: Request) -> Response:
@@ -123,16 +130,15 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
     """vLLM's /generate: `{"text": [prompt + output, ...]}`; streamed as such objects, each followed by NUL."""
     req = await parse(request, p.GenerateRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
-    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16,
-                                 structured_outputs=await constraints.requested(ctx.engine, req))
-    prompt = (await ctx.engine.prepare_prompts([req.prompt]))[0]
-    validate_prompts(ctx.engine.facts, [prompt], params)
+    constraint, field = constraints.build(req)
+    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16, structured_outputs=constraint)
+    [prompt] = await ctx.engine.admit([req.prompt], params, field)
     prefix = prompt.text if prompt.text is not None else ctx.engine.tokenizer.decode(prompt.token_ids)
 
     kind = "cumulative" if req.stream else "final"
 
     async def outputs():
-        stream = await ctx.engine.submit(prompt, params, None, req.priority, kind, ctx.request_timeout)
+        stream = await ctx.engine.submit(prompt, None, None, req.priority, kind, ctx.request_timeout)
         try:
             yield None  # admitted (see openai.started)
             async for out in stream:

@@ -1,13 +1,13 @@
 """The output constraint an HTTP request asks for, whichever of its spellings it used: OpenAI's
 `response_format`, vLLM's `guided_json|regex|choice|grammar` extras, or vLLM's newer `structured_outputs`
-object. One per request; an invalid one is a 400 naming the field it came in.
+object. One per request; a malformed one is a 400 naming the field it came in here, and one that cannot
+compile is, at admission (AsyncLLM.admit checks it, given the field).
 """
 from __future__ import annotations
 
 from aserve.errors import InvalidRequestError
 from aserve.server import protocol as p
 from aserve.structured_output import StructuredOutputsParams
-from aserve.structured_output.grammar import check
 
 GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
           ("guided_grammar", "grammar"))
@@ -49,11 +49,3 @@ def build(req: p.SamplingFields) -> tuple[StructuredOutputsParams | None, str | 
         return StructuredOutputsParams(**kwargs), field
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{field}: {exc}", field) from None
-
-
-async def requested(engine, req: p.SamplingFields) -> StructuredOutputsParams | None:
-    """The request's constraint, checked (parsing a schema may take a while: off the event loop)."""
-    params, field = build(req)
-    if params is not None:
-        await engine.run_in_tokenizer_pool(check, params, field)
-    return params

@@ -11,12 +11,12 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from aserve.engine.async_llm import AsyncLLM, RequestStream
-from aserve.inputs import Prompt, validate_prompts
+from aserve.inputs import Admitted, Prompt
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.server import constraints, protocol as p, tools
 from aserve.server.errors import APIError, stream_error
 from aserve.server.http import SSE_DONE, json_response, merge_streams, parse, sse, until_disconnect
-from aserve.structured_output.grammar import check as check_constraint
+from aserve.structured_output import StructuredOutputsParams
 from aserve.tool_parsers import ToolParser
 
 
@@ -40,7 +40,7 @@ class ServerContext:
                            "model", "model_not_found")
 
 
-def _usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> p.Usage:
+def _usage(prompts: list[Admitted], outputs: list[RequestOutput]) -> p.Usage:
     prompt_tokens = sum(len(x.token_ids) for x in prompts)
     completion_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     cached = sum(out.num_cached_tokens or 0 for out in outputs)
@@ -82,20 +82,19 @@ def chat_logprobs(o: CompletionOutput, top: int, tokenizer) -> p.ChoiceLogprobs:
     return p.ChoiceLogprobs(content)
 
 
-async def submit_all(ctx: ServerContext, prompts: list[Prompt], params, request_id: str, priority: int,
+async def submit_all(ctx: ServerContext, prompts: list[Admitted], request_id: str, priority: int,
                      kind: str) -> list[RequestStream]:
-    """Hand every prompt to the engine, or none: a refusal (bad input, a full queue) closes those already in."""
+    """Hand every admitted prompt to the engine, or none: a refusal (a full queue) closes those already in."""
     streams: list[RequestStream] = []
     try:
         for i, x in enumerate(prompts):
-            streams.append(await ctx.engine.submit(x, params, f"{request_id}-{i}", priority, kind,
-                                                   ctx.request_timeout))
+            streams.append(await ctx.engine.submit(x, None, f"{request_id}-{i}", priority, kind, ctx.request_timeout))
     except BaseException:
         close_all(streams)
         raise
     if ctx.log_requests:
         log.info("request %s: %d prompt(s) %r, params %s", request_id, len(prompts),
-                 [x.text if x.text is not None else x.token_ids for x in prompts], params)
+                 [x.text if x.text is not None else x.token_ids for x in prompts], prompts[0].params)
     return streams
 
 
@@ -104,8 +103,8 @@ def close_all(streams: list[RequestStream]) -> None:
         stream.close()
 
 
-async def _infer_all(ctx: ServerContext, request: Request, prompts, params, request_id, priority):
-    streams = await submit_all(ctx, prompts, params, request_id, priority, "final")
+async def _infer_all(ctx: ServerContext, request: Request, prompts: list[Admitted], request_id, priority):
+    streams = await submit_all(ctx, prompts, request_id, priority, "final")
 
     async def run():
         finals = [None] * len(prompts)
@@ -137,10 +136,9 @@ async def started(body):
 async def completions(ctx: ServerContext, request: Request):
     req = await parse(request, p.CompletionRequest, ctx.max_body_bytes, ctx.body_timeout)
     ctx.check_model(req.model)
-    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16,
-                                 structured_outputs=await constraints.requested(ctx.engine, req))
-    prompts = await ctx.engine.prepare_prompts(req.prompt)
-    validate_prompts(ctx.engine.facts, prompts, params)
+    constraint, field = constraints.build(req)
+    params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16, structured_outputs=constraint)
+    prompts = await ctx.engine.admit(req.prompt, params, field)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     tokenizer = ctx.engine.tokenizer
     prefix = [(x.text if x.text is not None else tokenizer.decode(x.token_ids)) if req.echo else "" for x in prompts]
@@ -148,7 +146,7 @@ async def completions(ctx: ServerContext, request: Request):
     if req.stream:
         body = await started(_stream_completions(ctx, req, params, prompts, prefix, request_id, created))
         return StreamingResponse(ends_with_error_event(body), media_type="text/event-stream")
-    finals = await _infer_all(ctx, request, prompts, params, request_id, req.priority)
+    finals = await _infer_all(ctx, request, prompts, request_id, req.priority)
     choices = []
     for i, out in enumerate(finals):
         for o in out.outputs:
@@ -171,7 +169,7 @@ def ends_with_error_event(stream):
 
 async def _stream_completions(ctx, req, params, prompts, prefix, request_id, created):
     finals = [RequestOutput("", None, [], []) for _ in prompts]
-    streams = await submit_all(ctx, prompts, params, request_id, req.priority, "delta")
+    streams = await submit_all(ctx, prompts, request_id, req.priority, "delta")
     try:
         yield b""  # admitted (see started())
         async for chunk in _completion_chunks(ctx, req, params, streams, prompts, prefix, request_id, created,
@@ -249,24 +247,32 @@ def render_chat(tokenizer, messages: list[p.ChatMessage], add_generation_prompt:
     return text + ("assistant:" if add_generation_prompt else "")
 
 
+def encode_chat(tokenizer, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                tool_defs: list[dict] | None = None) -> Prompt:
+    """The conversation rendered by the chat template and encoded (the template writes the special tokens)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt, tool_defs)
+    return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
+
+
 async def chat_prompt(ctx: ServerContext, messages, add_generation_prompt: bool = True,
                       tool_defs: list[dict] | None = None) -> Prompt:
-    tokenizer = ctx.engine.tokenizer
-    text = await ctx.engine.run_in_tokenizer_pool(render_chat, tokenizer, messages, add_generation_prompt, tool_defs)
-    ids = await ctx.engine.run_in_tokenizer_pool(lambda: tokenizer.encode(text, add_special_tokens=False))
-    return Prompt(text, ids)
+    """The conversation as a prompt, rendered and encoded in one hop off the event loop."""
+    return await ctx.engine.run_in_tokenizer_pool(encode_chat, ctx.engine.tokenizer, messages, add_generation_prompt,
+                                                  tool_defs)
 
 
-async def chat_constraint(ctx: ServerContext, req: p.ChatCompletionRequest, tool_plan: tools.ToolPlan | None):
-    """The output constraint: the tools' grammar for tool_choice required or named, else the request's own."""
+def chat_constraint(req: p.ChatCompletionRequest,
+                    tool_plan: tools.ToolPlan | None) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output constraint and the field it came in: the tools' grammar for tool_choice required or named,
+    else the request's own. Admission checks that it compiles."""
+    asked = constraints.build(req)
     forced = tool_plan.constraint() if tool_plan is not None else None
     if forced is None:
-        return await constraints.requested(ctx.engine, req)
-    if constraints.build(req)[0] is not None:
+        return asked
+    if asked[0] is not None:
         raise APIError(400, "tool_choice required or a named function cannot be combined with another output "
                             "constraint", "tool_choice")
-    await ctx.engine.run_in_tokenizer_pool(check_constraint, forced, "tools")
-    return forced
+    return forced, "tools"
 
 
 def chat_message(o: CompletionOutput, tool_plan: tools.ToolPlan | None) -> tuple[p.AssistantMessage, str | None]:
@@ -287,11 +293,11 @@ async def chat_completions(ctx: ServerContext, request: Request):
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     tool_plan = tools.plan(req, ctx.tool_parser)
-    constraint = await chat_constraint(ctx, req, tool_plan)
-    prompt = await chat_prompt(ctx, req.messages, req.add_generation_prompt,
-                               tool_plan.template_tools() if tool_plan is not None else None)
+    constraint, field = chat_constraint(req, tool_plan)
     params = req.sampling_params(max_tokens, logprobs, default_max_tokens=None, structured_outputs=constraint)
-    validate_prompts(ctx.engine.facts, [prompt], params)
+    chat = await chat_prompt(ctx, req.messages, req.add_generation_prompt,
+                             tool_plan.template_tools() if tool_plan is not None else None)
+    [prompt] = await ctx.engine.admit(chat, params, field)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     tokenizer = ctx.engine.tokenizer
     top = req.top_logprobs or 0
@@ -299,7 +305,7 @@ async def chat_completions(ctx: ServerContext, request: Request):
     if req.stream:
         body = await started(_stream_chat(ctx, req, params, prompt, request_id, created, top, tool_plan))
         return StreamingResponse(ends_with_error_event(body), media_type="text/event-stream")
-    final = (await _infer_all(ctx, request, [prompt], params, request_id, req.priority))[0]
+    final = (await _infer_all(ctx, request, [prompt], request_id, req.priority))[0]
     choices = []
     for o in final.outputs:
         message, finish_reason = chat_message(o, tool_plan)
@@ -325,7 +331,7 @@ async def _stream_chat(ctx, req, params, prompt, request_id, created, top, tool_
     tokenizer = ctx.engine.tokenizer
     final = RequestOutput("", None, [], [])
     tool_streams: dict[int, tools.ToolStream] = {}
-    streams = await submit_all(ctx, [prompt], params, request_id, req.priority, "delta")
+    streams = await submit_all(ctx, [prompt], request_id, req.priority, "delta")
     try:
         yield b""  # admitted (see started())
         yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name,
