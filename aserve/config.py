@@ -8,6 +8,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from aserve.quantization import METHODS as QUANTIZATION_METHODS, resolve as resolve_quantization  # torch-free
+
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 DEFAULT_MODEL_NAME = "aserve-default"
 log = logging.getLogger("aserve")
@@ -32,7 +34,6 @@ def parse_memory(value: int | float | str) -> int:
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is fp8_e4m3
-QUANTIZATION_METHODS = ("int8", "gptq", "awq")  # aserve.quantization.METHODS, without importing it here
 
 
 def option(default, help: str, **cli):
@@ -178,7 +179,6 @@ def check_before_loading(model: str | None, policy, policy_options: dict | None 
     from aserve.errors import ModelLoadError, ModelNotFoundError
     from aserve.models.registry import check_model_dir, read_config
     from aserve.policy import resolve_policy
-    from aserve.quantization import resolve as resolve_quantization
 
     resolve_policy(policy, policy_options)
     model = model or str(DEFAULT_MODEL_DIR)

@@ -326,7 +326,7 @@ def test_option_values_are_checked():
 def test_round_to_nearest_gptq_and_awq_copies_hold_the_same_weights(model_dirs, tmp_path):
     """The quality tool's writer: its GPTQ and AWQ copies of one model load to the same weights (the two packings
     of one quantization), each within half a step of the original."""
-    from aserve.quantization.rtn import write_rtn_checkpoint
+    from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
     loaded = {}
     for method in ("gptq", "awq"):

@@ -1,5 +1,6 @@
-"""The execution layer's seams hold: the core is free of torch, the scheduler hands the worker plain data
-whose diffs rebuild exactly the scheduler's view, models load lazily by architecture, backends by name."""
+"""The execution layer's seams hold: the core and the engine options are free of torch, the scheduler hands the
+worker plain data whose diffs rebuild exactly the scheduler's view, models load lazily by architecture, backends by
+name."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,12 @@ from conftest import kv_memory_for_blocks, random_prompts
 PLAIN = (str, int, float, bool, bytes, type(None), Params)  # bytes: a structured-output bitmask's rows
 
 
-def test_the_core_imports_no_torch():
+def test_the_core_and_the_settings_import_no_torch():
+    """The engine options and their checks too (config, and the weight formats' spec it reads), so a wrong flag
+    fails before torch loads (tests/test_floors.py: the settings floor)."""
     code = ("import sys, aserve.core.scheduler, aserve.core.kv_cache_manager, aserve.core.block_pool, "
-            "aserve.models.registry; assert 'torch' not in sys.modules, 'torch was imported'")
+            "aserve.models.registry, aserve.config, aserve.quantization; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -3,8 +3,8 @@
 vLLM's names and conventions: `fp8` (= `fp8_e4m3`) or `fp8_e5m2`; the cache holds the FP8 bit patterns as
 uint8 (so every copy, swap and zeroing of blocks stays a byte copy), a value x is stored as fp8(x / scale),
 saturated to the format's largest finite value, and read back as fp8 * scale. Scales come from the
-checkpoint (`...self_attn.k_scale` / `v_scale`, or one `kv_scale` for both), else are estimated from the
-first batch each layer sees when asked (`calculate_kv_scales`), else are 1.0, as vLLM does.
+checkpoint (read by models.loader.checkpoint_kv_scales), else are estimated from the first batch each layer
+sees when asked (`calculate_kv_scales`), else are 1.0, as vLLM does.
 
 Attention reads the cache through the backend, which dequantizes inside its kernel or, on the torch path,
 right after gathering a context. The kernels (C++ decode, Triton) widen a byte through fp16 bit patterns:
@@ -13,18 +13,13 @@ e5m2 is an fp16's top byte; e4m3's exponent and mantissa moved into fp16's place
 """
 from __future__ import annotations
 
-import logging
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from aserve.config import KV_CACHE_DTYPES
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import write_kv
-
-log = logging.getLogger("aserve")
 
 # Headroom of an estimated scale: the first batch's largest |x| lands at half the format's range, so later
 # batches up to twice as large still fit (vLLM divides by a fixed 200 for e4m3's 448 for the same reason).
@@ -82,36 +77,6 @@ def estimate_scales(layer, key: torch.Tensor, value: torch.Tensor, fmt: FP8Forma
 
     layer.k_scale, layer.v_scale = scale(key), scale(value)
     layer.kv_scales_pending = False
-
-
-_SCALE_NAME = re.compile(r"layers\.(\d+)\..*?\b(k_scale|v_scale|kv_scale)$")
-
-
-def is_scale_tensor(name: str) -> bool:
-    """True for a checkpoint's KV cache scale (which the model's weights loading skips)."""
-    return _SCALE_NAME.search(name) is not None
-
-
-def checkpoint_scales(model_dir: str | Path) -> dict[int, tuple[float, float]]:
-    """{layer: (k_scale, v_scale)} from the checkpoint's safetensors, for the layers that have them."""
-    from safetensors import safe_open
-
-    from aserve.models.loader import checkpoint_files
-
-    found: dict[int, dict[str, float]] = {}
-    for file in checkpoint_files(Path(model_dir)):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                m = _SCALE_NAME.search(name)
-                if m:
-                    found.setdefault(int(m.group(1)), {})[m.group(2)] = float(f.get_tensor(name).float().reshape(-1)[0])
-    scales = {}
-    for layer, named in found.items():
-        both = named.get("kv_scale", 1.0)
-        scales[layer] = (named.get("k_scale", both), named.get("v_scale", both))
-    if scales:
-        log.info("KV cache scales for %d layers from the checkpoint", len(scales))
-    return scales
 
 
 def write(layer, kv_cache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,

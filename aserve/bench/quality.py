@@ -3,7 +3,7 @@
 The candidate is the engine the flags describe (`--quantization int8`, `--kv-cache-dtype fp8`, `--dtype bfloat16`,
 ...); the reference is the same model with every option in CANDIDATE_ONLY reset and dtype float32. A lossy option
 added later joins CANDIDATE_ONLY and is measured the same way. For `--quantization gptq|awq` on a 16/32-bit model the
-tool first writes a round-to-nearest 4-bit copy in that format (aserve.quantization.rtn) and loads it.
+tool first writes a round-to-nearest 4-bit copy in that format (aserve.bench.quantize_rtn) and loads it.
 
 Three figures, all from the engine's own outputs:
 - perplexity of both on a held-out text (windows of `--window` tokens, every token after the first scored);
@@ -110,7 +110,7 @@ def spread_prompts(tokens: list[int], count: int, length: int) -> list[list[int]
 def main(args: argparse.Namespace) -> None:
     from aserve import LLM
     from aserve.models.registry import read_config
-    from aserve.quantization.rtn import write_rtn_checkpoint
+    from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
     candidate_options = engine_options(args)
     reset = {k: v for k, v in CANDIDATE_ONLY.items() if k in candidate_options}

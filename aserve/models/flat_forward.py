@@ -7,40 +7,80 @@ every answer is the same for the whole model (the CPU kernels built, every linea
 in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a step whose attention
 the kernels take (decode rows and prefill chunks, over a cache in the model's dtype) is the same ops in the
 same order with nothing between them: bit for bit the modules' output (tests/test_flat_forward.py). Anything
-else (an FP8 cache, another layer type) goes through the modules as before.
+else (an FP8 cache, another layer type) goes through the modules as before. The model says what its layers are:
+it builds one `FlatLayer` per layer (llama.LlamaForCausalLM.flat_layers), all the loop reads of them.
 
 Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), a decode step with the flat path on and off in
-alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against 89.7 ms and 96.7 against
-101.1 (two runs), fp32 173.3 against 180.8; batch 1 bf16 23.8 against 27.6 ms.
+alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against 89.7 ms and
+96.7 against 101.1 (two runs), fp32 173.3 against 180.8; batch 1 bf16 23.8 against 27.6 ms.
 `ASERVE_FLAT_FORWARD=0` turns it off.
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from aserve.attention import Attention
+from aserve.attention.torch_backend import TorchAttentionBackend
 from aserve.models.layers import RMSNorm
 from aserve.ops import cpu_kernels
-from aserve.ops.cpu_gemm import packed_linear
+from aserve.ops.cpu_gemm import PackedWeight, packed_linear
 from aserve.quantization.base import UnquantizedLinearMethod
 
 UNBUILT = object()  # a model's `flat` before its first step
 
 
-def _packed(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _packed(linear) -> tuple[PackedWeight, torch.Tensor | None] | None:
     """(packed weight, bias) of a dense prepacked aserve Linear; None for anything else."""
     if isinstance(getattr(linear, "method", None), UnquantizedLinearMethod) and linear.packed is not None:
         return linear.packed, linear.bias
     return None
 
 
+class FlatLayer(NamedTuple):
+    """One pre-norm decoder layer as the loop runs it: x + attn(norm_in(x)), then + the SwiGLU MLP of
+    norm_post(.). The model that owns the layers builds it (`of`, from its parts); the loop unpacks it in this order
+    every step, as fast as a plain tuple."""
+    norm_in: RMSNorm
+    qkv_weight: PackedWeight  # q | k | v fused
+    qkv_bias: torch.Tensor | None
+    q_size: int  # this layer's query features, then kv_size of keys and of values, in qkv's output
+    kv_size: int
+    attn: Attention  # heads, scale, sliding window and KV scales
+    q_norm: RMSNorm | None  # Qwen3: RMSNorm over each head's queries and keys; None elsewhere
+    k_norm: RMSNorm | None
+    o_weight: PackedWeight
+    o_bias: torch.Tensor | None
+    norm_post: RMSNorm
+    gate_up_weight: PackedWeight  # gate | up fused
+    gate_up_bias: torch.Tensor | None
+    down_weight: PackedWeight
+    down_bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, norm_in: nn.Module, qkv_proj: nn.Module, q_size: int, kv_size: int, attn: Attention,
+           q_norm: nn.Module | None, k_norm: nn.Module | None, o_proj: nn.Module, norm_post: nn.Module,
+           gate_up_proj: nn.Module, down_proj: nn.Module, dtype: torch.dtype) -> "FlatLayer | None":
+        """The record of a layer whose parts the loop runs as they are; None where one is not: a linear layer
+        that is not dense and prepacked, a norm of another kind or dtype, soft-capped attention logits."""
+        linears = [_packed(x) for x in (qkv_proj, o_proj, gate_up_proj, down_proj)]
+        norms = [norm_in, norm_post] + ([q_norm, k_norm] if q_norm is not None else [])
+        if (any(x is None for x in linears) or attn.logit_softcap
+                or any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms)):
+            return None
+        (qkv_w, qkv_b), (o_w, o_b), (gate_up_w, gate_up_b), (down_w, down_b) = linears
+        return cls(norm_in, qkv_w, qkv_b, q_size, kv_size, attn, q_norm, k_norm, o_w, o_b, norm_post,
+                   gate_up_w, gate_up_b, down_w, down_b)
+
+
 class FlatForward:
     """The decoder stack's forward for the steps it takes (`takes`); built by `build`, or None where the model
     has anything the loop does not run."""
 
-    def __init__(self, model, layers: list[tuple]):
+    def __init__(self, model, layers: list[FlatLayer]):
         self.embed = model.embed_tokens.weight
         self.rope = model.rope
         self.norm = model.norm
@@ -48,8 +88,8 @@ class FlatForward:
 
     @classmethod
     def build(cls, model: nn.Module) -> "FlatForward | None":
-        from aserve.models.llama import DecoderLayer
-
+        """`model`: a decoder stack with `embed_tokens`, `rope`, `norm`, `tp` and `flat_layers(dtype)`, which
+        gives each layer's FlatLayer, or None where one is not this block (llama.LlamaForCausalLM)."""
         if os.environ.get("ASERVE_FLAT_FORWARD", "1") == "0" or model.tp.size != 1:
             return None
         if type(model.embed_tokens) is not nn.Embedding or model.rope is None or not cpu_kernels.available():
@@ -58,30 +98,13 @@ class FlatForward:
         dtype = weight.dtype
         if weight.device.type != "cpu" or dtype not in cpu_kernels.KERNEL_DTYPES or model.rope.cos.dtype != dtype:
             return None
-        layers = []
-        for layer in model.layers:
-            if type(layer) is not DecoderLayer:
-                return None
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [_packed(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if any(x is None for x in linears) or not mlp.swiglu or attn.attn.logit_softcap:
-                return None
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if attn.q_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
-            if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms):
-                return None
-            a = attn.attn
-            layers.append((layer.input_layernorm, *linears[0], attn.q_size, attn.kv_size, a, attn.q_norm, attn.k_norm,
-                           *linears[1], layer.post_attention_layernorm, *linears[2], *linears[3]))
-        return cls(model, layers)
+        layers = model.flat_layers(dtype)
+        return None if layers is None else cls(model, layers)
 
     @staticmethod
     def takes(meta) -> bool:
         """Whether the kernels take this step's attention: a cache in the model's dtype read by the torch backend,
         with no gradient recorded (the kernels have none). Decode rows and prefill chunks alike."""
-        from aserve.attention.torch_backend import TorchAttentionBackend
-
         backend = getattr(meta, "backend", None)
         return (not torch.is_grad_enabled() and isinstance(backend, TorchAttentionBackend)
                 and backend.kv_format is None)
@@ -93,13 +116,13 @@ class FlatForward:
         slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
         x = nn.functional.embedding(input_ids, self.embed)
         T, residual = x.shape[0], None
-        for (norm_in, qkv_w, qkv_b, q_size, kv_size, attn, q_norm, k_norm, o_w, o_b, norm_post, gate_up_w, gate_up_b,
-             down_w, down_b), (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for (norm_in, qkv_weight, qkv_bias, q_size, kv_size, attn, q_norm, k_norm, o_weight, o_bias, norm_post,
+             gate_up_weight, gate_up_bias, down_weight, down_bias), (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
                 residual, x = x, ops.rms_norm(x, norm_in.weight, norm_in.eps)
             else:
                 x = ops.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
-            q, k, v = linear(x, qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = linear(x, qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
             H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
             q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
             if q_norm is not None:  # Qwen3: RMSNorm over each head's features
@@ -114,6 +137,7 @@ class FlatForward:
             if prefill is not None:
                 ops.paged_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, *prefill, attn.scale, window, 0.0,
                                             attn.k_scale, attn.v_scale, 0)
-            x = ops.add_rms_norm(linear(out.view(T, H * D), o_w, o_b), residual, norm_post.weight, norm_post.eps)
-            x = linear(ops.silu_and_mul(linear(x, gate_up_w, gate_up_b)), down_w, down_b)
+            x = ops.add_rms_norm(linear(out.view(T, H * D), o_weight, o_bias), residual, norm_post.weight,
+                                 norm_post.eps)
+            x = linear(ops.silu_and_mul(linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -15,7 +15,7 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models import parallel
-from aserve.models.flat_forward import UNBUILT, FlatForward
+from aserve.models.flat_forward import UNBUILT, FlatForward, FlatLayer
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
 
@@ -133,6 +133,17 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def flat_layer(self, dtype: torch.dtype) -> FlatLayer | None:
+        """This layer as the flat forward runs it (models.flat_forward); None where it cannot (an MLP other than
+        SwiGLU, or a part FlatLayer.of refuses)."""
+        attn, mlp = self.self_attn, self.mlp
+        if not mlp.swiglu:
+            return None
+        return FlatLayer.of(norm_in=self.input_layernorm, qkv_proj=attn.qkv_proj, q_size=attn.q_size,
+                            kv_size=attn.kv_size, attn=attn.attn, q_norm=attn.q_norm, k_norm=attn.k_norm,
+                            o_proj=attn.o_proj, norm_post=self.post_attention_layernorm,
+                            gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj, dtype=dtype)
+
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name piece -> (our parameter name piece, shard index in the fused weight)
@@ -178,6 +189,13 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def flat_layers(self, dtype: torch.dtype) -> list[FlatLayer] | None:
+        """Every layer as the flat forward runs it; None unless all are this Llama block and it can run each."""
+        if any(type(layer) is not DecoderLayer for layer in self.layers):
+            return None
+        layers = [layer.flat_layer(dtype) for layer in self.layers]
+        return None if any(layer is None for layer in layers) else layers
 
     def output_weight(self) -> torch.Tensor:
         """The logits projection: the embedding when tied."""

@@ -1,10 +1,12 @@
 """Load a model from a local Hugging Face folder: config.json, safetensors (single or sharded), tokenizer,
-generation_config.json. Errors name the file or the field at fault."""
+generation_config.json, and the FP8 KV cache scales a checkpoint may hold. Errors name the file or the field at
+fault."""
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -12,7 +14,6 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from aserve.attention.kv_quant import is_scale_tensor
 from aserve.hardware import native, resolve_dtype
 from aserve.models import parallel
 from aserve.models.interface import CausalLM
@@ -21,6 +22,11 @@ from aserve.ops.cpu_gemm import gemm_name, prepack_linears
 from aserve.quantization import resolve as resolve_quantization
 
 log = logging.getLogger("aserve")
+
+# A checkpoint's FP8 KV cache scales (vLLM's names): `...layers.N.self_attn.k_scale` / `v_scale`, or one
+# `kv_scale` for both. They are not the model's weights: `fill_weights` skips them, `checkpoint_kv_scales` reads them.
+KV_SCALE_NAME = re.compile(r"layers\.(\d+)\..*?\b(k_scale|v_scale|kv_scale)$")
+
 
 @dataclass
 class LoadedModel:
@@ -70,13 +76,32 @@ def fill_weights(model: CausalLM, files: list[Path], lazy: bool = False) -> None
     def tensors():
         for file_name, name, tensor in checkpoint_tensors(files, lazy):
             current[0] = file_name
-            if not is_scale_tensor(name):  # KV cache scales: the worker reads them for an FP8 cache
+            if not KV_SCALE_NAME.search(name):
                 yield name, tensor
     try:
         model.load_weights(tensors())
     except ValueError as exc:
         where = current[0] if "lacks weights" not in str(exc) else f"checkpoint in {files[0].parent}"
         raise ValueError(f"{where}: {exc}") from None
+
+
+def checkpoint_kv_scales(model_dir: str | Path) -> dict[int, tuple[float, float]]:
+    """{layer: (k_scale, v_scale)} from the checkpoint's safetensors, for the layers that have them: an FP8 KV
+    cache's scales (attention.kv_quant.set_scales gives them to the attention layers)."""
+    found: dict[int, dict[str, float]] = {}
+    for file in checkpoint_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                m = KV_SCALE_NAME.search(name)
+                if m:
+                    found.setdefault(int(m.group(1)), {})[m.group(2)] = float(f.get_tensor(name).float().reshape(-1)[0])
+    scales = {}
+    for layer, named in found.items():
+        both = named.get("kv_scale", 1.0)
+        scales[layer] = (named.get("k_scale", both), named.get("v_scale", both))
+    if scales:
+        log.info("KV cache scales for %d layers from the checkpoint", len(scales))
+    return scales
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device = torch.device("cpu"),

@@ -57,7 +57,7 @@ def resolve(config: dict, quantization: str | None = None, quantize_lm_head: boo
     if quantization in PREQUANTIZED:
         raise ValueError(f"--quantization {quantization} loads checkpoints quantized with {quantization}, and this "
                          "config.json has no quantization_config; use --quantization int8 to quantize at load, or "
-                         f"write a {quantization} copy first (round-to-nearest: python -m aserve.quantization.rtn "
+                         f"write a {quantization} copy first (round-to-nearest: python -m aserve.bench.quantize_rtn "
                          f"SRC DST --method {quantization})")
     if quantization == "int8":
         return QuantSpec("int8", quantize_lm_head=quantize_lm_head)

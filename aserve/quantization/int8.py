@@ -1,7 +1,7 @@
 """int8 weight-only linear layers: the checkpoint's dense weight, quantized at load to int8 with one symmetric
 scale per output channel (w ~ q * scale, q in [-127, 127]).
 
-On the CPU with aserve's kernels (aserve/ops/csrc/cpu_kernels.cpp) the codes are stored tiled, [ceil(out/16),
+On the CPU with aserve's kernels (aserve/ops/csrc/int8_linear.cpp) the codes are stored tiled, [ceil(out/16),
 in, 16], one byte a weight: for each input feature, sixteen output channels side by side, so `int8_linear`
 multiplies a whole vector of them by one broadcast activation, with no horizontal sums (the layout of torch's
 int4 kernel, without the nibbles). Up to KERNEL_MAX_ROWS rows (decode batches) run on it; larger batches

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from aserve.attention import kv_quant
 from aserve.config import EngineConfig
 from aserve.core.scheduler import SchedulerOutput
 from aserve.hardware import resolve_device
-from aserve.models.loader import load_model
+from aserve.models.loader import checkpoint_kv_scales, load_model
 from aserve.models.parallel import TensorParallel
 from aserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -44,7 +43,7 @@ class Worker:
             torch.cuda.set_device(device)
         loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len,
                             quantization=config.quantization, quantize_lm_head=config.quantize_lm_head, tp=tp)
-        scales = kv_quant.checkpoint_scales(config.model) if config.kv_cache_dtype != "auto" else None
+        scales = checkpoint_kv_scales(config.model) if config.kv_cache_dtype != "auto" else None
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
                                   config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,
                                   config.calculate_kv_scales, config.kv_cache_prefault_tokens)

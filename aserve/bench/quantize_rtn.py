@@ -1,12 +1,13 @@
 """Write a GPTQ- or AWQ-format 4-bit copy of a 16/32-bit checkpoint by round-to-nearest (no calibration data), so
 the int4 loading path can be measured on any model (`aserve bench quality --quantization gptq|awq`, or
-`python -m aserve.quantization.rtn SRC DST --method gptq|awq` to keep the copy).
+`python -m aserve.bench.quantize_rtn SRC DST --method gptq|awq` to keep the copy). A measuring tool, not the
+runtime's: it lives with the bench command that writes these copies, above the loader it reads checkpoints with.
 
 Each linear layer's weight inside the decoder (not the logits projection) is quantized per group of inputs as
 GPTQ's own quantizer does it: the range [min(w, 0), max(w, 0)] split into 15 steps, scale = range / 15 (stored in
 fp16, and the codes computed against the stored scale), zero = round(-min / scale), q = clamp(round(w / scale) +
-zero, 0, 15). The files follow the formats' definitions in gptq.py and awq.py (GPTQ as checkpoint_format `gptq`,
-zero points stored minus one).
+zero, 0, 15). The files follow the formats' definitions in quantization/gptq.py and awq.py (GPTQ as checkpoint_format
+`gptq`, zero points stored minus one).
 """
 from __future__ import annotations
 
