@@ -13,7 +13,7 @@ import pytest
 from aserve import AsyncLLM, EngineDeadError, SamplingParams
 from aserve.errors import (EngineError, EngineOverloadedError, InvalidRequestError, PolicyLoadError,
                                   RemoteEngineError, RemoteError)
-from conftest import random_prompts
+from conftest import random_prompts, until
 
 PROMPTS = random_prompts(6, lengths=(4, 30), seed=21)
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -27,12 +27,9 @@ def engine_factory(model_dirs):
 
 
 async def idle_state(engine):
-    for _ in range(100):
-        state = await engine.state()
-        if state["num_live_requests"] == 0 and state["num_free_blocks"] == state["num_blocks"]:
-            return state
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not idle: {await engine.state()}")
+    """The core holds nothing and every block is free (a collector may still hold an unread final output)."""
+    return await until(engine.state, lambda s: s["num_live_requests"] == 0 and s["num_free_blocks"] == s["num_blocks"],
+                       "the core to hold no request")
 
 
 def test_streamed_deltas_add_up_to_the_final_output(engine_factory):
@@ -75,7 +72,7 @@ def test_abort_and_cancelled_consumers_free_their_blocks(engine_factory):
             task = asyncio.create_task(consume("will-cancel"))
             aborted = engine.generate("abort me too", long, request_id="will-abort")
             await anext(aborted)
-            await asyncio.sleep(0.1)
+            await until(engine.state, lambda s: s["num_running"] == 2, "both requests to be running")
             task.cancel()
             await engine.abort("will-abort")
             last = await anext(aborted)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from conftest import wait_idle
 from server_util import RunningServer
 
 KEY = "playground-key"
@@ -136,14 +136,7 @@ def test_chat_streams_stop_frees_the_request_and_charts_update(server, browser):
     assert "tokens ·" in stats and "TTFT" in stats and "tokens/s" in stats and "finish: stopped" in stats, stats
     assert el("send").is_enabled() and not el("stop").is_enabled()
 
-    deadline = time.monotonic() + 15  # the closed connection aborted the request: its blocks are free again
-    while True:
-        s = httpx.get(f"{server.url}/state", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
-        if (s["num_running"], s["num_waiting"], s["num_swapped"], s["num_live_requests"], s["num_collectors"]) \
-                == (0, 0, 0, 0, 0) and s["num_free_blocks"] == s["num_blocks"]:
-            break
-        assert time.monotonic() < deadline, f"the server did not go idle after Stop: {s}"
-        time.sleep(0.2)
+    wait_idle(server.url, KEY)  # the closed connection aborted the request: its blocks are free again
 
     points = chart(el("chart-kv"))[0]  # the panel keeps sampling, and sees the engine idle
     wait(browser, lambda: chart(el("chart-kv"))[0] >= points + 2, timeout=10, message="new samples")
