@@ -25,12 +25,14 @@ class CpuInfo:
     native_bf16: bool  # AVX512-BF16 or AMX tiles: bf16 GEMMs run in hardware
     native_fp16: bool  # AVX512-FP16 or AMX-FP16, as oneDNN reports it
     threads: int
+    amx_bf16: bool = False  # AMX tiles: oneDNN's bf16 GEMM uses them, aserve's own GEMM does not
 
     def describe(self) -> str:
         """One line for logs and benchmark headers: what a figure was measured on."""
         flags = ", ".join(f"{name} {'native' if ok else 'emulated'}"
                           for name, ok in (("bf16", self.native_bf16), ("fp16", self.native_fp16)))
-        return f"CPU capability {self.capability} ({flags}), {self.threads} threads"
+        amx = ", AMX" if self.amx_bf16 else ""
+        return f"CPU capability {self.capability} ({flags}{amx}), {self.threads} threads"
 
 
 def _probe(name: str) -> bool:
@@ -47,7 +49,8 @@ def cpu_info() -> CpuInfo:
     bf16 = mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported() and (
         _probe("_is_avx512_bf16_supported") or _probe("_is_amx_tile_supported"))
     fp16 = mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return CpuInfo(torch.backends.cpu.get_cpu_capability(), bool(bf16), bool(fp16), torch.get_num_threads())
+    amx = bool(bf16) and _probe("_is_amx_tile_supported")
+    return CpuInfo(torch.backends.cpu.get_cpu_capability(), bool(bf16), bool(fp16), torch.get_num_threads(), amx)
 
 
 def native(dtype: torch.dtype, device: torch.device, info: CpuInfo | None = None) -> bool:

@@ -162,3 +162,25 @@ def test_an_engine_on_aserve_gemm_is_greedy_equal_to_transformers(aserve_gemm, m
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
     assert got == reference_greedy(load_reference(path), prompts, 12)
+
+
+@pytest.mark.parametrize("asked,amx,expected", [("", True, "onednn"), ("aserve", True, "aserve"),
+                                                ("", False, "aserve"), ("onednn", False, "onednn")])
+def test_bf16_goes_to_onednn_on_amx_cpus_unless_asked(monkeypatch, asked, amx, expected):
+    """oneDNN's bf16 GEMM runs AMX tiles (2.3x aserve's at batch 64 on Sapphire Rapids); fp32 stays aserve's."""
+    from dataclasses import replace
+
+    from aserve import hardware
+    from aserve.ops import cpu_gemm, cpu_kernels
+
+    if not (cpu_kernels.available() and hasattr(torch.ops.aserve, "gemm_packed")
+            and torch.ops.aserve.gemm_packs_bf16()):
+        pytest.skip("aserve's bf16 GEMM is not built here (needs AVX512-BF16)")
+    monkeypatch.setattr(hardware, "cpu_info", lambda: replace(hardware.CpuInfo("AVX512", True, False, 2), amx_bf16=amx))
+    monkeypatch.setenv("ASERVE_GEMM", asked)
+    cpu_gemm.gemm_for.cache_clear()
+    try:
+        assert cpu_gemm.gemm_for(torch.bfloat16) == expected
+        assert cpu_gemm.gemm_for(torch.float32) == ("onednn" if asked == "onednn" else "aserve")
+    finally:
+        cpu_gemm.gemm_for.cache_clear()

@@ -8,7 +8,7 @@ the 49152-wide logits projection at batch 64: 48.1 -> 19.9 ms), so fp32 weights 
 are packed only in a dtype the CPU runs natively (16-bit ones are emulated elsewhere and run as fp32), and only
 in one oneDNN can pack here (`can_pack`).
 
-fp32 weights, and bf16 weights on a CPU with AVX512-BF16, go to aserve's own GEMM instead where the CPU kernels are
+fp32 weights, and bf16 weights on a CPU with AVX512-BF16 but no AMX, go to aserve's own GEMM instead where the CPU kernels are
 built (csrc/cpu_gemm.cpp, see `gemm_for`). A packed weight records which layout it is in, so callers only
 ever call `packed_linear`.
 """
@@ -39,12 +39,16 @@ class PackedWeight(NamedTuple):
 @functools.cache
 def gemm_for(dtype: torch.dtype) -> str:
     """Which GEMM multiplies packed weights of `dtype` in this process: `aserve` (csrc/cpu_gemm.cpp) for fp32, and
-    for bf16 on CPUs with AVX512-BF16, where the CPU kernels are built; else `onednn`. Decode steps of the bench
-    model alternated in one engine (tools/step_ab.py --compare gemm) on an AMD EPYC (Zen 4, 2 threads) took, with
-    aserve's GEMM against oneDNN's: bf16 batch 64 62.7 against 71.5 ms, batch 1 11.4 against 16.6; fp32 119.6
-    against 127.8 and 19.4 against 24.6 (fp32 held to AVX2, as on an AVX2-only CPU: 118.7 against 143.6 and 22.3
-    against 29.6). Prefill steps were level in bf16 and 3% slower in fp32 (256-bit against oneDNN's 512-bit).
+    for bf16 on CPUs with AVX512-BF16 but no AMX, where the CPU kernels are built; else `onednn`.
+
+    Decode steps of the bench model alternated in one engine (tools/step_ab.py --compare gemm), aserve's GEMM against
+    oneDNN's, 2 threads. On an AMD EPYC (Zen 4, AVX512-BF16, no AMX): bf16 batch 64 62.7 against 71.5 ms, batch 1
+    11.4 against 16.6; fp32 119.6 against 127.8 and 19.4 against 24.6 (fp32 held to AVX2, as on an AVX2-only CPU:
+    118.7 against 143.6 and 22.3 against 29.6). On an Intel Sapphire Rapids (AMX-BF16): bf16 batch 64 100.2
+    against 43.4 ms (oneDNN runs AMX tiles, 2.3x faster), batch 1 12.7 against 16.3; so bf16 goes to oneDNN there,
+    giving up ~3.6 ms a step at batch 1 for 57 ms at batch 64.
     ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels, and AVX512-BF16 for bf16)."""
+    from aserve.hardware import cpu_info
     from aserve.ops import cpu_kernels
 
     asked = os.environ.get("ASERVE_GEMM", "").lower()
@@ -55,6 +59,8 @@ def gemm_for(dtype: torch.dtype) -> str:
     if asked == "aserve" and not can and dtype in (torch.float32, torch.bfloat16):
         log.warning("ASERVE_GEMM=aserve, but aserve's %s GEMM is not built here (no compiler, or no AVX2/FMA, or "
                     "for bf16 no AVX512-BF16): using oneDNN", str(dtype).replace("torch.", ""))
+    if not asked and dtype == torch.bfloat16 and cpu_info().amx_bf16:
+        return "onednn"
     wanted = asked != "onednn"
     return "aserve" if wanted and can else "onednn"
 
