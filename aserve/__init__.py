@@ -13,9 +13,10 @@ if os.environ.get("ASERVE_CONFIGURE_LOGGING", "1") != "0" and not logging.getLog
 # The public names load on first use, so `aserve --policy nope` can refuse a flag before torch is imported.
 _EXPORTS = {"AsyncLLM": "aserve.engine.async_llm", "EngineDeadError": "aserve.errors", "LLM": "aserve.llm",
             "CompletionOutput": "aserve.outputs", "Logprob": "aserve.outputs", "RequestOutput": "aserve.outputs",
-            "SamplingParams": "aserve.sampling_params"}
+            "SamplingParams": "aserve.sampling_params", "LoRARequest": "aserve.lora.request"}
 
-__all__ = ["LLM", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from aserve.errors import ConfigError
 from aserve.quantization import METHODS as QUANTIZATION_METHODS, resolve as resolve_quantization  # torch-free
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -87,6 +88,13 @@ class EngineConfig:
                                             "recognised from config.json without it", choices=QUANTIZATION_METHODS)
     quantize_lm_head: bool = option(False, "with --quantization int8: the logits projection too (a quantized copy "
                                            "when it is tied to the embedding)")
+    # multi-LoRA serving (aserve.lora)
+    enable_lora: bool = option(False, "serve PEFT LoRA adapters named per request (lora_request), batched beside "
+                                      "the base weights, never merged into them")
+    max_loras: int = option(1, "with --enable-lora: the most distinct adapters in one step (device slots)")
+    max_lora_rank: int = option(16, "with --enable-lora: the largest adapter rank served; a larger one is refused")
+    max_cpu_loras: int | None = option(None, "with --enable-lora: loaded adapters kept in host memory, least "
+                                             "recently used dropped first (default: max_loras)")
     # tensor parallelism (aserve.worker.multiproc_executor, aserve.models.parallel)
     tensor_parallel_size: int = option(1, "worker processes (ranks) the weights are split across, one rank each; "
                                           "--kv-cache-memory is per rank, and each rank holds its share of the KV "
@@ -133,9 +141,21 @@ class EngineConfig:
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
                              f"{self.nnodes} (the same number of ranks on every machine)")
+        self._check_lora()
         if self.data_parallel_size > 1 and (self.nnodes > 1 or self.distributed_init_method):
             raise ValueError("data_parallel_size > 1 with a multi-node tensor-parallel group is not supported: every "
                              "replica's ranks would meet at the one --distributed-init-method")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet: LoRA runs on one rank")
 
     def verify(self) -> None:
         """Refuse a policy, a model folder or a weight format that cannot work, before any weights load (see

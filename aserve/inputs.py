@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from aserve.errors import InvalidRequestError
+from aserve.lora.request import LoRAFacts
 from aserve.structured_output.grammar import check as check_constraint
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class EngineFacts:
     priority_classes: bool = False
     max_n: int = 32
     kv_cache_dtype: str = ""  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
+    lora: LoRAFacts | None = None  # with enable_lora: what adapters are checked against
 
 
 PROMPT_FORMS = "a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'"

@@ -10,6 +10,7 @@ from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore
 from aserve.errors import ConfigError
 from aserve.inputs import admit_prompts, parse_prompts
+from aserve.lora.request import LoRARequest
 from aserve.metrics.loggers import StatLoggers
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
@@ -46,9 +47,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. Invalid input raises ValueError
-        before anything is queued, so one bad prompt never leaves half a batch behind."""
+        before anything is queued, so one bad prompt never leaves half a batch behind. `lora_request`: one adapter
+        for every prompt, or a list with one per prompt (None: the base model)."""
         prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -58,14 +61,20 @@ class LLM:
         if len(params) != len(prompts) or len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params and "
                              f"{len(priorities)} priorities")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora requests")
         admitted = admit_prompts(self.engine.facts, prompts, params, self.engine.tokenizer.encode)
+        for lora in dict.fromkeys(loras):  # each adapter read and checked before anything is queued
+            self.engine.resolve_lora(lora)
 
         ids_in_order = []
-        for prompt, prio in zip(admitted, priorities):
+        for prompt, prio, lora in zip(admitted, priorities, loras):
             request_id = f"gen-{self._counter}"
             self._counter += 1
             self.engine.add_request(prompt.token_ids, prompt.params, request_id=request_id, prompt=prompt.text,
-                                    priority=prio, output_kind="final")
+                                    priority=prio, output_kind="final", lora_request=lora)
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from aserve.lora.request import ResolvedLoRA
 from aserve.sampling_params import SamplingParams
 
 
@@ -58,7 +59,8 @@ class Request(TokenSequence):
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, group_id: str | None = None, index: int = 0, priority: int = 0,
-                 arrival_time: float | None = None, max_tokens: int = 16):
+                 arrival_time: float | None = None, max_tokens: int = 16,
+                 lora: ResolvedLoRA | None = None):
         super().__init__(prompt_token_ids)
         self.request_id = request_id
         self.group_id = group_id or request_id
@@ -66,6 +68,7 @@ class Request(TokenSequence):
         self.params = params
         self.max_tokens = max_tokens
         self.priority = priority
+        self.lora = lora  # the adapter it runs under (None: the base model)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -41,6 +41,10 @@ def wait_idle(server):
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").status_code == 200
+    for route in ("load_lora_adapter", "unload_lora_adapter"):  # only with --enable-lora --allow-runtime-lora-updates
+        answer = httpx.post(f"{server.url}/v1/{route}", json={"lora_name": "x", "lora_path": "/x"},
+                            headers={"Authorization": f"Bearer {KEY}"})
+        assert answer.status_code == 404 and answer.json()["error"]["message"]
     assert httpx.get(f"{server.url}/version").json() == {"version": aserve.__version__}
 
 

@@ -52,7 +52,8 @@ class KVCacheManager:
         bs, hashes = self.block_size, req.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else b"", req.all_token_ids[i * bs:(i + 1) * bs]))
+            root = req.lora.hash_root if req.lora is not None else b""  # an adapter's blocks are its own
+            hashes.append(chain_hash(hashes[-1] if hashes else root, req.all_token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
     def find_computed(self, req: Request) -> tuple[list[int], int]:

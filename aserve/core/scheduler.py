@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.lora.request import ResolvedLoRA
 from aserve.policy import KVView, Policy, PreemptionMode
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class NewRequestData:
     params: SamplingParams
     block_table: list[int]
     num_computed_tokens: int
+    lora: ResolvedLoRA | None = None  # the adapter it runs under
 
 
 @dataclass
@@ -77,14 +79,29 @@ class SchedulerStats:
     prefix_hits: int = 0
 
 
+class StepAdapters:
+    """The rule of multi-LoRA steps: at most `limit` distinct adapters among a step's requests (the worker's device
+    slots). A request of the base model, or of an adapter already in the step, always fits."""
+
+    def __init__(self, limit: int | None, scheduled: dict[Request, int]):
+        self.limit, self.scheduled = limit, scheduled
+
+    def fits(self, req: Request) -> bool:
+        if self.limit is None or req.lora is None:
+            return True
+        active = {r.lora.identity for r in self.scheduled if r.lora is not None}
+        return req.lora.identity in active or len(active) < self.limit
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, max_loras: int | None = None):
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_loras = max_loras  # distinct adapters in one step (None: LoRA is off)
         self.waiting = policy.waiting_queue()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in the order they were swapped out
@@ -154,13 +171,14 @@ class Scheduler:
         out = SchedulerOutput()
         preempted: list[Request] = []
         scheduled: dict[Request, int] = {}
+        adapters = StepAdapters(self.max_loras, scheduled)
         budget = self.max_num_batched_tokens
 
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted as a victim earlier in this loop
-                continue
+            if req.status != RequestStatus.RUNNING or not adapters.fits(req):  # a victim earlier in this loop,
+                continue  # or its adapter would be one too many this step (it keeps its blocks and waits a step)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.policy.select_victim(self.running, req) or req
@@ -175,7 +193,7 @@ class Scheduler:
         while self.swapped and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_swap_in(req, num_new):
+            if not self.kv.can_swap_in(req, num_new) or not adapters.fits(req):
                 break
             self.swapped.pop(0)
             pairs = self.kv.swap_in(req)
@@ -187,8 +205,12 @@ class Scheduler:
             budget -= num_new
 
         if not preempted and not self.swapped:  # swapped requests come back before anyone new
+            skipped: list[Request] = []  # their adapter is one too many this step; the others keep their order
             while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
+                if not adapters.fits(req):
+                    skipped.append(self.waiting.pop())
+                    continue
                 if len(self.running) < self.max_num_seqs:
                     computed, num_computed = self.kv.find_computed(req)
                     num_new = min(req.num_tokens - num_computed, budget)
@@ -204,6 +226,8 @@ class Scheduler:
                     break
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim, out, preempted)
+            for req in reversed(skipped):
+                self.waiting.prepend(req)
 
         self.scheduled = list(scheduled.items())
         out.copies = self.kv.take_copies()
@@ -220,7 +244,7 @@ class Scheduler:
             if sent is None:
                 req.sent_blocks = list(table)
                 out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params, list(table),
-                                                       req.num_computed_tokens))
+                                                       req.num_computed_tokens, req.lora))
             elif len(table) >= len(sent) and table[:len(sent)] == sent:
                 new_ids = table[len(sent):]
                 sent.extend(new_ids)

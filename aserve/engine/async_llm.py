@@ -25,6 +25,7 @@ from aserve.errors import (EngineDeadError, InvalidRequestError, ReplicaDeadErro
 from aserve.engine.messages import Abort, AddRequest, GetState
 from aserve.engine.replicas import ReplicaSet
 from aserve.inputs import Admitted, Prompt, admit_prompts, parse_prompt, parse_prompts
+from aserve.lora.request import LoRARequest
 from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
@@ -279,10 +280,21 @@ class AsyncLLM:
         # Text to encode or a schema to parse may take a while: the whole batch goes off the loop in one hop.
         return await self.run_in_tokenizer_pool(admit_prompts, *args)
 
+    async def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter folder against the served model (off the event loop), raising
+        InvalidRequestError with a one-line reason for one it cannot serve; the core checks again at admission."""
+        from aserve.lora import adapter
+
+        if self.facts.lora is None:
+            raise InvalidRequestError("this engine was started without enable_lora", "lora_request")
+        await self.run_in_tokenizer_pool(adapter.inspect, lora_request, self.facts.lora)
+
     async def submit(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                     priority: int = 0, output_kind: str = "delta", timeout: float | None = None) -> "RequestStream":
+                     priority: int = 0, output_kind: str = "delta", timeout: float | None = None,
+                     lora_request: LoRARequest | None = None) -> "RequestStream":
         """Hand one request to the core; return its stream once the core has accepted it. `prompt` is an
         Admitted (from admit(), with its own params: pass none here) or a raw prompt, which is admitted first.
+        `lora_request`: the adapter it runs under (None: the base model).
 
         Refusals (bad input: ValueError; a full waiting queue: EngineOverloadedError) surface here, before any
         output, so a server can answer them with a status code. The caller must iterate or close the stream.
@@ -304,7 +316,8 @@ class AsyncLLM:
         stream = RequestStream(self, request_id, collector, timeout, arrival)
         accepted = self.replicas.call(AddRequest(prompt_token_ids=prompt.token_ids, params=prompt.params,
                                                  request_id=request_id, prompt=prompt.text, priority=priority,
-                                                 arrival_time=arrival, output_kind=output_kind))
+                                                 arrival_time=arrival, output_kind=output_kind,
+                                                 lora_request=lora_request))
         try:  # the timeout holds while the core is busy admitting too (its abort follows the add in order)
             await asyncio.wait_for(asyncio.wrap_future(accepted), stream.remaining())
         except asyncio.TimeoutError:
@@ -316,11 +329,11 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, output_kind: str = "delta",
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, output_kind: str = "delta", timeout: float | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (`prompt`: raw or Admitted, as for submit): by default each carries
         only what is new since the last one."""
-        stream = await self.submit(prompt, sampling_params, request_id, priority, output_kind, timeout)
+        stream = await self.submit(prompt, sampling_params, request_id, priority, output_kind, timeout, lora_request)
         try:
             async for output in stream:
                 yield output
@@ -328,10 +341,12 @@ class AsyncLLM:
             stream.close()
 
     async def infer(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, timeout: float | None = None) -> RequestOutput:
+                    priority: int = 0, timeout: float | None = None,
+                    lora_request: LoRARequest | None = None) -> RequestOutput:
         """Run one request (`prompt`: raw or Admitted, as for submit) to the end and return its finished output."""
         final = None
-        async with aclosing(self.generate(prompt, sampling_params, request_id, priority, "final", timeout)) as stream:
+        async with aclosing(self.generate(prompt, sampling_params, request_id, priority, "final", timeout,
+                                          lora_request)) as stream:
             async for final in stream:
                 pass
         return final

@@ -15,10 +15,12 @@ import torch
 from aserve.config import EngineConfig
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler, SchedulerOutput
-from aserve.errors import EngineOverloadedError
+from aserve.errors import EngineOverloadedError, InvalidRequestError
 from aserve.engine.output_processor import OutputProcessor
 from aserve.hardware import cpu_info, resolve_device
 from aserve.inputs import EngineFacts, validate_request
+from aserve.lora import adapter
+from aserve.lora.request import LoRAFacts, LoRARequest, ResolvedLoRA
 from aserve.metrics.stats import FinishedRequestStats, IterationStats
 from aserve.models.loader import load_tokenizer
 from aserve.outputs import RequestOutput
@@ -54,7 +56,10 @@ class EngineCore:
         self.policy = load_policy(config.policy, config.policy_options)
         self.scheduler = Scheduler(self.kv, self.policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.token_budget(resolve_device(config.device)),
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        self.lora_facts = (LoRAFacts(info.lora_targets, info.num_layers, config.max_lora_rank)
+                           if config.enable_lora else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._stats = IterationStats()
@@ -80,16 +85,18 @@ class EngineCore:
         return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
                            self.eos_token_ids, self.kv.num_host_blocks, self.policy.name,
                            bool(getattr(self.policy, "priority_classes", False)), self.config.max_n,
-                           self.kv_cache_dtype)
+                           self.kv_cache_dtype, self.lora_facts)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None, output_kind: str = "cumulative") -> str:
+                    arrival_time: float | None = None, output_kind: str = "cumulative",
+                    lora_request: LoRARequest | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = validate_request(self.facts, prompt_token_ids, params)  # the authoritative check, for direct users
+        lora = self.resolve_lora(lora_request)
         limit = self.config.max_waiting_requests
         num_waiting = len(self.scheduler.waiting) + self.structured.num_awaiting
         if limit is not None and num_waiting >= limit:
@@ -101,7 +108,7 @@ class EngineCore:
             child_params = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
             samples.append(Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_token_ids,
                                    child_params, group_id=request_id, index=i, priority=priority,
-                                   arrival_time=arrival_time, max_tokens=max_tokens))
+                                   arrival_time=arrival_time, max_tokens=max_tokens, lora=lora))
         first = samples[0]
         for child in samples[1:]:
             child.fork_parent = first
@@ -114,6 +121,15 @@ class EngineCore:
         else:
             self.scheduler.add_request(first)
         return request_id
+
+    def resolve_lora(self, lora_request: LoRARequest | None) -> ResolvedLoRA | None:
+        """Read and check the request's adapter once, here (a refusal is this request's error); None: the base."""
+        if lora_request is None:
+            return None
+        if not self.config.enable_lora:
+            raise InvalidRequestError("lora_request given, but this engine was started without enable_lora",
+                                      "lora_request")
+        return adapter.inspect(lora_request, self.lora_facts)
 
     def abort(self, request_ids) -> list[RequestOutput]:
         """Stop requests wherever they are and free their blocks; returns their final outputs."""

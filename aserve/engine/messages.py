@@ -57,6 +57,7 @@ class AddRequest(Call, kw_only=True):
     priority: int = 0
     arrival_time: float | None = None
     output_kind: str = "delta"
+    lora_request: Any = None  # LoRARequest: the adapter it runs under (None: the base model)
 
 
 class Abort(Call, kw_only=True):

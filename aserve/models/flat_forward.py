@@ -92,6 +92,10 @@ class FlatForward:
         gives each layer's FlatLayer, or None where one is not this block (llama.LlamaForCausalLM)."""
         if os.environ.get("ASERVE_FLAT_FORWARD", "1") == "0" or model.tp.size != 1:
             return None
+        # Its packed GEMMs have no hook for LoRA's per-token deltas (models.layers.Linear.lora): the module forward
+        # runs adapted models.
+        if any(getattr(m, "lora", None) is not None for m in model.modules()):
+            return None
         if type(model.embed_tokens) is not nn.Embedding or model.rope is None or not cpu_kernels.available():
             return None
         weight = model.embed_tokens.weight

@@ -29,6 +29,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
         self.method: LinearMethod = UNQUANTIZED
         self.method.create_weights(self, torch.get_default_dtype())
+        self.lora: nn.Module | None = None  # adapters' batched deltas (aserve.lora.layers), set when LoRA is on
 
     def set_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Trade the dense weight for `method`'s checkpoint tensors (before the weights are filled)."""
@@ -42,7 +43,8 @@ class Linear(nn.Module):
         return self.method.prepack(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.lora is None else self.lora(x, y)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.method.name}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import time
 from typing import Awaitable, Callable
 
@@ -20,6 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import aserve
 from aserve.engine.async_llm import AsyncLLM
+from aserve.lora import adapter
+from aserve.lora.registry import LoRARegistry
+from aserve.lora.request import LoRARequest
 from aserve.server import constraints, openai, protocol as p
 from aserve.server import ui as playground
 from aserve.server.errors import APIError, error_response, from_exception, stream_error
@@ -27,6 +31,8 @@ from aserve.server.http import json_response, parse, until_disconnect
 from aserve.server.openai import ServerContext
 from aserve.server.openapi import build_openapi
 from aserve.tool_parsers import load_tool_parser
+
+log = logging.getLogger("aserve")
 
 # Everything else needs the API key if one is set; /state too, since it describes the engine's internals (as in vLLM)
 OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")
@@ -82,9 +88,33 @@ async def version(ctx: ServerContext, request: Request) -> Response:
 
 
 async def models(ctx: ServerContext, request: Request) -> Response:
-    engine = ctx.engine
-    card = p.ModelCard(ctx.model_name, int(time.time()), engine.max_model_len, engine.vocab_size, root=engine.config.model)
-    return json_response(p.ModelList([card]))
+    """The base model, then each adapter with its base as `parent` and its folder as `root` (vLLM's fields)."""
+    engine, now = ctx.engine, int(time.time())
+    cards = [p.ModelCard(ctx.model_name, now, engine.max_model_len, engine.vocab_size, root=engine.config.model)]
+    for lora in (ctx.adapters.adapters.values() if ctx.adapters is not None else ()):
+        cards.append(p.ModelCard(lora.lora_name, now, engine.max_model_len, engine.vocab_size, root=lora.lora_path,
+                                 parent=ctx.model_name))
+    return json_response(p.ModelList(cards))
+
+
+async def load_lora_adapter(ctx: ServerContext, request: Request) -> Response:
+    """Check the adapter against the served model, then serve it under its name (400 for one it cannot serve)."""
+    req = await parse(request, p.LoadLoRAAdapterRequest, ctx.max_body_bytes, ctx.body_timeout)
+    if ctx.adapters.get(req.lora_name) is not None or req.lora_name in ctx.model_aliases:
+        raise APIError(400, f"The adapter `{req.lora_name}` is already loaded; unload it first.", "lora_name")
+    await ctx.engine.check_lora(LoRARequest(req.lora_name, 1, req.lora_path))
+    ctx.adapters.add(req.lora_name, req.lora_path)
+    log.info("loaded LoRA adapter %s from %s", req.lora_name, req.lora_path)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+
+async def unload_lora_adapter(ctx: ServerContext, request: Request) -> Response:
+    """Forget the name; requests already running under it finish with the adapter they were admitted with."""
+    req = await parse(request, p.UnloadLoRAAdapterRequest, ctx.max_body_bytes, ctx.body_timeout)
+    if ctx.adapters.remove(req.lora_name) is None:
+        raise APIError(404, f"The adapter `{req.lora_name}` is not loaded.", "lora_name", "model_not_found")
+    log.info("unloaded LoRA adapter %s", req.lora_name)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
 
 async def metrics(ctx: ServerContext, request: Request) -> Response:
@@ -129,7 +159,7 @@ async def detokenize(ctx: ServerContext, request: Request) -> Response:
 async def generate(ctx: ServerContext, request: Request) -> Response:
     """vLLM's /generate: `{"text": [prompt + output, ...]}`; streamed as such objects, each followed by NUL."""
     req = await parse(request, p.GenerateRequest, ctx.max_body_bytes, ctx.body_timeout)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     constraint, field = constraints.build(req)
     params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16, structured_outputs=constraint)
     [prompt] = await ctx.engine.admit([req.prompt], params, field)
@@ -138,7 +168,7 @@ async def generate(ctx: ServerContext, request: Request) -> Response:
     kind = "cumulative" if req.stream else "final"
 
     async def outputs():
-        stream = await ctx.engine.submit(prompt, None, None, req.priority, kind, ctx.request_timeout)
+        stream = await ctx.engine.submit(prompt, None, None, req.priority, kind, ctx.request_timeout, lora)
         try:
             yield None  # admitted (see openai.started)
             async for out in stream:
@@ -168,15 +198,24 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
               max_body_bytes: int = 8 * 1024 * 1024, root_path: str = "", *, body_timeout: float | None = 30.0,
               request_timeout: float | None = None, log_requests: bool = False,
               allowed_origins: list[str] | None = None, tool_call_parser: str | type | None = "hermes",
-              ui: bool = True) -> Starlette:
+              ui: bool = True, lora_modules: list[LoRARequest] = (),
+              allow_runtime_lora_updates: bool = False) -> Starlette:
     """The app. CORS is off unless `allowed_origins` names origins (or "*"). `tool_call_parser` (an installed
     name, module:Class, or a class; None for none) finds tool calls in the output of tool_choice "auto".
-    `ui` serves the playground page at `/` (aserve.server.ui)."""
+    `ui` serves the playground page at `/` (aserve.server.ui). With an engine started with enable_lora,
+    `lora_modules` are served by name (each checked here: one the model cannot serve is a ValueError), and
+    `allow_runtime_lora_updates` adds vLLM's load and unload routes."""
     model_name = served_model_name or engine.config.model_name
     aliases = frozenset({model_name, engine.config.model})
     parser = load_tool_parser(tool_call_parser)(engine.tokenizer) if tool_call_parser is not None else None
+    adapters = LoRARegistry(aliases) if engine.config.enable_lora else None
+    for lora in lora_modules:
+        if adapters is None:
+            raise ValueError("LoRA modules given, but the engine was started without enable_lora")
+        adapter.inspect(lora, engine.facts.lora)  # a one-line refusal before the server starts
+        adapters.add(lora.lora_name, lora.lora_path, lora.base_model_name)
     ctx = ServerContext(engine, model_name, aliases, max_body_bytes, body_timeout, request_timeout, log_requests,
-                        parser)
+                        parser, adapters)
     schema = msgspec.json.encode(build_openapi(root_path, api_key is not None, vocab_size=engine.vocab_size,
                                                max_model_len=engine.max_model_len, max_n=engine.facts.max_n))
 
@@ -202,6 +241,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/detokenize", api_route(ctx, detokenize), methods=["POST"]),
         Route("/generate", api_route(ctx, generate), methods=["POST"]),
     ]
+    if adapters is not None and allow_runtime_lora_updates:
+        routes += [Route("/v1/load_lora_adapter", api_route(ctx, load_lora_adapter), methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", api_route(ctx, unload_lora_adapter), methods=["POST"])]
     if ui:
         routes += playground.routes()
 

@@ -40,7 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="log prompts and completions (off by default: no request text reaches the logs)")
     security.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                           help="enable CORS for these origins ('*' for any); off by default")
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="PEFT adapters to serve, each picked by a request's \"model\": name=path, or JSON "
+                           "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    lora.add_argument("--allow-runtime-lora-updates", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else they answer 404)")
     add_engine_arguments(parser)
+
+
+def lora_modules(args: argparse.Namespace, options: dict) -> list:
+    """The --lora-modules entries, parsed before anything loads (a malformed one is a one-line error)."""
+    from aserve.lora.registry import parse_module
+
+    modules = [parse_module(spec) for spec in args.lora_modules]
+    if (modules or args.allow_runtime_lora_updates) and not options.get("enable_lora"):
+        raise ValueError("--lora-modules and --allow-runtime-lora-updates need --enable-lora")
+    return modules
 
 
 def _exit_cleanly(signum, frame):
@@ -50,6 +66,7 @@ def _exit_cleanly(signum, frame):
 def serve(args: argparse.Namespace) -> None:
     options = engine_options(args)
     EngineConfig.from_kwargs(**options).verify()  # before torch, uvicorn or the core: a wrong flag fails at once
+    adapters = lora_modules(args, options)
     tool_call_parser = None if args.tool_call_parser == "none" else args.tool_call_parser
     if tool_call_parser is not None:
         from aserve.tool_parsers import load_tool_parser
@@ -62,10 +79,15 @@ def serve(args: argparse.Namespace) -> None:
     from aserve.server.app import build_app
 
     engine = AsyncLLM(**options)
-    app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path,
-                    body_timeout=args.body_timeout, request_timeout=args.request_timeout,
-                    log_requests=args.log_requests, allowed_origins=args.allowed_origins,
-                    tool_call_parser=tool_call_parser, ui=args.ui)
+    try:
+        app = build_app(engine, args.served_model_name, args.api_key, args.max_request_body, args.root_path,
+                        body_timeout=args.body_timeout, request_timeout=args.request_timeout,
+                        log_requests=args.log_requests, allowed_origins=args.allowed_origins,
+                        tool_call_parser=tool_call_parser, ui=args.ui, lora_modules=adapters,
+                        allow_runtime_lora_updates=args.allow_runtime_lora_updates)
+    except BaseException:  # an adapter the model cannot serve: stop the core before the one-line error
+        asyncio.run(engine.shutdown())
+        raise
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.drain_timeout, access_log=False, root_path=args.root_path)
     server = uvicorn.Server(config)

@@ -12,6 +12,8 @@ from starlette.responses import StreamingResponse
 
 from aserve.engine.async_llm import AsyncLLM, RequestStream
 from aserve.inputs import Admitted, Prompt
+from aserve.lora.registry import LoRARegistry
+from aserve.lora.request import LoRARequest
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.server import constraints, protocol as p, tools
 from aserve.server.errors import APIError, stream_error
@@ -33,11 +35,22 @@ class ServerContext:
     request_timeout: float | None = None  # seconds a generation may take before it is aborted
     log_requests: bool = False  # prompts and completions go to the log only when this is set
     tool_parser: ToolParser | None = None  # finds the calls in outputs of tool_choice "auto" (--tool-call-parser)
+    adapters: LoRARegistry | None = None  # with --enable-lora: the adapters a request may name in `model`
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_aliases:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           "model", "model_not_found")
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter `name` picks (None: the base model); an unknown name is a 404 in OpenAI's shape."""
+        if name is None or name in self.model_aliases:
+            return None
+        lora = self.adapters.get(name) if self.adapters is not None else None
+        if lora is None:
+            served = [self.model_name, *(self.adapters.adapters if self.adapters is not None else ())]
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"{', '.join(f'`{m}`' for m in served)}.", "model", "model_not_found")
+        return lora
+
+    def served_name(self, lora: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter's when one ran, else the base model's."""
+        return lora.lora_name if lora is not None else self.model_name
 
 
 def _usage(prompts: list[Admitted], outputs: list[RequestOutput]) -> p.Usage:
@@ -83,12 +96,13 @@ def chat_logprobs(o: CompletionOutput, top: int, tokenizer) -> p.ChoiceLogprobs:
 
 
 async def submit_all(ctx: ServerContext, prompts: list[Admitted], request_id: str, priority: int,
-                     kind: str) -> list[RequestStream]:
+                     kind: str, lora: LoRARequest | None = None) -> list[RequestStream]:
     """Hand every admitted prompt to the engine, or none: a refusal (a full queue) closes those already in."""
     streams: list[RequestStream] = []
     try:
         for i, x in enumerate(prompts):
-            streams.append(await ctx.engine.submit(x, None, f"{request_id}-{i}", priority, kind, ctx.request_timeout))
+            streams.append(await ctx.engine.submit(x, None, f"{request_id}-{i}", priority, kind, ctx.request_timeout,
+                                                   lora))
     except BaseException:
         close_all(streams)
         raise
@@ -103,8 +117,8 @@ def close_all(streams: list[RequestStream]) -> None:
         stream.close()
 
 
-async def _infer_all(ctx: ServerContext, request: Request, prompts: list[Admitted], request_id, priority):
-    streams = await submit_all(ctx, prompts, request_id, priority, "final")
+async def _infer_all(ctx: ServerContext, request: Request, prompts: list[Admitted], request_id, priority, lora):
+    streams = await submit_all(ctx, prompts, request_id, priority, "final", lora)
 
     async def run():
         finals = [None] * len(prompts)
@@ -135,7 +149,7 @@ async def started(body):
 
 async def completions(ctx: ServerContext, request: Request):
     req = await parse(request, p.CompletionRequest, ctx.max_body_bytes, ctx.body_timeout)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     constraint, field = constraints.build(req)
     params = req.sampling_params(req.max_tokens, req.logprobs, default_max_tokens=16, structured_outputs=constraint)
     prompts = await ctx.engine.admit(req.prompt, params, field)
@@ -144,16 +158,17 @@ async def completions(ctx: ServerContext, request: Request):
     prefix = [(x.text if x.text is not None else tokenizer.decode(x.token_ids)) if req.echo else "" for x in prompts]
 
     if req.stream:
-        body = await started(_stream_completions(ctx, req, params, prompts, prefix, request_id, created))
+        body = await started(_stream_completions(ctx, req, params, prompts, prefix, request_id, created, lora))
         return StreamingResponse(ends_with_error_event(body), media_type="text/event-stream")
-    finals = await _infer_all(ctx, request, prompts, request_id, req.priority)
+    finals = await _infer_all(ctx, request, prompts, request_id, req.priority, lora)
     choices = []
     for i, out in enumerate(finals):
         for o in out.outputs:
             lp = completion_logprobs(o, len(prefix[i]), tokenizer) if req.logprobs is not None else None
             choices.append(p.CompletionChoice(i * params.n + o.index, prefix[i] + o.text, lp, o.finish_reason,
                                               o.stop_reason))
-    return json_response(p.CompletionResponse(request_id, created, ctx.model_name, choices, _usage(prompts, finals)))
+    return json_response(p.CompletionResponse(request_id, created, ctx.served_name(lora), choices,
+                                              _usage(prompts, finals)))
 
 
 def ends_with_error_event(stream):
@@ -167,23 +182,24 @@ def ends_with_error_event(stream):
     return guarded()
 
 
-async def _stream_completions(ctx, req, params, prompts, prefix, request_id, created):
+async def _stream_completions(ctx, req, params, prompts, prefix, request_id, created, lora):
     finals = [RequestOutput("", None, [], []) for _ in prompts]
-    streams = await submit_all(ctx, prompts, request_id, req.priority, "delta")
+    streams = await submit_all(ctx, prompts, request_id, req.priority, "delta", lora)
+    model = ctx.served_name(lora)
     try:
         yield b""  # admitted (see started())
         async for chunk in _completion_chunks(ctx, req, params, streams, prompts, prefix, request_id, created,
-                                              finals):
+                                              model, finals):
             yield chunk
     finally:
         close_all(streams)
     log_outputs(ctx, request_id, finals)
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse(p.CompletionResponse(request_id, created, ctx.model_name, [], _usage(prompts, finals)))
+        yield sse(p.CompletionResponse(request_id, created, model, [], _usage(prompts, finals)))
     yield SSE_DONE
 
 
-async def _completion_chunks(ctx, req, params, streams, prompts, prefix, request_id, created, finals):
+async def _completion_chunks(ctx, req, params, streams, prompts, prefix, request_id, created, model, finals):
     tokenizer = ctx.engine.tokenizer
     offsets = {}
     async for i, out in merge_streams(streams):
@@ -200,7 +216,7 @@ async def _completion_chunks(ctx, req, params, streams, prompts, prefix, request
             choices.append(p.CompletionChoice(index, text, lp, o.finish_reason, o.stop_reason))
         if choices:
             usage = _usage(prompts, finals) if _continuous(req) else None
-            yield sse(p.CompletionResponse(request_id, created, ctx.model_name, choices, usage))
+            yield sse(p.CompletionResponse(request_id, created, model, choices, usage))
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
@@ -287,7 +303,7 @@ def chat_message(o: CompletionOutput, tool_plan: tools.ToolPlan | None) -> tuple
 
 async def chat_completions(ctx: ServerContext, request: Request):
     req = await parse(request, p.ChatCompletionRequest, ctx.max_body_bytes, ctx.body_timeout)
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -303,15 +319,15 @@ async def chat_completions(ctx: ServerContext, request: Request):
     top = req.top_logprobs or 0
 
     if req.stream:
-        body = await started(_stream_chat(ctx, req, params, prompt, request_id, created, top, tool_plan))
+        body = await started(_stream_chat(ctx, req, params, prompt, request_id, created, top, tool_plan, lora))
         return StreamingResponse(ends_with_error_event(body), media_type="text/event-stream")
-    final = (await _infer_all(ctx, request, [prompt], request_id, req.priority))[0]
+    final = (await _infer_all(ctx, request, [prompt], request_id, req.priority, lora))[0]
     choices = []
     for o in final.outputs:
         message, finish_reason = chat_message(o, tool_plan)
         choices.append(p.ChatChoice(o.index, message, chat_logprobs(o, top, tokenizer) if req.logprobs else None,
                                     finish_reason, o.stop_reason))
-    return json_response(p.ChatCompletionResponse(request_id, created, ctx.model_name, choices,
+    return json_response(p.ChatCompletionResponse(request_id, created, ctx.served_name(lora), choices,
                                                   _usage([prompt], [final])))
 
 
@@ -327,14 +343,15 @@ def _chunk_choice(o: CompletionOutput, tool_streams: dict, tool_plan, logprobs) 
                              tools.finish_reason(o.finish_reason, stream.num_calls > 0), o.stop_reason)
 
 
-async def _stream_chat(ctx, req, params, prompt, request_id, created, top, tool_plan):
+async def _stream_chat(ctx, req, params, prompt, request_id, created, top, tool_plan, lora):
     tokenizer = ctx.engine.tokenizer
     final = RequestOutput("", None, [], [])
     tool_streams: dict[int, tools.ToolStream] = {}
-    streams = await submit_all(ctx, [prompt], request_id, req.priority, "delta")
+    streams = await submit_all(ctx, [prompt], request_id, req.priority, "delta", lora)
+    model = ctx.served_name(lora)
     try:
         yield b""  # admitted (see started())
-        yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name,
+        yield sse(p.ChatCompletionChunk(request_id, created, model,
                                         [p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content=""))
                                          for i in range(params.n)]))
         async for _, out in merge_streams(streams):
@@ -344,10 +361,10 @@ async def _stream_chat(ctx, req, params, prompt, request_id, created, top, tool_
             choices = [c for c in choices if c is not None]
             if choices:
                 usage = _usage([prompt], [final]) if _continuous(req) else None
-                yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, choices, usage))
+                yield sse(p.ChatCompletionChunk(request_id, created, model, choices, usage))
     finally:
         close_all(streams)
     log_outputs(ctx, request_id, [final])
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse(p.ChatCompletionChunk(request_id, created, ctx.model_name, [], _usage([prompt], [final])))
+        yield sse(p.ChatCompletionChunk(request_id, created, model, [], _usage([prompt], [final])))
     yield SSE_DONE

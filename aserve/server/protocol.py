@@ -321,7 +321,20 @@ class ModelCard(msgspec.Struct):
     vocab_size: int | None = None  # aserve's extra: lets `aserve bench serve` draw valid random token ids
     object: str = "model"
     owned_by: str = "aserve"
-    root: str | None = None
+    root: str | None = None  # the model's folder; an adapter's own folder
+    parent: str | None = None  # an adapter's base model (None for the base model itself)
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/load_lora_adapter."""
+    lora_name: Annotated[str, NonEmpty]
+    lora_path: Annotated[str, NonEmpty]
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/unload_lora_adapter (`lora_int_id` is accepted and ignored: the name decides)."""
+    lora_name: Annotated[str, NonEmpty]
+    lora_int_id: int | None = None
 
 
 class ModelList(msgspec.Struct):

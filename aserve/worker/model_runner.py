@@ -13,6 +13,8 @@ import torch
 
 from aserve.attention import Attention, AttentionBackend, BatchLayout, kv_quant, select_backend
 from aserve.core.scheduler import SchedulerOutput
+from aserve.lora import layers as lora_layers
+from aserve.lora.cache import LoRASlots
 from aserve.models.interface import CausalLM
 from aserve.structured_output.bitmask import apply_grammar_bitmask
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
@@ -90,6 +92,16 @@ class ModelRunner:
                                                  a.head_dim)
         self.host_cache = (torch.zeros(host_shape, dtype=self.kv_dtype, pin_memory=True) if not on_cpu
                            else lazy_zeros(host_shape, self.kv_dtype))
+        self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' device slots (enable_lora)
+        self.lora_step: lora_layers.LoRAStep | None = None  # this step's token -> slot mask, read by every layer
+
+    def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+        """Give the model's adaptable linear layers their LoRA deltas, fed by `max_loras` device slots."""
+        targets = lora_layers.target_shapes(self.model)
+        self.lora_step = lora_layers.LoRAStep(max_loras, self.dtype, self.device)
+        layers = lora_layers.attach(self.model, self.lora_step, max_rank, self.dtype, self.device)
+        self.lora = LoRASlots(layers, targets, self.model.shape.num_layers, max_loras, max_rank, max_cpu_loras,
+                              self.dtype)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         device, host = _index(pairs)
@@ -114,7 +126,7 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in sched.new_requests:
             self.requests[new.request_id] = RequestState(new.request_id, new.prompt_token_ids, new.params,
-                                                         new.block_table, new.num_computed_tokens)
+                                                         new.block_table, new.num_computed_tokens, new.lora)
         for diff in sched.cached_requests:
             state = self.requests[diff.request_id]
             state.num_computed_tokens = diff.num_computed_tokens
@@ -143,7 +155,14 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch)
         if self.device.type != "cpu":  # built on the host; the backend moves its own metadata
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        if self.lora is not None:
+            self._map_adapters(batch)
+        try:
+            hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.release()
+                self.lora_step.clear()
         result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if sample_reqs:  # else only prefill chunks that do not reach the end of their prompts
             logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
@@ -158,6 +177,12 @@ class ModelRunner:
                     state.append_token(sampled.token_id)
                 result.sampled[state.request_id] = sampled
         return result
+
+    def _map_adapters(self, batch: list[tuple[RequestState, int]]) -> None:
+        """Slots for the step's adapters (loading them as needed) and the step's token -> slot grouping."""
+        slots = self.lora.acquire([req.lora for req, _ in batch if req.lora is not None])
+        self.lora_step.set([slots[req.lora.identity] if req.lora is not None else None for req, _ in batch],
+                           [n for _, n in batch])
 
     def append_sampled(self, tokens: dict[str, int]) -> None:
         """Tensor parallelism: the tokens rank 0 sampled, appended on a rank that gathered no logits, so its

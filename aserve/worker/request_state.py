@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from aserve.lora.request import ResolvedLoRA
 from aserve.request import TokenSequence
 from aserve.sampling_params import SamplingParams
 
 
 class RequestState(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 block_table: list[int] | None = None, num_computed_tokens: int = 0):
+                 block_table: list[int] | None = None, num_computed_tokens: int = 0, lora: ResolvedLoRA | None = None):
         super().__init__(prompt_token_ids)
         self.request_id = request_id
         self.params = params
         self.block_table = list(block_table or [])
         self.num_computed_tokens = num_computed_tokens
+        self.lora = lora  # its adapter (None: the base model)
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were already computed (never twice)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None

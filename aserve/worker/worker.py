@@ -31,6 +31,8 @@ class WorkerInfo:
     num_host_blocks: int
     attention_backend: str
     kv_cache_dtype: str  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
+    num_layers: int = 0
+    lora_targets: dict | None = None  # with enable_lora: module name -> (in, out) features (lora.layers.target_shapes)
 
 
 class Worker:
@@ -47,11 +49,14 @@ class Worker:
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
                                   config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,
                                   config.calculate_kv_scales, config.kv_cache_prefault_tokens)
+        if config.enable_lora:
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         shape = loaded.model.shape
         self.info = WorkerInfo(type(loaded.model).__name__, loaded.config, str(loaded.dtype).replace("torch.", ""),
                                loaded.dtype_reason, shape.vocab_size, shape.max_position_embeddings,
                                loaded.eos_token_ids, self.runner.num_blocks, self.runner.num_host_blocks,
-                               self.runner.backend.name, self.runner.kv_cache_dtype)
+                               self.runner.backend.name, self.runner.kv_cache_dtype, shape.num_layers,
+                               self.runner.lora.targets if self.runner.lora is not None else None)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
