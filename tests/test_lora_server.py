@@ -139,3 +139,13 @@ def test_lora_flags_are_checked_before_and_after_loading(model_dirs, adapters):
                f"big={adapters['too-big']}")
     last = late.stderr.strip().splitlines()[-1]
     assert late.returncode == 2 and last.startswith("aserve: error: LoRA adapter ") and "max_lora_rank=16" in last
+
+
+def test_metrics_count_requests_per_adapter(server, client):
+    complete(client, "sql", max_tokens=2)
+    conftest.wait_idle(server.url, KEY)
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    counted = [line for line in text.splitlines() if line.startswith("aserve:lora_requests_total{")]
+    assert any('lora_name="sql"' in line and float(line.split()[-1]) >= 1 for line in counted), counted
+    info = [line for line in text.splitlines() if line.startswith("aserve:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0], info

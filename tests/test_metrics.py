@@ -125,9 +125,17 @@ def exported_names(samples) -> set[str]:
     return {name for name, _, _ in samples}
 
 
-def test_every_dashboard_metric_exists_in_the_registry(model_dirs):
-    llm = LLM(str(model_dirs[FAMILY]), dtype="float32", policy="priority", kv_cache_memory="16MiB")
-    llm.generate(known_prompts(), SamplingParams(max_tokens=4), use_tqdm=False, priority=[0, 1, 0, 1, 0])
+def test_every_dashboard_metric_exists_in_the_registry(model_dirs, tmp_path):
+    import torch
+
+    from aserve import LoRARequest
+    from aserve.bench.lora_bench import write_random_adapter
+
+    adapter = write_random_adapter(tmp_path / "adapter", {"q_proj": (64, 64)}, num_layers=2, rank=4, seed=0,
+                                   dtype=torch.float32)  # a request under an adapter: the per-adapter counter
+    llm = LLM(str(model_dirs[FAMILY]), dtype="float32", policy="priority", kv_cache_memory="16MiB", enable_lora=True)
+    llm.generate(known_prompts(), SamplingParams(max_tokens=4), use_tqdm=False, priority=[0, 1, 0, 1, 0],
+                 lora_request=[LoRARequest("ad", 1, str(adapter))] + [None] * 4)
     names = exported_names(llm.get_metrics())
     queries = dashboard_queries()
     assert len(queries) > 20
@@ -158,9 +166,16 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(model_dirs, t
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.skip("prometheus not installed (the README's test command installs Debian's prometheus)")
+    import torch
+
+    from aserve.bench.lora_bench import write_random_adapter
+
+    adapter = write_random_adapter(tmp_path / "adapter", {"q_proj": (64, 64), "v_proj": (64, 32)}, num_layers=2,
+                                   rank=4, seed=0, dtype=torch.float32)  # the per-adapter panel needs its traffic
     srv = RunningServer("--model", str(model_dirs[FAMILY]), "--served-model-name", "tiny", "--dtype", "float32",
                         "--kv-cache-memory", str(kv_memory_for_blocks(model_dirs[FAMILY], 12)),
-                        "--policy", "priority", "--policy-option", "mode=swap")
+                        "--policy", "priority", "--policy-option", "mode=swap", "--enable-lora",
+                        "--lora-modules", f"ad={adapter}")
     prom_port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: aserve\n"
@@ -173,7 +188,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(model_dirs, t
         import concurrent.futures
 
         def one(i):
-            body = {"prompt": list(range(1 + i, 40 + i)), "max_tokens": 30, "ignore_eos": True, "priority": i % 2}
+            body = {"prompt": list(range(1 + i, 40 + i)), "max_tokens": 30, "ignore_eos": True, "priority": i % 2,
+                    "model": "ad" if i % 4 == 0 else "tiny"}
             return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code
 
         def missing_after_a_round() -> list[str]:

@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-schema", metavar="FILE",
                         help="then run the same prompts constrained by this JSON schema and print the ratio of "
                              "output tokens/s constrained/free")
+    lora = parser.add_argument_group("LoRA (aserve.bench.lora_bench): base alone, then requests spread over adapters")
+    lora.add_argument("--num-loras", type=int, default=0,
+                      help="write this many random PEFT adapters (all seven projections) and compare with the base")
+    lora.add_argument("--lora-rank", type=int, default=16, help="the random adapters' rank (default 16)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="use these adapters instead of random ones")
     add_engine_arguments(parser)
 
 
@@ -65,6 +71,16 @@ def main(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
     from aserve.hardware import cpu_info
 
+    if args.num_loras or args.lora_modules:
+        from aserve.bench import lora_bench
+
+        def prompts_for(llm):
+            engine = llm.engine
+            return random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
+                                  set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed)
+
+        lora_bench.run(args, engine_options(args), prompts_for, report)
+        return
     llm = LLM(**engine_options(args))
     engine = llm.engine
     print(f"aserve bench throughput: {cpu_info().describe()}, dtype {str(engine.dtype).replace('torch.', '')}",

@@ -77,6 +77,13 @@ class SchedulerStats:
     recomputed_tokens: int = 0  # tokens whose K/V were dropped by recompute preemption
     prefix_queries: int = 0
     prefix_hits: int = 0
+    max_loras: int = 0  # with LoRA on: the most adapters in one step
+    running_loras: tuple[str, ...] = ()  # the adapters (by name) of running and waiting requests
+    waiting_loras: tuple[str, ...] = ()
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 class StepAdapters:
@@ -163,7 +170,9 @@ class Scheduler:
         host_usage = 1.0 - kv.num_free_host_blocks / kv.num_host_blocks if kv.num_host_blocks else 0.0
         return SchedulerStats(len(self.running), len(self.waiting), len(self.swapped), kv.usage, host_usage,
                               dict(self.preemptions), self.blocks_swapped_out, self.blocks_swapped_in,
-                              self.recomputed_tokens, kv.prefix_queries, kv.prefix_hits)
+                              self.recomputed_tokens, kv.prefix_queries, kv.prefix_hits, self.max_loras or 0,
+                              _adapter_names(self.running) if self.max_loras else (),
+                              _adapter_names(list(self.waiting) + self.swapped) if self.max_loras else ())
 
     # -- one step ---------------------------------------------------------------------------------
 

@@ -70,3 +70,5 @@ class LoRASlots:
         for (layer, module), lora_linear in self.layers.items():
             a_t, b_t = loaded.weights.get((layer, module), (None, None))
             lora_linear.write(slot, module, a_t, b_t)
+        for lora_linear in dict.fromkeys(self.layers.values()):  # each layer once, though it adapts several modules
+            lora_linear.repack()

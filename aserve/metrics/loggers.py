@@ -92,6 +92,13 @@ class PrometheusStatLogger:
         self.compile_time = histogram("grammar_compile_seconds", "Time to compile a structured-output grammar "
                                       "(cache misses only), on the engine core's compile thread.", COMPILE_BUCKETS)
         self.up = gauge("replica_up", "1 while the replica's engine core is alive, 0 once it has died.")
+        # LoRA, as vLLM reports it: one series whose labels name the adapters in use (its value: when, in seconds)
+        self.lora_info = Gauge("aserve:lora_requests_info", "Running and waiting LoRA adapters (comma-separated "
+                               "names) and max_lora; the value is the time of the last update.",
+                               base + ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        self.lora_requests = counter("lora_requests", "Finished requests by LoRA adapter (the base model's have "
+                                     "none and are not counted here).", ["lora_name"])
+        self._lora_series: dict[int, tuple] = {}  # replica -> its current lora_requests_info labels
         info = Info("aserve:policy", "The scheduling policy and the KV cache it manages (per replica).", ["model_name"],
                     registry=r)
         info.labels(**self.labels).info({"policy": policy, "block_size": str(block_size),
@@ -149,6 +156,8 @@ class PrometheusStatLogger:
             self._advance(replica, self.recomputed.labels(**labels), "recomputed", s.recomputed_tokens)
             self._advance(replica, self.prefix_queries.labels(**labels), "queries", s.prefix_queries)
             self._advance(replica, self.prefix_hits.labels(**labels), "hits", s.prefix_hits)
+            if s.max_loras:
+                self._record_loras(replica, labels, s)
         if stats.prompt_tokens:
             self.prompt_tokens.labels(**labels).inc(stats.prompt_tokens)
         if stats.generation_tokens:
@@ -171,6 +180,18 @@ class PrometheusStatLogger:
             self._latency(self.decode, labels, f.priority).observe(f.decode_time)
             self.prompt_len.labels(**labels).observe(f.prompt_tokens)
             self.generation_len.labels(**labels).observe(f.generation_tokens)
+            if f.lora_name is not None:
+                self.lora_requests.labels(**labels, lora_name=f.lora_name).inc()
+
+    def _record_loras(self, replica: int, labels: dict, s) -> None:
+        """One lora_requests_info series per replica: the previous one goes when the adapters in use change."""
+        series = (labels["model_name"], labels["replica"], ",".join(s.running_loras), ",".join(s.waiting_loras),
+                  str(s.max_loras))
+        previous = self._lora_series.get(replica)
+        if previous is not None and previous != series:
+            self.lora_info.remove(*previous)
+        self._lora_series[replica] = series
+        self.lora_info.labels(*series).set(time.time())
 
     def samples(self) -> list[tuple[str, dict, float]]:
         """Every sample in the registry as (name, labels, value): what get_metrics() returns."""

@@ -22,6 +22,7 @@ class FinishedRequestStats:
     decode_time: float
     prompt_tokens: int
     generation_tokens: int
+    lora_name: str | None = None  # the adapter it ran under
 
     @classmethod
     def of(cls, req: Request) -> "FinishedRequestStats":
@@ -29,7 +30,8 @@ class FinishedRequestStats:
         scheduled = req.scheduled_time or end
         first = req.first_token_time or end
         return cls(req.status.value, req.priority, end - req.arrival_time, scheduled - req.arrival_time,
-                   first - scheduled, end - first, req.num_prompt_tokens, req.num_output_tokens)
+                   first - scheduled, end - first, req.num_prompt_tokens, req.num_output_tokens,
+                   req.lora.name if req.lora is not None else None)
 
 
 @dataclass

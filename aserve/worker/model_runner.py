@@ -98,8 +98,8 @@ class ModelRunner:
     def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
         """Give the model's adaptable linear layers their LoRA deltas, fed by `max_loras` device slots."""
         targets = lora_layers.target_shapes(self.model)
-        self.lora_step = lora_layers.LoRAStep(max_loras, self.dtype, self.device)
-        layers = lora_layers.attach(self.model, self.lora_step, max_rank, self.dtype, self.device)
+        self.lora_step = lora_layers.LoRAStep(max_loras, max_rank, self.dtype, self.device)
+        layers = lora_layers.attach(self.model, self.lora_step, self.dtype, self.device)
         self.lora = LoRASlots(layers, targets, self.model.shape.num_layers, max_loras, max_rank, max_cpu_loras,
                               self.dtype)
 
