@@ -21,6 +21,20 @@ def test_bench_throughput_prints_vllm_format(model_dirs):
     assert output > 0 and abs(total / output - (12 + 5) / 5) < 1e-2 * total / output
 
 
+def test_bench_throughput_with_random_lora_adapters(model_dirs):
+    """--num-loras writes random PEFT adapters, runs base alone and adapters round-robin in turn, prints the ratio."""
+    proc = run("bench", "throughput", "--model", str(model_dirs["llama-gqa-tied"]), "--num-prompts", "6",
+               "--input-len", "12", "--output-len", "5", "--kv-cache-memory", "8MiB", "--num-loras", "3",
+               "--lora-rank", "8")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("base model alone Throughput:") for line in lines) == 2
+    assert sum(line.startswith("3 adapters, round-robin Throughput:") for line in lines) == 2
+    m = re.fullmatch(r"output tokens/s ratio LoRA/base = ([0-9.]+) \(3 adapters, max_loras 3, rank 8, 2 alternating "
+                     r"rounds\)", lines[-1])
+    assert m and float(m.group(1)) > 0, lines[-1]
+
+
 def test_default_command_generates_on_the_embedded_model():
     proc = run("generate", "--prompt", "def main():", "--max-tokens", "6")
     assert proc.returncode == 0, proc.stderr

@@ -223,3 +223,51 @@ def test_async_llm_takes_lora_requests(model_dirs, adapters):
     via_all, via_attn = asyncio.run(main())
     assert via_all == greedy(load_with_adapter(base, adapters["all"]), prompt, GREEDY.max_tokens)
     assert via_attn == greedy(load_with_adapter(base, adapters["attn"]), prompt, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["kernel", "packed", "plain"])
+def test_every_path_adds_each_tokens_own_adapter(monkeypatch, dtype, path):
+    """aserve's kernel, the packed oneDNN GEMMs with the mask and the plain torch ops give, per token, the delta of
+    its own slot's adapter (a fused layer of three slices with different widths, ranks below the slot width, tokens
+    of the base model untouched): what a per-token reference loop computes in float64."""
+    from aserve.lora import layers as lora_layers
+    from aserve.ops import cpu_gemm
+
+    if path == "kernel" and not lora_layers.kernel_available(torch.device("cpu")):
+        pytest.skip("aserve's CPU kernels are not built here")
+    if path == "packed" and not cpu_gemm.can_pack(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
+    monkeypatch.setattr(lora_layers, "kernel_available", lambda device: path == "kernel")
+    monkeypatch.setenv("ASERVE_PREPACK", "0" if path == "plain" else "1")
+    gen = torch.Generator().manual_seed(3)
+    sizes, in_features, slots, max_rank = [40, 24, 24], 48, 3, 16
+    step = lora_layers.LoRAStep(slots, max_rank, dtype, torch.device("cpu"))
+    layer = lora_layers.LoRALinear(step, 0, ("q_proj", "k_proj", "v_proj"), in_features, sizes, dtype,
+                                   torch.device("cpu"))
+    weights = {}
+    for slot, rank in ((0, 4), (2, 16)):  # slot 1 stays empty
+        for module, size in zip(("q_proj", "k_proj", "v_proj"), sizes):
+            a_t = torch.randn(in_features, rank, generator=gen).to(dtype)
+            b_t = torch.randn(rank, size, generator=gen).to(dtype)
+            weights[slot, module] = (a_t, b_t)
+            layer.write(slot, module, a_t, b_t)
+    layer.repack()
+    counts, request_slots = [1, 1, 5, 3, 1], [2, None, 0, 2, 1]
+    step.set(request_slots, counts)
+    x = torch.randn(sum(counts), in_features, generator=gen).to(dtype)
+    y = torch.randn(sum(counts), sum(sizes), generator=gen).to(dtype)
+    expected = y.double().clone()
+    token_slots = [s for s, n in zip(request_slots, counts) for _ in range(n)]
+    for t, slot in enumerate(token_slots):
+        offset = 0
+        for module, size in zip(("q_proj", "k_proj", "v_proj"), sizes):
+            if (slot, module) in weights:
+                a_t, b_t = weights[slot, module]
+                expected[t, offset:offset + size] += (x[t].double() @ a_t.double()) @ b_t.double()
+            offset += size
+    got = layer(x, y.clone())
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.5, rtol=2e-2)
+    torch.testing.assert_close(got.double(), expected, **tol)
+    base_rows = [t for t, s in enumerate(token_slots) if s in (None, 1)]
+    assert torch.equal(got[base_rows], y[base_rows])

@@ -23,14 +23,21 @@ SHOTS = os.environ.get("ASERVE_SCREENSHOTS")
 
 
 @pytest.fixture(scope="module")
-def servers():
+def servers(tmp_path_factory):
     """The playground's server and one with --no-ui, started at once: start-up is most of this module's time.
     A small KV cache, so that one long reply shows on the usage chart, in float32 whatever the CPU (with `auto`
     the same bytes hold twice the tokens where bf16 is native); --root-path as behind a prefix-stripping proxy,
-    which forwards /llm/ as /."""
+    which forwards /llm/ as /; a LoRA adapter of the embedded model for the model picker."""
+    import torch
+
+    from aserve.bench.lora_bench import write_random_adapter
+
+    adapter = write_random_adapter(tmp_path_factory.mktemp("playground") / "verse", {"q_proj": (288, 288)},
+                                   num_layers=6, rank=4, seed=0, dtype=torch.float32)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         starts = [pool.submit(RunningServer, *args) for args in
-                  (("--api-key", KEY, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--root-path", "/llm"),
+                  (("--api-key", KEY, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--root-path", "/llm",
+                    "--enable-lora", "--lora-modules", f"verse={adapter}"),
                    ("--no-ui",))]
     started = [f.result() for f in starts if f.exception() is None]
     try:
@@ -191,6 +198,31 @@ def test_completion_mode_n_samples_and_a_json_schema(server, browser):
                 message="the structured reply")[0]
     assert done.get_attribute("data-finish") == "stop"
     assert set(json.loads(done.find_element(By.CSS_SELECTOR, ".text").text)) == {"name"}
+
+
+def test_the_model_picker_lists_lora_adapters_and_sends_the_choice(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    el = open_page(browser, server, KEY)
+    wait(browser, lambda: el("model").is_displayed(), message="the model picker (the server has an adapter)")
+    picker = Select(el("model"))
+    assert [o.text for o in picker.options] == ["aserve-default", "verse (LoRA)"]
+    assert picker.first_selected_option.get_attribute("value") == "aserve-default"
+    picker.select_by_value("verse")
+    browser.find_element(By.CSS_SELECTOR, "input[name=mode][value=completion]").click()
+    el("max_tokens").clear()
+    el("max_tokens").send_keys("4")
+    el("prompt").send_keys("ROMEO:", Keys.ENTER)
+    wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".message.completion[data-finish]"),
+         message="the completion under the adapter")
+
+    def served_by_verse() -> float:
+        text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("aserve:lora_requests_total{") and 'lora_name="verse"' in line)
+    wait(browser, lambda: served_by_verse() >= 1, message="a request counted under the adapter")
 
 
 def test_page_is_served_under_root_path_with_relative_urls(server):

@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+ROUNDS = 2
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -44,8 +45,6 @@ def write_random_adapter(folder: Path, targets: dict[str, tuple[int, int]], num_
 
 def run(args: argparse.Namespace, options: dict, prompts_for, report) -> None:
     """`prompts_for(llm)`: the benchmark's random prompts for an engine's vocabulary; `report`: throughput's."""
-    import gc
-
     from aserve import LLM, LoRARequest, SamplingParams
     from aserve.hardware import cpu_info
     from aserve.lora.registry import parse_module
@@ -67,16 +66,22 @@ def run(args: argparse.Namespace, options: dict, prompts_for, report) -> None:
                                     str(write_random_adapter(Path(tmp) / f"random-{i}", targets, layers,
                                                              args.lora_rank, args.seed + i, base.engine.dtype)))
                         for i in range(args.num_loras)]
-        base_tps = _timed(base, requests, params, None, "base model alone ", report)
-        del base
-        gc.collect()
         rank = max(args.lora_rank, options.get("max_lora_rank") or 16)
         lora = LLM(**{**options, "enable_lora": True, "max_loras": max(options.get("max_loras") or 1, len(adapters)),
                       "max_lora_rank": rank, "max_cpu_loras": None})
         spread = [adapters[i % len(adapters)] for i in range(len(requests))]
-        lora_tps = _timed(lora, requests, params, spread, f"{len(adapters)} adapters, round-robin ", report)
-    print(f"output tokens/s ratio LoRA/base = {lora_tps / base_tps:.2f} ({len(adapters)} adapters, max_loras "
-          f"{lora.engine.config.max_loras}, rank {args.lora_rank})", flush=True)
+        for llm, loras in ((base, None), (lora, spread)):  # each engine's first run: slots filled, pages touched
+            llm.generate(requests, params, use_tqdm=False, lora_request=loras)
+        totals = {"base": [0, 0.0], "lora": [0, 0.0]}
+        for _ in range(ROUNDS):  # alternated, so neither always runs on a warmer or cooler machine
+            for key, llm, loras, label in (("base", base, None, "base model alone "),
+                                           ("lora", lora, spread, f"{len(adapters)} adapters, round-robin ")):
+                tokens, seconds = _timed(llm, requests, params, loras, label, report)
+                totals[key][0] += tokens
+                totals[key][1] += seconds
+    ratio = (totals["lora"][0] / totals["lora"][1]) / (totals["base"][0] / totals["base"][1])
+    print(f"output tokens/s ratio LoRA/base = {ratio:.2f} ({len(adapters)} adapters, max_loras "
+          f"{lora.engine.config.max_loras}, rank {args.lora_rank}, {ROUNDS} alternating rounds)", flush=True)
 
 
 def _target_shapes(llm) -> dict[str, tuple[int, int]]:
@@ -85,13 +90,11 @@ def _target_shapes(llm) -> dict[str, tuple[int, int]]:
     return target_shapes(llm.engine.runner.model)
 
 
-def _timed(llm, requests, params, loras, label: str, report) -> float:
-    """The second of two runs of the whole workload: the first loads the adapters into their slots and touches
-    the KV cache's pages, a one-off cost each engine pays once."""
-    llm.generate(requests, params, use_tqdm=False, lora_request=loras)
+def _timed(llm, requests, params, loras, label: str, report) -> tuple[int, float]:
     start = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(o.token_ids) for out in outputs for o in out.outputs)
     total = sum(len(r["prompt_token_ids"]) for r in requests) + output_tokens
-    return report(label, len(requests), total, output_tokens, elapsed)
+    report(label, len(requests), total, output_tokens, elapsed)
+    return output_tokens, elapsed

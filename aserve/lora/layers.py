@@ -1,15 +1,14 @@
 """The batched LoRA math: each adapted linear layer adds scale * (x @ A[slot]) @ B[slot] to the rows of the tokens
 that run under an adapter, for every adapter of the step at once, never a loop over requests or adapters.
 
-Each adaptable Linear holds all `max_loras` slots stacked: A as one [in, slices * slots * rank] matrix (columns
-ordered slice, slot, rank) and B as one block-diagonal [slices * slots * rank, out] matrix (q|k|v, gate|up: a fused
-projection adds each slice's own module's delta in its own columns). A step then costs, per layer, one shrink GEMM
-over all slots, a multiply by the step's token -> slot mask (a token's other slots, and base-model tokens, become
-exact zeros), and one expand GEMM added to the base output: a fixed number of ops whatever the mix of adapters
-(punica's BGMV/SGMV do the same grouping in a kernel). Ranks below the slot width, modules an adapter leaves alone and empty slots are
-zeros: they add nothing. A step with no adapter tokens skips it all. Adapters are never merged into the weights.
+Each adaptable Linear holds all `max_loras` slots stacked (q|k|v, gate|up: a fused projection adds each slice's own
+module's delta in its own columns). On the CPU one call of aserve's kernel (csrc/lora.cpp) a layer adds every
+token's delta from its own slot's weights, tokens grouped by slot (punica's SGMV); elsewhere a fixed number of torch
+ops a layer, whatever the mix of adapters, computes every slot and masks. Ranks below the slot width, modules an
+adapter leaves alone and empty slots are zeros: they add nothing. A step with no adapter tokens skips it all.
+Adapters are never merged into the weights.
 
-The mask is computed once per step (`LoRAStep.set`) and read by every layer.
+The token -> slot mapping is computed once per step (`LoRAStep.set`) and read by every layer.
 """
 from __future__ import annotations
 
@@ -28,88 +27,114 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class LoRAStep:
-    """The step's token -> slot mask, read by every layer: for a layer of M output slices, [tokens, M * slots *
-    rank] with ones in the columns of the token's slot (built once a step per M); None when no token has an
+    """The step's token -> slot mapping, read by every layer: `token_slot` (int64 [tokens], -1 for the base model)
+    for aserve's kernel, and for the torch path, a layer of M output slices gets a [tokens, slots * M * rank] mask
+    with ones in the columns of the token's slot (built once a step per M). Both None when no token has an
     adapter."""
 
     def __init__(self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
-        self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, device
-        self.one_hot: torch.Tensor | None = None  # [tokens, slots]
+        # slots are max_lora_rank wide, rounded up to 16 columns (whole vectors for the kernel; the rest is zeros)
+        self.max_loras, self.max_rank, self.dtype, self.device = max_loras, -(-max_rank // 16) * 16, dtype, device
+        self.token_slot: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}
 
     def set(self, slot_per_request: list[int | None], counts: list[int]) -> None:
         """`slot_per_request`: each batch row's slot (None: the base model), `counts`: its tokens, in batch order."""
         self._masks = {}
         if all(slot is None for slot in slot_per_request):
-            self.one_hot = None
+            self.token_slot = None
             return
-        slots = torch.tensor([-1 if s is None else s for s in slot_per_request])
-        per_token = torch.repeat_interleave(slots, torch.tensor(counts))
-        self.one_hot = (per_token.unsqueeze(1) == torch.arange(self.max_loras)).to(self.dtype).to(self.device)
+        slots = torch.tensor([-1 if s is None else s for s in slot_per_request], dtype=torch.long)
+        self.token_slot = torch.repeat_interleave(slots, torch.tensor(counts)).to(self.device)
 
-    def mask(self, num_slices: int) -> torch.Tensor | None:
-        if self.one_hot is None:
-            return None
+    def mask(self, num_slices: int) -> torch.Tensor:
         mask = self._masks.get(num_slices)
         if mask is None:
-            tokens = self.one_hot.shape[0]
-            mask = self.one_hot.view(tokens, 1, self.max_loras, 1).expand(
-                tokens, num_slices, self.max_loras, self.max_rank).reshape(tokens, -1).contiguous()
+            tokens = self.token_slot.shape[0]
+            one_hot = (self.token_slot.unsqueeze(1) == torch.arange(self.max_loras, device=self.device))
+            mask = one_hot.to(self.dtype).view(tokens, self.max_loras, 1, 1).expand(
+                tokens, self.max_loras, num_slices, self.max_rank).reshape(tokens, -1).contiguous()
             self._masks[num_slices] = mask
         return mask
 
     def clear(self) -> None:
-        self.one_hot, self._masks = None, {}
+        self.token_slot, self._masks = None, {}
+
+
+AMX_FLAT_ABOVE = 96  # tokens in a step above which an AMX CPU runs the delta through oneDNN's GEMMs
+
+
+def _amx() -> bool:
+    from aserve.hardware import cpu_info
+
+    return cpu_info().amx_bf16
+
+
+def kernel_available(device: torch.device) -> bool:
+    from aserve.ops import cpu_kernels
+
+    return device.type == "cpu" and cpu_kernels.available() and hasattr(torch.ops.aserve, "lora_delta")
 
 
 class LoRALinear(nn.Module):
-    """The stacked adapter weights of one Linear and the delta they add. `a`: [in, slices, slots, rank] (A^T of
-    each slice's module in each slot); `b`: [slices * slots * rank, out], block-diagonal by slice (scale * B^T of
-    slice i's module in its own output columns, zeros elsewhere), so the expand is one GEMM for a fused layer.
+    """The stacked adapter weights of one Linear and the delta they add. `a`: [slots, in, slices * rank] (A^T of
+    each slice's module side by side); `b`: [slots, slices * rank, out], block-diagonal by slice (scale * B^T of
+    slice i's module in its own output columns, zeros elsewhere).
 
-    Both are prepacked for the CPU GEMM as the base weights are (ops.cpu_gemm), after every slot write. With
-    oneDNN the mask multiply and the add to the base output ride in the GEMMs' epilogues: two ops a layer."""
+    On the CPU aserve's kernel (csrc/lora.cpp) computes each token's delta from its own slot's weights alone.
+    Elsewhere (no kernels, or CUDA) one GEMM shrinks over every slot, a mask zeroes the columns of the token's
+    other slots, and one GEMM expands and adds: prepacked for oneDNN, which does the multiply and the add in the
+    GEMMs' epilogues, when it can pack the dtype."""
 
     def __init__(self, step: LoRAStep, layer: int, modules: tuple[str, ...], in_features: int, sizes: list[int],
                  dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.step, self.layer, self.modules_ = step, layer, modules
-        slots, rank = step.max_loras, step.max_rank
-        self.register_buffer("a", torch.zeros(in_features, len(modules), slots, rank, dtype=dtype, device=device),
+        self.step, self.layer, self.modules_, self.sizes = step, layer, modules, list(sizes)
+        slots, width = step.max_loras, len(modules) * step.max_rank
+        self.register_buffer("a", torch.zeros(slots, in_features, width, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("b", torch.zeros(len(modules), slots, rank, sum(sizes), dtype=dtype, device=device),
+        self.register_buffer("b", torch.zeros(slots, width, sum(sizes), dtype=dtype, device=device),
                              persistent=False)
-        self.offsets = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
-        self.packed: tuple | None = None  # (A, B) packed for the CPU GEMM, or None to multiply them as they are
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.kernel = kernel_available(device)
+        # With AMX, oneDNN's bf16 GEMMs over every slot beat the kernel's AVX-512 FMAs above ~100 tokens a step
+        # (bench model's layers, 4 slots of rank 16: 400 against 350 us at 128 tokens, 214 against 265 at 64).
+        self.flat_above = AMX_FLAT_ABOVE if self.kernel and dtype == torch.bfloat16 and _amx() else None
+        self.flat: tuple | None = None  # the torch path's [in, slots * width] and [slots * width, out] (maybe packed)
 
     def write(self, slot: int, module: str, a_t: torch.Tensor | None, b_t: torch.Tensor | None) -> None:
         """Put one adapter's A^T [in, r] and scale * B^T [r, out] for `module` in `slot` (None: zeros there); call
         `repack` after the slot's writes."""
-        i = self.modules_.index(module)
-        offset, size = self.offsets[i]
-        self.a[:, i, slot].zero_()
-        self.b[i, slot].zero_()
+        i, rank = self.modules_.index(module), self.step.max_rank
+        offset, size = self.offsets[i], self.sizes[i]
+        self.a[slot, :, i * rank:(i + 1) * rank].zero_()
+        self.b[slot, i * rank:(i + 1) * rank].zero_()
         if a_t is not None:
-            rank = a_t.shape[1]
-            self.a[:, i, slot, :rank].copy_(a_t)
-            self.b[i, slot, :rank, offset:offset + size].copy_(b_t)
+            r = a_t.shape[1]
+            self.a[slot, :, i * rank:i * rank + r].copy_(a_t)
+            self.b[slot, i * rank:i * rank + r, offset:offset + size].copy_(b_t)
 
     def repack(self) -> None:
-        a, b = self.a.view(self.a.shape[0], -1), self.b.view(-1, self.b.shape[-1])
-        self.packed = None
-        if a.device.type == "cpu" and cpu_gemm.can_pack(a.dtype) and os.environ.get("ASERVE_PREPACK", "1") != "0":
-            self.packed = (cpu_gemm.pack_weight(a.t().contiguous()), cpu_gemm.pack_weight(b.t().contiguous()))
+        if self.kernel and self.flat_above is None:
+            return
+        a = self.a.permute(1, 0, 2).reshape(self.a.shape[1], -1).contiguous()
+        b = self.b.reshape(-1, self.b.shape[-1])
+        packs = a.device.type == "cpu" and cpu_gemm.can_pack(a.dtype) and os.environ.get("ASERVE_PREPACK", "1") != "0"
+        self.flat = ((cpu_gemm.pack_weight(a.t().contiguous()), cpu_gemm.pack_weight(b.t().contiguous()), True)
+                     if packs else (a, b.contiguous(), False))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        mask = self.step.mask(len(self.modules_))
-        if mask is None:
+        if self.step.token_slot is None:
             return y
-        if self.packed is not None:
-            packed_a, packed_b = self.packed
-            shrunk = cpu_gemm.packed_linear_then(x, packed_a, "mul", mask)
-            return cpu_gemm.packed_linear_then(shrunk, packed_b, "add", y)
-        shrunk = (x @ self.a.view(self.a.shape[0], -1)) * mask
-        return y.addmm_(shrunk, self.b.view(-1, self.b.shape[-1]))
+        if self.kernel and (self.flat_above is None or x.shape[0] <= self.flat_above):
+            torch.ops.aserve.lora_delta(x.contiguous(), y, self.a, self.b, self.step.token_slot, self.sizes)
+            return y
+        a, b, packed = self.flat
+        mask = self.step.mask(len(self.modules_))
+        if packed:
+            shrunk = cpu_gemm.packed_linear_then(x, a, "mul", mask)
+            return cpu_gemm.packed_linear_then(shrunk, b, "add", y)
+        return y.addmm_((x @ a) * mask, b)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, modules={list(self.modules_)}, slots={self.step.max_loras}"

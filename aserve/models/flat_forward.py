@@ -59,6 +59,7 @@ class FlatLayer(NamedTuple):
     gate_up_bias: torch.Tensor | None
     down_weight: PackedWeight
     down_bias: torch.Tensor | None
+    loras: tuple | None  # with LoRA on: the LoRA deltas (lora.layers.LoRALinear) of qkv, o, gate_up and down
 
     @classmethod
     def of(cls, norm_in: nn.Module, qkv_proj: nn.Module, q_size: int, kv_size: int, attn: Attention,
@@ -72,8 +73,13 @@ class FlatLayer(NamedTuple):
                 or any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms)):
             return None
         (qkv_w, qkv_b), (o_w, o_b), (gate_up_w, gate_up_b), (down_w, down_b) = linears
+        loras = tuple(getattr(x, "lora", None) for x in (qkv_proj, o_proj, gate_up_proj, down_proj))
+        if any(lora is None for lora in loras):
+            if any(lora is not None for lora in loras):  # LoRA on some of the four only: not this loop's shape
+                return None
+            loras = None
         return cls(norm_in, qkv_w, qkv_b, q_size, kv_size, attn, q_norm, k_norm, o_w, o_b, norm_post,
-                   gate_up_w, gate_up_b, down_w, down_b)
+                   gate_up_w, gate_up_b, down_w, down_b, loras)
 
 
 class FlatForward:
@@ -91,10 +97,6 @@ class FlatForward:
         """`model`: a decoder stack with `embed_tokens`, `rope`, `norm`, `tp` and `flat_layers(dtype)`, which
         gives each layer's FlatLayer, or None where one is not this block (llama.LlamaForCausalLM)."""
         if os.environ.get("ASERVE_FLAT_FORWARD", "1") == "0" or model.tp.size != 1:
-            return None
-        # Its packed GEMMs have no hook for LoRA's per-token deltas (models.layers.Linear.lora): the module forward
-        # runs adapted models.
-        if any(getattr(m, "lora", None) is not None for m in model.modules()):
             return None
         if type(model.embed_tokens) is not nn.Embedding or model.rope is None or not cpu_kernels.available():
             return None
@@ -121,12 +123,18 @@ class FlatForward:
         x = nn.functional.embedding(input_ids, self.embed)
         T, residual = x.shape[0], None
         for (norm_in, qkv_weight, qkv_bias, q_size, kv_size, attn, q_norm, k_norm, o_weight, o_bias, norm_post,
-             gate_up_weight, gate_up_bias, down_weight, down_bias), (k_cache, v_cache) in zip(self.layers, kv_caches):
+             gate_up_weight, gate_up_bias, down_weight, down_bias, loras), (k_cache, v_cache) in zip(self.layers,
+                                                                                                   kv_caches):
+            if loras is not None and loras[0].step.token_slot is None:  # no adapter in this step
+                loras = None
             if residual is None:
                 residual, x = x, ops.rms_norm(x, norm_in.weight, norm_in.eps)
             else:
                 x = ops.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
-            q, k, v = linear(x, qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+            qkv = linear(x, qkv_weight, qkv_bias)
+            if loras is not None:
+                qkv = loras[0].forward(x, qkv)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
             q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
             if q_norm is not None:  # Qwen3: RMSNorm over each head's features
@@ -141,7 +149,12 @@ class FlatForward:
             if prefill is not None:
                 ops.paged_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, *prefill, attn.scale, window, 0.0,
                                             attn.k_scale, attn.v_scale, 0)
-            x = ops.add_rms_norm(linear(out.view(T, H * D), o_weight, o_bias), residual, norm_post.weight,
+            out = out.view(T, H * D)
+            o = linear(out, o_weight, o_bias)
+            x = ops.add_rms_norm(o if loras is None else loras[1].forward(out, o), residual, norm_post.weight,
                                  norm_post.eps)
-            x = linear(ops.silu_and_mul(linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
+            gate_up = linear(x, gate_up_weight, gate_up_bias)
+            act = ops.silu_and_mul(gate_up if loras is None else loras[2].forward(x, gate_up))
+            down = linear(act, down_weight, down_bias)
+            x = down if loras is None else loras[3].forward(act, down)
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -48,12 +48,18 @@ async function* sseEvents(response) {
   }
 }
 
-// The served model's name in the header; asked at load and when the key changes, so a wrong key shows at once.
+// The served model's name in the header, and a picker of it and its LoRA adapters when it serves any; asked at
+// load and when the key changes, so a wrong key shows at once.
 async function loadModel() {
   try {
     const response = await fetch("v1/models", { headers: headers() });
     if (!response.ok) return showError(await errorText(response));
-    $("model-name").textContent = (await response.json()).data[0].id;
+    const models = (await response.json()).data;
+    $("model-name").textContent = models[0].id;
+    const picker = $("model"), chosen = picker.value;
+    picker.replaceChildren(...models.map((m) => new Option(m.parent ? `${m.id} (LoRA)` : m.id, m.id)));
+    if (models.some((m) => m.id === chosen)) picker.value = chosen;
+    picker.hidden = models.length < 2;
     showError("");
   } catch (err) {
     showError(`cannot reach the server: ${err.message}`);
@@ -83,6 +89,7 @@ function requestBody(input) {
     max_tokens: numberField("max_tokens"), seed: numberField("seed"), n: numberField("n"),
     ignore_eos: $("ignore_eos").checked,
   };
+  if (!$("model").hidden) body.model = $("model").value;
   const stops = $("stop-strings").value.split("\n").filter((s) => s !== "");
   if (stops.length) body.stop = stops;
   const schemaText = $("schema").value.trim();
