@@ -154,8 +154,6 @@ class EngineConfig:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet: LoRA runs on one rank")
 
     def verify(self) -> None:
         """Refuse a policy, a model folder or a weight format that cannot work, before any weights load (see

@@ -103,7 +103,9 @@ def test_one_slot_serves_two_adapters_in_turn(model_dirs, adapters):
     references = {name: load_with_adapter(base, adapters[name] if name else None) for name in set(names)}
     assert [o.outputs[0].token_ids for o in outs] == [greedy(references[n], p, GREEDY.max_tokens)
                                                       for n, p in zip(names, prompts)]
-    assert llm.engine.runner.lora.disk_loads == 2  # each read from disk once, then from the host cache
+    slots = llm.engine.runner.lora
+    assert slots.disk_loads == 2  # each read from disk once, then from the host cache
+    assert not slots.in_use and len(slots.slot_of) == 1  # no slot pinned after the steps; one slot, one adapter
     llm.engine.check_idle()
 
 
@@ -271,3 +273,48 @@ def test_every_path_adds_each_tokens_own_adapter(monkeypatch, dtype, path):
     torch.testing.assert_close(got.double(), expected, **tol)
     base_rows = [t for t, s in enumerate(token_slots) if s in (None, 1)]
     assert torch.equal(got[base_rows], y[base_rows])
+
+
+def test_tensor_parallel_ranks_shard_the_adapters_as_the_base(model_dirs, adapters):
+    """TP=2 (q|k|v and gate|up split by outputs, o and down by inputs: A or B sharded to match) gives TP=1's tokens
+    and logprobs, with base and adapter requests mixed."""
+    prompts = random_prompts(4, lengths=(5, 30), seed=16)
+    names = ["all", None, "attn", "patterns"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def run(**options):
+        llm = lora_llm(model_dirs, max_loras=3, **options)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=[request_of(adapters, n) for n in names])
+        llm.engine.check_idle()
+        if options:
+            llm.engine.executor.shutdown()
+        return outs
+
+    one, two = run(), run(tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    for a, b in zip(one, two):
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_data_parallel_replicas_each_serve_every_adapter(model_dirs, adapters):
+    """Two replicas: requests of two adapters spread over both, each replica loading what it is asked for."""
+    import asyncio
+
+    from aserve import AsyncLLM
+
+    base = model_dirs[FAMILY]
+    prompts = random_prompts(6, lengths=(5, 20), seed=17)
+    names = ["attn", "all", "attn", "all", None, "all"]
+
+    async def main():
+        async with AsyncLLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16, data_parallel_size=2,
+                            kv_cache_memory="16MiB", device="cpu", dtype="float32") as engine:
+            outs = await asyncio.gather(*(engine.infer({"prompt_token_ids": p}, GREEDY,
+                                                       lora_request=request_of(adapters, n))
+                                          for p, n in zip(prompts, names)))
+            return [o.outputs[0].token_ids for o in outs]
+
+    got = asyncio.run(main())
+    references = {name: load_with_adapter(base, adapters[name] if name else None) for name in set(names)}
+    assert got == [greedy(references[n], p, GREEDY.max_tokens) for n, p in zip(names, prompts)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -87,9 +88,10 @@ class LoRALinear(nn.Module):
     GEMMs' epilogues, when it can pack the dtype."""
 
     def __init__(self, step: LoRAStep, layer: int, modules: tuple[str, ...], in_features: int, sizes: list[int],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, shard: "Shard | None" = None):
         super().__init__()
         self.step, self.layer, self.modules_, self.sizes = step, layer, modules, list(sizes)
+        self.shard = shard  # tensor parallelism: this rank's part of each adapter's A (row-parallel) or B
         slots, width = step.max_loras, len(modules) * step.max_rank
         self.register_buffer("a", torch.zeros(slots, in_features, width, dtype=dtype, device=device),
                              persistent=False)
@@ -107,6 +109,8 @@ class LoRALinear(nn.Module):
         `repack` after the slot's writes."""
         i, rank = self.modules_.index(module), self.step.max_rank
         offset, size = self.offsets[i], self.sizes[i]
+        if a_t is not None and self.shard is not None:
+            a_t, b_t = self.shard.take(i, a_t, b_t)
         self.a[slot, :, i * rank:(i + 1) * rank].zero_()
         self.b[slot, i * rank:(i + 1) * rank].zero_()
         if a_t is not None:
@@ -140,6 +144,37 @@ class LoRALinear(nn.Module):
         return f"layer={self.layer}, modules={list(self.modules_)}, slots={self.step.max_loras}"
 
 
+class Shard(NamedTuple):
+    """A tensor-parallel rank's part of the adapters of one layer, as its base weight is split
+    (models.parallel.Split): a column-parallel layer holds some output rows of each slice, so it takes those
+    columns of each slice's B^T (A whole); a row-parallel one holds some input columns, so it takes those rows of
+    A^T (B whole): its partial delta joins the partial base product before their one all-reduce."""
+    dim: int  # the base weight's split dimension: 0 (outputs) or 1 (inputs)
+    parts: tuple[tuple[int, int], ...]  # (start, size) per slice for dim 0; one (start, size) of the inputs for 1
+
+    def take(self, slice_index: int, a_t: torch.Tensor, b_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.dim == 0:
+            start, size = self.parts[slice_index]
+            return a_t, b_t[:, start:start + size]
+        start, size = self.parts[0]
+        return a_t[start:start + size], b_t
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> "Shard | None":
+        split = getattr(linear, "tp_splits", {}).get("weight")
+        return None if split is None else cls(split.dim, split.parts)
+
+
+def full_shapes(linear: nn.Module) -> list[tuple[int, int]]:
+    """Each output slice's (in, out) features in the checkpoint, whatever this rank holds of them."""
+    split = getattr(linear, "tp_splits", {}).get("weight")
+    if split is None:
+        return [(linear.in_features, size) for size in linear.output_sizes]
+    if split.dim == 0:
+        return [(linear.in_features, size) for size in split.shard_sizes]
+    return [(split.shard_sizes[0], size) for size in linear.output_sizes]
+
+
 def adaptable(model: nn.Module):
     """(layer index, Linear, its Hugging Face modules) for each linear layer LoRA can adapt."""
     for name, module in model.named_modules():
@@ -153,8 +188,8 @@ def target_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """The modules an adapter may target, with their (in, out) features (plain data for the core's checks)."""
     shapes = {}
     for _, linear, modules in adaptable(model):
-        for module, size in zip(modules, linear.output_sizes):
-            shapes[module] = (linear.in_features, size)
+        for module, shape in zip(modules, full_shapes(linear)):
+            shapes[module] = shape
     return shapes
 
 
@@ -163,7 +198,8 @@ def attach(model: nn.Module, step: LoRAStep, dtype: torch.dtype,
     """Give each adaptable Linear its LoRALinear (Linear.forward adds its delta); returns them by (layer, module)."""
     by_module = {}
     for layer, linear, modules in list(adaptable(model)):
-        linear.lora = LoRALinear(step, layer, modules, linear.in_features, list(linear.output_sizes), dtype, device)
+        linear.lora = LoRALinear(step, layer, modules, linear.in_features, list(linear.output_sizes), dtype, device,
+                                 Shard.of(linear))
         for module in modules:
             by_module[(layer, module)] = linear.lora
     return by_module
