@@ -1,6 +1,7 @@
 """Multi-LoRA serving: adapters batched beside the base weights equal transformers + peft, token for token (fp32)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -12,7 +13,10 @@ import conftest
 from conftest import kv_memory_for_blocks, random_prompts
 from lora_helpers import greedy, last_logits, load_with_adapter, make_adapter
 
-pytest.importorskip("peft")
+# peft imports triton: only when a test runs, so that TRITON_INTERPRET (set by test_triton_backend at collection)
+# is in place first
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft not installed (the test extra "
+                                                                                  "has it)")
 
 FAMILY = "llama-gqa-tied"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

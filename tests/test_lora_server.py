@@ -1,9 +1,9 @@
 """LoRA adapters over HTTP: picked by `model`, listed by /v1/models, loaded and unloaded at run time (vLLM's routes)."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
-import threading
 
 import httpx
 import openai
@@ -13,7 +13,10 @@ import conftest
 from lora_helpers import greedy, load_with_adapter, make_adapter
 from server_util import RunningServer
 
-pytest.importorskip("peft")
+# peft imports triton: only when a test runs, so that TRITON_INTERPRET (set by test_triton_backend at collection)
+# is in place first
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft not installed (the test extra "
+                                                                                  "has it)")
 
 FAMILY = "llama-gqa-tied"
 KEY = "lora-key"
@@ -62,6 +65,14 @@ PROMPT = conftest.random_prompts(1, lengths=(12, 13), seed=31)[0]
 def complete(client, model, max_tokens=10, **kwargs):
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
                                      extra_body={"ignore_eos": True}, **kwargs)
+
+
+def test_the_schema_lists_the_adapter_routes(server):
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        operation = schema["paths"][route]["post"]
+        assert operation["security"] == [{"bearer": []}] and "text/plain" in operation["responses"]["200"]["content"]
+    assert "parent" in schema["components"]["schemas"]["ModelCard"]["properties"]
 
 
 def test_models_lists_each_adapter_with_its_parent_and_root(client, adapters):

@@ -217,7 +217,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
     ctx = ServerContext(engine, model_name, aliases, max_body_bytes, body_timeout, request_timeout, log_requests,
                         parser, adapters)
     schema = msgspec.json.encode(build_openapi(root_path, api_key is not None, vocab_size=engine.vocab_size,
-                                               max_model_len=engine.max_model_len, max_n=engine.facts.max_n))
+                                               max_model_len=engine.max_model_len, max_n=engine.facts.max_n,
+                                               lora_updates=adapters is not None and allow_runtime_lora_updates))
 
     async def openapi_json(request: Request) -> Response:
         return Response(schema, media_type="application/json")

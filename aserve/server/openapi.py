@@ -50,9 +50,17 @@ def narrow(node, maxima: dict[str, int]) -> None:
             narrow(value, maxima)
 
 
+# vLLM's run-time adapter routes (--allow-runtime-lora-updates): path, summary, request body; they answer text
+LORA_ROUTES = [("/v1/load_lora_adapter", "Load a LoRA adapter and serve it under its name", p.LoadLoRAAdapterRequest),
+               ("/v1/unload_lora_adapter", "Stop serving a LoRA adapter (requests running under it finish)",
+                p.UnloadLoRAAdapterRequest)]
+
+
 def build_openapi(root_path: str = "", api_key: bool = False, *, vocab_size: int | None = None,
-                  max_model_len: int | None = None, max_n: int | None = None) -> dict:
-    types = [t for route in ROUTES for t in route[3:5] if t is not None] + [p.ErrorResponse]
+                  max_model_len: int | None = None, max_n: int | None = None, lora_updates: bool = False) -> dict:
+    lora_routes = LORA_ROUTES if lora_updates else []
+    types = ([t for route in ROUTES for t in route[3:5] if t is not None] + [body for _, _, body in lora_routes]
+             + [p.ErrorResponse])
     (*refs,), components = msgspec.json.schema_components(types, ref_template=REF)
     maxima = {"token id": vocab_size and vocab_size - 1, "max tokens": max_model_len and max_model_len - 1,
               "samples": max_n}
@@ -72,6 +80,15 @@ def build_openapi(root_path: str = "", api_key: bool = False, *, vocab_size: int
         if api_key:
             operation["security"] = [{"bearer": []}]
         paths.setdefault(path, {})[method] = operation
+    for path, summary, body in lora_routes:
+        operation = {"summary": summary, "responses": {"200": {"description": "OK", "content": {
+            "text/plain": {"schema": {"type": "string"}}}}}, "requestBody": {"required": True, "content": {
+                "application/json": {"schema": {"$ref": REF.format(name=body.__name__)}}}}}
+        for status in (400, 401, 404, 413):
+            operation["responses"][str(status)] = {"description": ERRORS[status], "content": error}
+        if api_key:
+            operation["security"] = [{"bearer": []}]
+        paths[path] = {"post": operation}
     paths["/health"] = {"get": {"summary": "200 while the engine is alive", "responses": {
         "200": {"description": "healthy"}, "503": {"description": "the engine core died", "content": error}}}}
     doc = {"openapi": "3.1.0", "info": {"title": "aserve", "version": aserve.__version__},
