@@ -82,25 +82,36 @@ template <typename T> inline fVec widen(const T* p) {
   }
 }
 
+// The register-blocked step of both passes: acc[t][v] += scalar(t) * w[v] for the block's kBlock rows (the loops
+// unrolled, so the accumulators stay in registers).
+template <int64_t NV> inline void zero(fVec (&acc)[kBlock][NV]) {
+  #pragma GCC unroll 8
+  for (int64_t t = 0; t < kBlock; ++t)
+    #pragma GCC unroll 8
+    for (int64_t v = 0; v < NV; ++v) acc[t][v] = fVec(0.f);
+}
+
+template <int64_t NV>
+inline void fma_rows(fVec (&acc)[kBlock][NV], const fVec (&w)[NV], const float* scalars, int64_t stride) {
+  #pragma GCC unroll 8
+  for (int64_t t = 0; t < kBlock; ++t) {
+    const fVec s(scalars[t * stride]);
+    #pragma GCC unroll 8
+    for (int64_t v = 0; v < NV; ++v) acc[t][v] = at::vec::fmadd(s, w[v], acc[t][v]);
+  }
+}
+
 // h[t, col0 : col0 + NV*V] = xs[t] @ a[:, col0 : ...] for the kBlock rows of xs (rows past the block are zeros).
 template <typename T, int64_t NV>
 inline void shrink_pass(const float* xs, int64_t in, const T* a, int64_t width, int64_t col0, float* h) {
   constexpr int64_t V = fVec::size();
   fVec acc[kBlock][NV];
-  #pragma GCC unroll 8
-  for (int64_t t = 0; t < kBlock; ++t)
-    #pragma GCC unroll 8
-    for (int64_t v = 0; v < NV; ++v) acc[t][v] = fVec(0.f);
+  zero(acc);
   for (int64_t k = 0; k < in; ++k) {
     fVec w[NV];
     #pragma GCC unroll 8
     for (int64_t v = 0; v < NV; ++v) w[v] = widen(a + k * width + col0 + v * V);
-    #pragma GCC unroll 8
-    for (int64_t t = 0; t < kBlock; ++t) {
-      const fVec xv(xs[t * in + k]);
-      #pragma GCC unroll 8
-      for (int64_t v = 0; v < NV; ++v) acc[t][v] = at::vec::fmadd(xv, w[v], acc[t][v]);
-    }
+    fma_rows(acc, w, xs + k, in);
   }
   #pragma GCC unroll 8
   for (int64_t t = 0; t < kBlock; ++t)
@@ -151,10 +162,7 @@ void lora_delta_kernel(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, 
           const int64_t cols = std::min(kExpandVecs * V, sizes[i] - c);
           const bool whole = cols == kExpandVecs * V;
           fVec acc[kBlock][kExpandVecs];
-          #pragma GCC unroll 8
-          for (int64_t t = 0; t < kBlock; ++t)
-            #pragma GCC unroll 8
-            for (int64_t v = 0; v < kExpandVecs; ++v) acc[t][v] = fVec(0.f);
+          zero(acc);
           for (int64_t r = 0; r < rank; ++r) {
             fVec wv[kExpandVecs];
             if (whole) {
@@ -166,12 +174,7 @@ void lora_delta_kernel(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, 
               #pragma GCC unroll 8
               for (int64_t v = 0; v < kExpandVecs; ++v) wv[v] = fVec::loadu(bt.data() + v * V);
             }
-            #pragma GCC unroll 8
-            for (int64_t t = 0; t < kBlock; ++t) {
-              const fVec hv(h[t * width + i * rank + r]);
-              #pragma GCC unroll 8
-              for (int64_t v = 0; v < kExpandVecs; ++v) acc[t][v] = at::vec::fmadd(hv, wv[v], acc[t][v]);
-            }
+            fma_rows(acc, wv, h.data() + i * rank + r, width);
           }
           for (int64_t t = 0; t < n; ++t) {
             T* yt = yp + blk.tokens[t] * y_stride + offsets[i] + c;
