@@ -13,10 +13,12 @@ if os.environ.get("ASERVE_CONFIGURE_LOGGING", "1") != "0" and not logging.getLog
 # The public names load on first use, so `aserve --policy nope` can refuse a flag before torch is imported.
 _EXPORTS = {"AsyncLLM": "aserve.engine.async_llm", "EngineDeadError": "aserve.errors", "LLM": "aserve.llm",
             "CompletionOutput": "aserve.outputs", "Logprob": "aserve.outputs", "RequestOutput": "aserve.outputs",
-            "SamplingParams": "aserve.sampling_params", "LoRARequest": "aserve.lora.request"}
+            "SamplingParams": "aserve.sampling_params", "LoRARequest": "aserve.lora.request",
+            "PoolingParams": "aserve.pooling.params", "PoolingRequestOutput": "aserve.outputs",
+            "EmbeddingRequestOutput": "aserve.outputs"}
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "LoRARequest"]
+           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"]
 __version__ = "0.1.0"
 
 

@@ -67,6 +67,9 @@ class EngineConfig:
     swap_space: float | str = option(4, "host memory for swapped-out KV blocks: GiB (a number) or a size string")
     seed: int = option(0, "random seed of sampling without a per-request seed")
     served_model_name: str | None = option(None, "the model name clients use (default: --model)")
+    runner: str = option("auto", "generate text, or pool each prompt into one vector (embeddings); auto: pooling "
+                                 "for a sentence-transformers folder, else generate", choices=("auto", "generate",
+                                                                                              "pooling"))
     disable_log_stats: bool | None = option(None, "the periodic stats line; default: off offline, on when serving")
     max_n: int = option(32, "the largest n (samples per prompt) a request may ask: each costs as much as a request")
     max_waiting_requests: int | None = option(None, "refuse new requests (503 + Retry-After when serving) while "
@@ -169,6 +172,15 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 512 if device.type == "cpu" else 2048
+
+    @property
+    def resolved_runner(self) -> str:
+        """`runner`, with auto decided from the model folder."""
+        if self.runner != "auto":
+            return self.runner
+        from aserve.pooling.params import is_sentence_transformers
+
+        return "pooling" if self.model and is_sentence_transformers(self.model) else "generate"
 
     @property
     def model_name(self) -> str:

@@ -1,6 +1,7 @@
 """LLM: the offline API. `LLM(model).generate(prompts, params)` drives the engine core to completion."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -12,7 +13,8 @@ from aserve.errors import ConfigError
 from aserve.inputs import admit_prompts, parse_prompts
 from aserve.lora.request import LoRARequest
 from aserve.metrics.loggers import StatLoggers
-from aserve.outputs import RequestOutput
+from aserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from aserve.pooling.params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
@@ -78,6 +80,33 @@ class LLM:
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a model started with runner="pooling"), in input order: `.outputs.embedding`.
+        `pooling_params`: `dimensions` (Matryoshka models), `normalize` (default: as the model folder says)."""
+        return [EmbeddingRequestOutput.of(out) for out in self._pool(prompts, pooling_params, "embed", use_tqdm)]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """The raw pooled hidden state of each prompt (`.outputs.data`, float32), neither cut nor normalized."""
+        return self._pool(prompts, pooling_params, "encode", use_tqdm)
+
+    def _pool(self, prompts, pooling_params: PoolingParams | None, task: str, use_tqdm: bool):
+        """Admit every prompt (one forward pass each, nothing sampled), refusing before anything is queued."""
+        params = dataclasses.replace(pooling_params or PoolingParams(), task=task)
+        prompts = parse_prompts(prompts)
+        admitted = admit_prompts(self.engine.facts, prompts, SamplingParams(max_tokens=1),
+                                 self.engine.tokenizer.encode)
+        self.engine.check_pooling(params)
+        ids_in_order = []
+        for prompt in admitted:
+            request_id = f"pool-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(prompt.token_ids, request_id=request_id, prompt=prompt.text,
+                                    output_kind="final", pooling_params=params)
+            ids_in_order.append(request_id)
+        return self._run(ids_in_order, use_tqdm)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
         done: dict[str, RequestOutput] = {}
@@ -88,7 +117,8 @@ class LLM:
                 if output.finished and output.request_id in wanted:
                     done[output.request_id] = output
                     in_tokens += len(output.prompt_token_ids)
-                    out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        out_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = time.perf_counter() - start
                     bar.set_postfix_str(f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
                                         f"output: {out_tokens / elapsed:.2f} toks/s", refresh=False)

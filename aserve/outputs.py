@@ -1,7 +1,12 @@
-"""What the engine hands back: RequestOutput and CompletionOutput, shaped like vLLM's."""
+"""What the engine hands back, shaped like vLLM's: RequestOutput and CompletionOutput for generation,
+PoolingRequestOutput and EmbeddingRequestOutput for pooling models."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -65,3 +70,58 @@ class RequestOutput:
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
                 f"outputs={self.outputs}, finished={self.finished})")
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (float32): the embedding (task "embed"), or the raw pooled hidden state
+    ("encode"). None when the request ended without one (aborted, failed)."""
+    data: "torch.Tensor | None"
+
+    def __reduce__(self):
+        # Crossing to the front end's process as plain floats: torch's own pickling of a tensor over a
+        # multiprocessing Connection shares its storage through a handshake the engine-core child cannot make.
+        return _pooling_output, (None if self.data is None else self.data.tolist(),)
+
+
+def _pooling_output(values: list[float] | None) -> PoolingOutput:
+    import torch
+
+    return PoolingOutput(None if values is None else torch.tensor(values, dtype=torch.float32))
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request returns (vLLM's name): one vector for its prompt."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int | None = None
+    error: str | None = None  # why there is no vector (aborted, failed)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's answer for one prompt (vLLM's name): `outputs.embedding` is a list of floats."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        if out.outputs.data is None:
+            raise RuntimeError(f"request {out.request_id} has no embedding: {out.error}")
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(out.outputs.data.tolist()))

@@ -5,6 +5,7 @@ import enum
 import time
 
 from aserve.lora.request import ResolvedLoRA
+from aserve.pooling.params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 
@@ -60,7 +61,7 @@ class Request(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, group_id: str | None = None, index: int = 0, priority: int = 0,
                  arrival_time: float | None = None, max_tokens: int = 16,
-                 lora: ResolvedLoRA | None = None):
+                 lora: ResolvedLoRA | None = None, pooling: PoolingParams | None = None):
         super().__init__(prompt_token_ids)
         self.request_id = request_id
         self.group_id = group_id or request_id
@@ -69,6 +70,8 @@ class Request(TokenSequence):
         self.max_tokens = max_tokens
         self.priority = priority
         self.lora = lora  # the adapter it runs under (None: the base model)
+        self.pooling = pooling  # a pooling request: its prompt is pooled into one vector, nothing is generated
+        self.pooled = None  # that vector (a float32 tensor), once its last prompt chunk ran
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []

@@ -41,6 +41,8 @@ def wait_idle(server):
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").status_code == 200
+    embeddings = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert embeddings.status_code == 400 and "generate runner" in embeddings.json()["error"]["message"]
     for route in ("load_lora_adapter", "unload_lora_adapter"):  # only with --enable-lora --allow-runtime-lora-updates
         answer = httpx.post(f"{server.url}/v1/{route}", json={"lora_name": "x", "lora_path": "/x"},
                             headers={"Authorization": f"Bearer {KEY}"})

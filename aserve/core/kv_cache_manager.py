@@ -67,8 +67,8 @@ class KVCacheManager:
                 and parent.num_computed_tokens >= req.num_tokens - 1 and req.num_tokens > 1):
             num_tokens = req.num_tokens - 1
             return parent.block_table[:self.blocks_needed(num_tokens)], num_tokens
-        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None or req.pooling is not None:
+            return [], 0  # prompt logprobs and pooling need every prompt position computed
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         hits: list[int] = []

@@ -28,6 +28,7 @@ class NewRequestData:
     block_table: list[int]
     num_computed_tokens: int
     lora: ResolvedLoRA | None = None  # the adapter it runs under
+    pooling: str | None = None  # a pooling request: how it pools (pooling.params.POOLING_KINDS)
 
 
 @dataclass
@@ -102,13 +103,15 @@ class StepAdapters:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, max_loras: int | None = None):
+                 max_num_batched_tokens: int, max_model_len: int, max_loras: int | None = None,
+                 pooling_kind: str | None = None):
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_loras = max_loras  # distinct adapters in one step (None: LoRA is off)
+        self.pooling_kind = pooling_kind  # the pooling runner: how every request pools (None: generation)
         self.waiting = policy.waiting_queue()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in the order they were swapped out
@@ -253,7 +256,8 @@ class Scheduler:
             if sent is None:
                 req.sent_blocks = list(table)
                 out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params, list(table),
-                                                       req.num_computed_tokens, req.lora))
+                                                       req.num_computed_tokens, req.lora,
+                                                       self.pooling_kind if req.pooling is not None else None))
             elif len(table) >= len(sent) and table[:len(sent)] == sent:
                 new_ids = table[len(sent):]
                 sent.extend(new_ids)
@@ -298,9 +302,9 @@ class Scheduler:
         self.preemptions[PreemptionMode.RECOMPUTE.value] += 1
         self.policy.on_event(victim, "preempted")
 
-    def update(self, sampled: dict[str, int]) -> list[Request]:
+    def update(self, sampled: dict[str, int], pooled: frozenset[str] = frozenset()) -> list[Request]:
         """After the last step ran: advance computed tokens, append sampled ones (by request id), and finish
-        requests that hit a stop condition."""
+        requests that hit a stop condition, and pooling requests whose prompt is pooled (`pooled`, by id)."""
         finished = []
         self._ended_by_update = set()
         now = time.monotonic()
@@ -309,6 +313,10 @@ class Scheduler:
                 continue
             req.num_computed_tokens += num_new
             self.kv.cache_full_blocks(req)
+            if req.request_id in pooled:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+                continue
             token = sampled.get(req.request_id)
             if token is None:
                 continue

@@ -28,7 +28,9 @@ from aserve.inputs import Admitted, Prompt, admit_prompts, parse_prompt, parse_p
 from aserve.lora.request import LoRARequest
 from aserve.metrics.loggers import StatLoggers
 from aserve.models.loader import load_tokenizer
-from aserve.outputs import RequestOutput
+from aserve.outputs import PoolingRequestOutput, RequestOutput
+from aserve.pooling.params import PoolingParams
+from aserve.request import RequestStatus
 from aserve.sampling_params import SamplingParams
 from aserve.worker.host_memory import rss_bytes
 
@@ -96,7 +98,11 @@ class RequestStream:
         except BaseException:
             self.close()
             raise
-        error = next((o.error for o in output.outputs if o.finish_reason == "error"), None)
+        if isinstance(output, PoolingRequestOutput):
+            aborted = output.error == RequestStatus.FINISHED_ABORTED.value
+            error = output.error if output.outputs.data is None and not aborted else None
+        else:
+            error = next((o.error for o in output.outputs if o.finish_reason == "error"), None)
         if error is not None:
             self.close()
             raise RequestFailedError(f"generation failed: {error}")
@@ -291,7 +297,8 @@ class AsyncLLM:
 
     async def submit(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
                      priority: int = 0, output_kind: str = "delta", timeout: float | None = None,
-                     lora_request: LoRARequest | None = None) -> "RequestStream":
+                     lora_request: LoRARequest | None = None,
+                     pooling_params: PoolingParams | None = None) -> "RequestStream":
         """Hand one request to the core; return its stream once the core has accepted it. `prompt` is an
         Admitted (from admit(), with its own params: pass none here) or a raw prompt, which is admitted first.
         `lora_request`: the adapter it runs under (None: the base model).
@@ -317,7 +324,7 @@ class AsyncLLM:
         accepted = self.replicas.call(AddRequest(prompt_token_ids=prompt.token_ids, params=prompt.params,
                                                  request_id=request_id, prompt=prompt.text, priority=priority,
                                                  arrival_time=arrival, output_kind=output_kind,
-                                                 lora_request=lora_request))
+                                                 lora_request=lora_request, pooling_params=pooling_params))
         try:  # the timeout holds while the core is busy admitting too (its abort follows the add in order)
             await asyncio.wait_for(asyncio.wrap_future(accepted), stream.remaining())
         except asyncio.TimeoutError:
@@ -349,6 +356,21 @@ class AsyncLLM:
                                           lora_request)) as stream:
             async for final in stream:
                 pass
+        return final
+
+    async def encode(self, prompt, pooling_params: PoolingParams | None = None, request_id: str | None = None,
+                     priority: int = 0, timeout: float | None = None) -> PoolingRequestOutput:
+        """Pool one prompt (raw or Admitted) on an engine started with runner="pooling": its embedding (task
+        "embed", the default) or its raw pooled hidden state ("encode") in `.outputs.data`."""
+        stream = await self.submit(prompt, None if isinstance(prompt, Admitted) else SamplingParams(max_tokens=1),
+                                   request_id, priority, "final", timeout,
+                                   pooling_params=pooling_params or PoolingParams())
+        final = None
+        try:
+            async for final in stream:
+                pass
+        finally:
+            stream.close()
         return final
 
     async def abort(self, request_id: str) -> None:

@@ -168,7 +168,8 @@ def _handlers(core) -> dict[Kind, Callable]:
         Kind.ADD_REQUEST: lambda m: core.add_request(m.prompt_token_ids, m.params, request_id=m.request_id,
                                                      prompt=m.prompt, priority=m.priority,
                                                      arrival_time=m.arrival_time, output_kind=m.output_kind,
-                                                     lora_request=m.lora_request),
+                                                     lora_request=m.lora_request,
+                                                     pooling_params=m.pooling_params),
         Kind.ABORT: lambda m: core.abort(m.request_ids),
         Kind.GET_STATE: lambda m: core.state(m.diagnostics),
     }

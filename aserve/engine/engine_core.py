@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-from aserve.config import EngineConfig
+from aserve.config import DEFAULT_MODEL_DIR, EngineConfig
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.errors import EngineOverloadedError, InvalidRequestError
@@ -23,7 +23,8 @@ from aserve.lora import adapter
 from aserve.lora.request import LoRAFacts, LoRARequest, ResolvedLoRA
 from aserve.metrics.stats import FinishedRequestStats, IterationStats
 from aserve.models.loader import load_tokenizer
-from aserve.outputs import RequestOutput
+from aserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from aserve.pooling.params import PoolingParams, PoolingSpec, check_params, read_spec
 from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import SamplingParams
@@ -54,10 +55,13 @@ class EngineCore:
         self.kv = KVCacheManager(info.num_blocks, config.block_size, config.enable_prefix_caching,
                                  info.num_host_blocks)
         self.policy = load_policy(config.policy, config.policy_options)
+        self.pooling_spec = (read_spec(config.model or DEFAULT_MODEL_DIR, info.model_config)
+                             if config.resolved_runner == "pooling" else None)  # None: the generate runner
         self.scheduler = Scheduler(self.kv, self.policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.token_budget(resolve_device(config.device)),
                                    max_model_len=self.max_model_len,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   pooling_kind=self.pooling_spec.kind if self.pooling_spec else None)
         self.lora_facts = (LoRAFacts(info.lora_targets, info.num_layers, config.max_lora_rank)
                            if config.enable_lora else None)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -90,8 +94,11 @@ class EngineCore:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> str:
+        pooling = self.check_pooling(pooling_params)
         params = params or SamplingParams()
+        if pooling is not None:  # one forward pass over the prompt, nothing sampled
+            params = SamplingParams(max_tokens=1)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -108,7 +115,7 @@ class EngineCore:
             child_params = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
             samples.append(Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_token_ids,
                                    child_params, group_id=request_id, index=i, priority=priority,
-                                   arrival_time=arrival_time, max_tokens=max_tokens, lora=lora))
+                                   arrival_time=arrival_time, max_tokens=max_tokens, lora=lora, pooling=pooling))
         first = samples[0]
         for child in samples[1:]:
             child.fork_parent = first
@@ -121,6 +128,23 @@ class EngineCore:
         else:
             self.scheduler.add_request(first)
         return request_id
+
+    def check_pooling(self, pooling_params: PoolingParams | None) -> PoolingParams | None:
+        """A pooling request on the pooling runner, a generation request on the generate runner: the other way
+        round is this request's error, naming the runner."""
+        if self.pooling_spec is None:
+            if pooling_params is not None:
+                raise InvalidRequestError(f"{self.config.model_name} runs the generate runner: it pools nothing "
+                                          f"(start it with runner='pooling' for embeddings)", "model")
+            return None
+        if pooling_params is None:
+            raise InvalidRequestError(f"{self.config.model_name} runs the pooling runner: it generates nothing "
+                                      f"(use embed or encode)", "model")
+        try:
+            check_params(pooling_params, self.pooling_spec)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "dimensions") from None
+        return pooling_params
 
     def resolve_lora(self, lora_request: LoRARequest | None) -> ResolvedLoRA | None:
         """Read and check the request's adapter once, here (a refusal is this request's error); None: the base."""
@@ -172,11 +196,13 @@ class EngineCore:
             if result.error is not None:  # before update(), so no token is appended and its blocks go back now
                 self._fail(req, result.error)
         tokens = {req.request_id: result.token_id for req, result in sampled.items() if result.error is None}
-        self.scheduler.update(tokens)
+        for request_id, vector in ran.pooled.items():
+            by_id[request_id].pooled = vector
+        self.scheduler.update(tokens, frozenset(ran.pooled))
         stats = self._stats
         stats.num_steps += 1
         stats.iteration_tokens.append(sched.num_batched_tokens)
-        touched: dict[str, None] = {}  # prompt groups that advanced, in order
+        touched: dict[str, None] = {by_id[request_id].group_id: None for request_id in ran.pooled}  # advanced
         for req, result in sampled.items():
             if req.status == RequestStatus.FINISHED_ABORTED:
                 continue
@@ -240,8 +266,11 @@ class EngineCore:
             self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR, error=message)
         req.pending_forks = []
 
-    def _finish_group(self, group_id: str) -> RequestOutput:
+    def _finish_group(self, group_id: str) -> RequestOutput | PoolingRequestOutput:
         output = self.outputs.make_output(group_id)
+        first = self.requests[group_id][0]
+        if first.pooling is not None:
+            output = pooling_output(output, first, self.pooling_spec)
         self.outputs.release(group_id)
         del self.requests[group_id]
         return output
@@ -282,3 +311,18 @@ class EngineCore:
         if held:
             raise AssertionError(f"the worker still holds requests: {held[:8]}")
         self.kv.check_all_free()
+
+
+def pooling_output(output: RequestOutput, req: Request, spec: PoolingSpec) -> PoolingRequestOutput:
+    """A finished pooling request's answer: the embedding (its first `dimensions` features, L2-normalized as
+    asked or as the folder says) for task "embed", the raw pooled hidden state for "encode"."""
+    vector, params = req.pooled, req.pooling
+    if vector is not None and params.task == "embed":
+        if params.dimensions is not None:
+            vector = vector[:params.dimensions]
+        if params.normalize if params.normalize is not None else spec.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+    error = None if vector is not None else (req.error or req.status.value)
+    return PoolingRequestOutput(output.request_id, output.prompt, output.prompt_token_ids, PoolingOutput(vector),
+                                True, output.num_cached_tokens, error)
+

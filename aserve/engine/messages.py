@@ -58,6 +58,7 @@ class AddRequest(Call, kw_only=True):
     arrival_time: float | None = None
     output_kind: str = "delta"
     lora_request: Any = None  # LoRARequest: the adapter it runs under (None: the base model)
+    pooling_params: Any = None  # PoolingParams: a pooling request (the pooling runner)
 
 
 class Abort(Call, kw_only=True):

@@ -24,7 +24,7 @@ from aserve.engine.async_llm import AsyncLLM
 from aserve.lora import adapter
 from aserve.lora.registry import LoRARegistry
 from aserve.lora.request import LoRARequest
-from aserve.server import constraints, openai, protocol as p
+from aserve.server import constraints, openai, pooling, protocol as p
 from aserve.server import ui as playground
 from aserve.server.errors import APIError, error_response, from_exception, stream_error
 from aserve.server.http import json_response, parse, until_disconnect
@@ -241,6 +241,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/tokenize", api_route(ctx, tokenize), methods=["POST"]),
         Route("/detokenize", api_route(ctx, detokenize), methods=["POST"]),
         Route("/generate", api_route(ctx, generate), methods=["POST"]),
+        Route("/v1/embeddings", api_route(ctx, pooling.embeddings), methods=["POST"]),
     ]
     if adapters is not None and allow_runtime_lora_updates:
         routes += [Route("/v1/load_lora_adapter", api_route(ctx, load_lora_adapter), methods=["POST"]),

@@ -24,6 +24,8 @@ ROUTES = [
     ("/generate", "post", "vLLM's /generate: prompt + output text, streamed as NUL-terminated JSON objects",
      p.GenerateRequest, p.GenerateResponse, "application/octet-stream"),
     ("/version", "get", "The server's version", None, p.VersionResponse, None),
+    ("/v1/embeddings", "post", "Create embeddings (OpenAI; a model served with --runner pooling)",
+     p.EmbeddingRequest, p.EmbeddingResponse, None),
 ]
 ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
           408: "The body was not sent in time", 499: "The client went away",

@@ -187,6 +187,36 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's POST /v1/embeddings: `input` is a string, strings, token ids, or lists of token ids."""
+    input: (Annotated[str, NonEmpty]
+            | Annotated[list[Annotated[str, NonEmpty] | TokenId | Annotated[list[TokenId], NonEmpty]], NonEmpty])
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    user: str | None = None
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # base64: the float32 values' little-endian bytes
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int

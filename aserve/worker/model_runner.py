@@ -31,9 +31,11 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
 
 @dataclass
 class ModelRunnerOutput:
-    """What one step produced, by request id: a sampled token (or an error) and any new prompt logprobs."""
+    """What one step produced, by request id: a sampled token (or an error) and any new prompt logprobs; for a
+    pooling request whose prompt ended this step, its pooled vector (float32, on the host)."""
     sampled: dict[str, SampleResult] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # A lazily zeroed KV cache (host_memory.lazy_zeros) pays a page fault on the first write to each of its 4 KiB
@@ -126,7 +128,8 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in sched.new_requests:
             self.requests[new.request_id] = RequestState(new.request_id, new.prompt_token_ids, new.params,
-                                                         new.block_table, new.num_computed_tokens, new.lora)
+                                                         new.block_table, new.num_computed_tokens, new.lora,
+                                                         new.pooling)
         for diff in sched.cached_requests:
             state = self.requests[diff.request_id]
             state.num_computed_tokens = diff.num_computed_tokens
@@ -164,6 +167,7 @@ class ModelRunner:
                 self.lora.release()
                 self.lora_step.clear()
         result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        result.pooled = self._pool(batch, hidden)
         if sample_reqs:  # else only prefill chunks that do not reach the end of their prompts
             logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples (see append_sampled)
@@ -191,6 +195,26 @@ class ModelRunner:
             state = self.requests.get(request_id)
             if state is not None:
                 state.append_token(token_id)
+
+    def _pool(self, batch: list[tuple[RequestState, int]], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Pooling requests: fold this chunk's hidden states into their pooled state (a mean accumulates over
+        chunked-prefill chunks); those whose prompt ended here get their vector."""
+        pooled: dict[str, torch.Tensor] = {}
+        row = 0
+        for req, n in batch:
+            if req.pooling is not None:
+                start, rows = req.num_computed_tokens, hidden[row:row + n]
+                if req.pooling == "mean":
+                    part = rows.float().sum(0)
+                    req.pool_sum = part if req.pool_sum is None else req.pool_sum + part
+                elif req.pooling == "cls" and start == 0:
+                    req.pool_first = rows[0].float()
+                if start + n == req.num_prompt_tokens:
+                    vector = {"mean": lambda: req.pool_sum / req.num_prompt_tokens, "cls": lambda: req.pool_first,
+                              "last": lambda: rows[-1].float()}[req.pooling]()
+                    pooled[req.request_id] = vector.cpu()
+            row += n
+        return pooled
 
     def _prompt_logprobs(self, batch: list[tuple[RequestState, int]], hidden: torch.Tensor) -> dict[str, list]:
         """For requests that asked: the log-probability of each prompt token given the ones before it."""
@@ -234,7 +258,7 @@ class ModelRunner:
             token_ids.extend(req.all_token_ids[start:start + n])
             starts.append(start)
             counts.append(n)
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens and req.pooling is None:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)
         width = max(len(req.block_table) for req, _ in batch)

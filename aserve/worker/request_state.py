@@ -15,12 +15,16 @@ from aserve.sampling_params import SamplingParams
 
 class RequestState(TokenSequence):
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 block_table: list[int] | None = None, num_computed_tokens: int = 0, lora: ResolvedLoRA | None = None):
+                 block_table: list[int] | None = None, num_computed_tokens: int = 0, lora: ResolvedLoRA | None = None,
+                 pooling: str | None = None):
         super().__init__(prompt_token_ids)
         self.request_id = request_id
         self.params = params
         self.block_table = list(block_table or [])
         self.num_computed_tokens = num_computed_tokens
         self.lora = lora  # its adapter (None: the base model)
+        self.pooling = pooling  # a pooling request's kind (pooling.params.POOLING_KINDS); None: it samples
+        self.pool_sum = None  # mean pooling: the hidden states summed over the chunks so far (float32)
+        self.pool_first = None  # CLS pooling: the first position's hidden state
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were already computed (never twice)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None

@@ -1,0 +1,133 @@
+"""Pooling models (runner="pooling"): embeddings equal sentence-transformers' `encode`, through the same scheduler
+(chunked prefill forced by a small token budget), offline and over /v1/embeddings."""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import struct
+
+import httpx
+import openai
+import pytest
+import torch
+
+from aserve import LLM, PoolingParams, SamplingParams
+from conftest import build_tiny_model
+from server_util import RunningServer
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
+                                reason="sentence-transformers not installed (the test extra has it)")
+
+TEXTS = ["To be, or not to be, that is the question", "Now is the winter of our discontent",
+         "All the world's a stage, and all the men and women merely players", "Et tu, Brute?",
+         "A horse! a horse! my kingdom for a horse!"]
+OPTIONS = dict(dtype="float32", kv_cache_memory="16MiB", device="cpu", max_num_batched_tokens=8)  # chunked prefill
+
+
+ST_MODES = {"lasttoken": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+
+
+def st_folder(tmp_path_factory, kind: str, matryoshka=None):
+    """A tiny random Qwen3ForCausalLM folder made a sentence-transformers one (as Qwen3-Embedding ships): modules.json
+    with Transformer (the folder itself), Pooling (`kind`) and Normalize; and sentence-transformers' own model read
+    from it, the reference."""
+    from sentence_transformers import SentenceTransformer
+
+    path = build_tiny_model(tmp_path_factory.mktemp(f"st-{kind}") / "model", "qwen3")
+    if matryoshka:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": matryoshka}))
+    modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling"),
+               ("2_Normalize", "sentence_transformers.models.Normalize")]
+    (path / "modules.json").write_text(json.dumps([{"idx": i, "name": str(i), "path": folder, "type": kind_}
+                                                   for i, (folder, kind_) in enumerate(modules)]))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, ST_MODES[kind]: True}))
+    (path / "2_Normalize").mkdir()
+    return path, SentenceTransformer(str(path), device="cpu")
+
+
+@pytest.fixture(scope="module", params=["lasttoken", "mean", "cls"])
+def folder(request, tmp_path_factory):
+    return st_folder(tmp_path_factory, request.param)
+
+
+def cosines(got, expected) -> list[float]:
+    return torch.nn.functional.cosine_similarity(torch.tensor(got), torch.tensor(expected), dim=-1).tolist()
+
+
+def test_embeddings_equal_sentence_transformers(folder):
+    path, st = folder
+    expected = st.encode(TEXTS, convert_to_numpy=True, batch_size=8)
+    llm = LLM(str(path), **OPTIONS)  # runner auto: a sentence-transformers folder pools
+    batched = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+    alone = [llm.embed([text], use_tqdm=False)[0].outputs.embedding for text in TEXTS]
+    assert min(cosines(batched, expected)) >= 0.9999 and min(cosines(alone, expected)) >= 0.9999
+    assert all(abs(sum(x * x for x in e) - 1) < 1e-4 for e in batched)  # the Normalize module
+    llm.engine.check_idle()
+
+
+def test_pooling_reads_no_prefix_cache_and_encode_is_raw(tmp_path_factory):
+    path, st = st_folder(tmp_path_factory, "mean")
+    llm = LLM(str(path), **{**OPTIONS, "enable_prefix_caching": True})
+    first, again = (llm.encode([TEXTS[2]], use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == again.num_cached_tokens == 0  # a mean needs every position's state
+    raw = first.outputs.data
+    assert abs(raw.norm().item() - 1) > 1e-3  # not normalized
+    embedded = torch.tensor(llm.embed([TEXTS[2]], use_tqdm=False)[0].outputs.embedding)
+    torch.testing.assert_close(embedded, torch.nn.functional.normalize(raw, dim=-1))
+    llm.engine.check_idle()
+
+
+def test_matryoshka_dimensions_cut_and_renormalize(tmp_path_factory):
+    path, st = st_folder(tmp_path_factory, "lasttoken", matryoshka=[64, 32, 16])
+    llm = LLM(str(path), **OPTIONS)
+    full = llm.encode([TEXTS[0]], use_tqdm=False)[0].outputs.data
+    short = llm.embed([TEXTS[0]], PoolingParams(dimensions=16), use_tqdm=False)[0].outputs.embedding
+    assert len(short) == 16
+    torch.testing.assert_close(torch.tensor(short), torch.nn.functional.normalize(full[:16], dim=-1))
+    raw = llm.embed([TEXTS[0]], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(raw), full)
+
+
+def test_the_wrong_runner_and_undeclared_dimensions_are_refused(folder, model_dirs):
+    path, _ = folder
+    llm = LLM(str(path), **OPTIONS)
+    with pytest.raises(ValueError, match="runs the pooling runner"):
+        llm.generate(TEXTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="does not declare Matryoshka dimensions"):
+        llm.embed(TEXTS[:2], PoolingParams(dimensions=8), use_tqdm=False)
+    llm.engine.check_idle()
+    generator = LLM(str(model_dirs["qwen3"]), **OPTIONS)
+    with pytest.raises(ValueError, match="runs the generate runner"):
+        generator.embed(TEXTS[:1], use_tqdm=False)
+    generator.engine.check_idle()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path, st = st_folder(tmp_path_factory, "mean", matryoshka=[64, 32])
+    srv = RunningServer("--model", str(path), "--served-model-name", "embedder", "--dtype", "float32",
+                        "--kv-cache-memory", "16MiB", "--runner", "pooling")
+    yield srv, st
+    srv.stop()
+
+
+def test_v1_embeddings_in_openais_shape(server):
+    srv, st = server
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+    answer = client.embeddings.create(model="embedder", input=TEXTS, encoding_format="float")
+    assert [d.index for d in answer.data] == list(range(len(TEXTS))) and answer.model == "embedder"
+    assert min(cosines([d.embedding for d in answer.data], st.encode(TEXTS))) >= 0.9999
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens > len(TEXTS)
+    raw = httpx.post(f"{srv.url}/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+    floats = struct.unpack(f"<{64}f", base64.b64decode(raw["data"][0]["embedding"]))
+    assert cosines([list(floats)], [answer.data[0].embedding])[0] > 0.99999
+    short = client.embeddings.create(model="embedder", input=[[5, 6, 7], [8, 9]], dimensions=32)
+    assert [len(d.embedding) for d in short.data] == [32, 32]
+    bad = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "x", "dimensions": 7})
+    assert bad.status_code == 400 and "dimensions" in bad.json()["error"]["message"]
+    completion = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert completion.status_code == 400 and "pooling runner" in completion.json()["error"]["message"]
