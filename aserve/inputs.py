@@ -135,13 +135,18 @@ class Admitted:
 
 
 def admit_prompts(facts: EngineFacts, prompts: list[Prompt], params: "SamplingParams | Sequence[SamplingParams]",
-                  encode: Callable[[str], list[int]], constraint_field: str = "structured_outputs") -> list[Admitted]:
+                  encode: Callable[[str], list[int]], constraint_field: str = "structured_outputs",
+                  keep_last: int | None = None) -> list[Admitted]:
     """Admit a batch: tokenize the prompts that came as text, validate every prompt, and check each distinct
     output constraint once (an error names `constraint_field`, the request field it came in). Raises
     InvalidRequestError before anything is queued; the caller runs it off the event loop when it encodes
-    text or checks a constraint (parsing a schema may take a while)."""
+    text or checks a constraint (parsing a schema may take a while). `keep_last`: cut each prompt to its last
+    tokens first (pooling's truncate_prompt_tokens)."""
     per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
     tokenize(prompts, encode)
+    if keep_last is not None:
+        for prompt in prompts:
+            prompt.token_ids = prompt.token_ids[-keep_last:]
     validate_prompts(facts, prompts, per_prompt)
     for constraint in {id(sp.structured_outputs): sp.structured_outputs for sp in per_prompt}.values():
         if constraint is not None:

@@ -96,7 +96,7 @@ class LLM:
         params = dataclasses.replace(pooling_params or PoolingParams(), task=task)
         prompts = parse_prompts(prompts)
         admitted = admit_prompts(self.engine.facts, prompts, SamplingParams(max_tokens=1),
-                                 self.engine.tokenizer.encode)
+                                 self.engine.tokenizer.encode, keep_last=params.truncate_prompt_tokens)
         self.engine.check_pooling(params)
         ids_in_order = []
         for prompt in admitted:

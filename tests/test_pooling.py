@@ -92,6 +92,18 @@ def test_matryoshka_dimensions_cut_and_renormalize(tmp_path_factory):
     torch.testing.assert_close(torch.tensor(raw), full)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tmp_path_factory):
+    path, _ = st_folder(tmp_path_factory, "mean")
+    llm = LLM(str(path), **{**OPTIONS, "max_model_len": 32})
+    long = list(range(5, 45))  # 40 tokens: over max_model_len
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.encode([long], use_tqdm=False)
+    cut = llm.encode([long], PoolingParams(truncate_prompt_tokens=20), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long[-20:]
+    torch.testing.assert_close(cut.outputs.data, llm.encode([long[-20:]], use_tqdm=False)[0].outputs.data)
+    llm.engine.check_idle()
+
+
 def test_the_wrong_runner_and_undeclared_dimensions_are_refused(folder, model_dirs):
     path, _ = folder
     llm = LLM(str(path), **OPTIONS)
@@ -129,5 +141,10 @@ def test_v1_embeddings_in_openais_shape(server):
     assert [len(d.embedding) for d in short.data] == [32, 32]
     bad = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "x", "dimensions": 7})
     assert bad.status_code == 400 and "dimensions" in bad.json()["error"]["message"]
+    pooled = httpx.post(f"{srv.url}/pooling", json={"input": [[5, 6, 7, 8]], "truncate_prompt_tokens": 2}).json()
+    assert pooled["usage"]["prompt_tokens"] == 2 and pooled["data"][0]["object"] == "pooling"
+    raw = torch.tensor(pooled["data"][0]["data"])
+    embedded = client.embeddings.create(model="embedder", input=[[7, 8]]).data[0].embedding
+    torch.testing.assert_close(torch.nn.functional.normalize(raw, dim=-1), torch.tensor(embedded))
     completion = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert completion.status_code == 400 and "pooling runner" in completion.json()["error"]["message"]

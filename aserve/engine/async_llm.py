@@ -271,16 +271,17 @@ class AsyncLLM:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     async def admit(self, prompts, sampling_params: SamplingParams | None = None,
-                    constraint_field: str = "structured_outputs") -> list[Admitted]:
+                    constraint_field: str = "structured_outputs", keep_last: int | None = None) -> list[Admitted]:
         """The front end's one admission of one prompt or a batch (any form aserve.inputs accepts): parse,
         tokenize, validate, check the output constraint (its error names `constraint_field`). Raises
         InvalidRequestError before anything is queued, so a server can answer 400 before a stream starts;
-        submit, generate and infer take each Admitted as it is."""
-        return await self._admit(parse_prompts(prompts), sampling_params or SamplingParams(), constraint_field)
+        submit, generate and infer take each Admitted as it is. `keep_last`: pooling's truncate_prompt_tokens."""
+        return await self._admit(parse_prompts(prompts), sampling_params or SamplingParams(), constraint_field,
+                                 keep_last)
 
     async def _admit(self, prompts: list[Prompt], params: SamplingParams,
-                     constraint_field: str = "structured_outputs") -> list[Admitted]:
-        args = (self.facts, prompts, params, self.tokenizer.encode, constraint_field)
+                     constraint_field: str = "structured_outputs", keep_last: int | None = None) -> list[Admitted]:
+        args = (self.facts, prompts, params, self.tokenizer.encode, constraint_field, keep_last)
         if params.structured_outputs is None and all(prompt.token_ids is not None for prompt in prompts):
             return admit_prompts(*args)  # token ids alone are quick to validate
         # Text to encode or a schema to parse may take a while: the whole batch goes off the loop in one hop.

@@ -17,6 +17,7 @@ class PoolingParams:
     dimensions: int | None = None
     normalize: bool | None = None
     task: str = "embed"
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (else a long one is an error)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -24,6 +25,10 @@ class PoolingParams:
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive int, got {self.dimensions!r}")
+        if self.truncate_prompt_tokens is not None and (isinstance(self.truncate_prompt_tokens, bool)
+                                                        or not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise ValueError(f"truncate_prompt_tokens must be a positive int, got {self.truncate_prompt_tokens!r}")
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/detokenize", api_route(ctx, detokenize), methods=["POST"]),
         Route("/generate", api_route(ctx, generate), methods=["POST"]),
         Route("/v1/embeddings", api_route(ctx, pooling.embeddings), methods=["POST"]),
+        Route("/pooling", api_route(ctx, pooling.pooling), methods=["POST"]),
     ]
     if adapters is not None and allow_runtime_lora_updates:
         routes += [Route("/v1/load_lora_adapter", api_route(ctx, load_lora_adapter), methods=["POST"]),

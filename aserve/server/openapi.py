@@ -26,6 +26,8 @@ ROUTES = [
     ("/version", "get", "The server's version", None, p.VersionResponse, None),
     ("/v1/embeddings", "post", "Create embeddings (OpenAI; a model served with --runner pooling)",
      p.EmbeddingRequest, p.EmbeddingResponse, None),
+    ("/pooling", "post", "vLLM's /pooling: each input's raw pooled hidden state", p.PoolingRequest, p.PoolingResponse,
+     None),
 ]
 ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
           408: "The body was not sent in time", 499: "The client went away",

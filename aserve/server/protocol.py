@@ -195,6 +195,26 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None  # vLLM's: keep each input's last N tokens
+
+
+class PoolingRequest(EmbeddingRequest, kw_only=True):
+    """vLLM's POST /pooling: the raw pooled hidden state of each input (no cut, no normalization)."""
+
+
+class PoolingData(msgspec.Struct):
+    index: int
+    data: list[float] | str
+    object: str = "pooling"
+
+
+class PoolingResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: "EmbeddingUsage"
+    object: str = "list"
 
 
 class EmbeddingData(msgspec.Struct):
