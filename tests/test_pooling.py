@@ -148,3 +148,31 @@ def test_v1_embeddings_in_openais_shape(server):
     torch.testing.assert_close(torch.nn.functional.normalize(raw, dim=-1), torch.tensor(embedded))
     completion = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert completion.status_code == 400 and "pooling runner" in completion.json()["error"]["message"]
+
+
+def test_a_folder_sentence_transformers_saved_loads_as_its_bare_model(tmp_path_factory):
+    """sentence-transformers saves the Transformer module as the bare stack (Qwen3Model, no LM head): served by the
+    pooling runner (auto), and refused by the generate runner before loading."""
+    from sentence_transformers import SentenceTransformer, models
+
+    from aserve.errors import ConfigError
+
+    root = tmp_path_factory.mktemp("st-saved")
+    base = build_tiny_model(root / "base", "qwen3", tie_word_embeddings=False)
+    transformer = models.Transformer(str(base))
+    st = SentenceTransformer(modules=[transformer, models.Pooling(64, pooling_mode="mean"), models.Normalize()],
+                             device="cpu")
+    st.save(str(root / "st"))
+    assert json.loads((root / "st" / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    # sentence-transformers 6 wraps each text in the tokenizer's chat template when the folder has one (the tiny
+    # models copy the embedded model's); aserve embeds the text as given, as vLLM does: compare without it
+    (root / "st" / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((root / "st" / "sentence_bert_config.json").read_text())
+    settings.get("modality_config", {}).pop("message", None)
+    (root / "st" / "sentence_bert_config.json").write_text(json.dumps(settings))
+    st = SentenceTransformer(str(root / "st"), device="cpu")
+    llm = LLM(str(root / "st"), **OPTIONS)
+    got = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+    assert min(cosines(got, st.encode(TEXTS))) >= 0.9999
+    with pytest.raises(ConfigError, match="bare decoder stack"):
+        LLM(str(root / "st"), runner="generate", **OPTIONS)

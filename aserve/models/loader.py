@@ -17,7 +17,7 @@ from safetensors import safe_open
 from aserve.hardware import native, resolve_dtype
 from aserve.models import parallel
 from aserve.models.interface import CausalLM
-from aserve.models.registry import architecture, model_class, read_config, read_json
+from aserve.models.registry import BARE_ARCHITECTURES, architecture, model_class, read_config, read_json
 from aserve.ops.cpu_gemm import gemm_name, prepack_linears
 from aserve.quantization import resolve as resolve_quantization
 
@@ -110,7 +110,10 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     """`tp`: this rank's tensor-parallel group; the model holds (and reads from the files) only its slices."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
-    cls = model_class(architecture(config))
+    arch = architecture(config)
+    cls = model_class(arch)
+    if arch in BARE_ARCHITECTURES:  # no LM head in the files: the pooling runner never asks for logits
+        config = {**config, "tie_word_embeddings": True}
     spec = resolve_quantization(config, quantization, quantize_lm_head)
     tp = tp or parallel.SINGLE
     parallel.check_model(cls, config, tp.size, spec)

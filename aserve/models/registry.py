@@ -20,6 +20,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
 }
+# The bare decoder stacks (no LM head), as sentence-transformers saves an embedder: served by the pooling runner
+# alone, as the same classes with the embedding standing in for the head they lack.
+BARE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                      "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+ARCHITECTURES.update({bare: ARCHITECTURES[full] for bare, full in BARE_ARCHITECTURES.items()})
 
 
 def supported() -> list[str]:

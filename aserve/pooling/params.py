@@ -40,14 +40,21 @@ class PoolingSpec:
     matryoshka_dimensions: tuple[int, ...] | None = None
 
 
-ST_POOLING = "sentence_transformers.models.Pooling"
-ST_NORMALIZE = "sentence_transformers.models.Normalize"
+# sentence-transformers' module types: "sentence_transformers.models.Pooling" before 6.0, then
+# "sentence_transformers.sentence_transformer.modules.pooling.Pooling", "...base.modules.normalize.Normalize"
+ST_PACKAGE = "sentence_transformers."
 ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+ST_MODE_NAMES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}  # 6.x's "pooling_mode" values
+
+
+def _is(module: dict, name: str) -> bool:
+    kind = str(module.get("type", ""))
+    return kind.startswith(ST_PACKAGE) and kind.rsplit(".", 1)[-1] == name
 
 
 def is_sentence_transformers(model_dir: str | Path) -> bool:
     """A sentence-transformers folder: modules.json with a Pooling module."""
-    return any(m.get("type") == ST_POOLING for m in _modules(Path(model_dir)))
+    return any(_is(m, "Pooling") for m in _modules(Path(model_dir)))
 
 
 def read_spec(model_dir: str | Path, config: dict) -> PoolingSpec:
@@ -57,16 +64,20 @@ def read_spec(model_dir: str | Path, config: dict) -> PoolingSpec:
     modules = _modules(folder)
     matryoshka = config.get("matryoshka_dimensions")
     dims = tuple(int(d) for d in matryoshka) if matryoshka else None
-    pooling = next((m for m in modules if m.get("type") == ST_POOLING), None)
+    pooling = next((m for m in modules if _is(m, "Pooling")), None)
     if pooling is None:
         return PoolingSpec("last", True, dims)
     settings = json.loads((folder / pooling.get("path", "") / "config.json").read_text())
-    modes = [kind for key, kind in ST_MODES.items() if settings.get(key)]
-    unsupported = [k for k, v in settings.items() if k.startswith("pooling_mode_") and v and k not in ST_MODES]
-    if len(modes) != 1 or unsupported:
-        raise ValueError(f"{folder}: sentence-transformers pooling {sorted(k for k, v in settings.items() if v)} "
-                         f"is not supported: one of {', '.join(ST_MODES)} is")
-    normalize = any(m.get("type") == ST_NORMALIZE for m in modules)
+    if isinstance(settings.get("pooling_mode"), str):  # sentence-transformers 6
+        modes = [ST_MODE_NAMES[settings["pooling_mode"]]] if settings["pooling_mode"] in ST_MODE_NAMES else []
+        unsupported = [] if modes else [settings["pooling_mode"]]
+    else:
+        modes = [kind for key, kind in ST_MODES.items() if settings.get(key)]
+        unsupported = [k for k, v in settings.items() if k.startswith("pooling_mode_") and v and k not in ST_MODES]
+    if len(modes) != 1 or unsupported or settings.get("include_prompt") is False:
+        raise ValueError(f"{folder}: sentence-transformers pooling {json.dumps(settings)} is not supported: one of "
+                         f"last token, mean or CLS over the whole prompt is")
+    normalize = any(_is(m, "Normalize") for m in modules)
     return PoolingSpec(modes[0], normalize, dims)
 
 
