@@ -12,7 +12,7 @@ from aserve.errors import AserveError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aserve.bench import policies as bench_policies, quality, serve as bench_serve, throughput
+    from aserve.bench import embed as bench_embed, policies as bench_policies, quality, serve as bench_serve, throughput
     from aserve.server import launch
 
     common = argparse.ArgumentParser(add_help=False)
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    help="online serving benchmark against a running server"))
     bench_policies.add_arguments(bench_sub.add_parser("policies", parents=[common],
                                                       help="replay one workload against several policies"))
+    bench_embed.add_arguments(bench_sub.add_parser("embed", parents=[common],
+                                                   help="offline embedding throughput (the pooling runner), against "
+                                                        "sentence-transformers with --compare-sentence-transformers"))
     quality.add_arguments(bench_sub.add_parser("quality", parents=[common],
                                                help="perplexity, KL and greedy agreement of a lossy option "
                                                     "(--quantization) against the fp32 model"))
@@ -86,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             from aserve.bench import throughput
 
             throughput.main(args)
+        elif args.command == "bench" and args.bench_command == "embed":
+            from aserve.bench import embed as bench_embed
+
+            bench_embed.main(args)
         elif args.command == "bench" and args.bench_command == "quality":
             from aserve.bench import quality
 

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "aserve.cli", *args], capture_output=True, text=True, timeout=300)
@@ -32,6 +34,18 @@ def test_bench_throughput_with_random_lora_adapters(model_dirs):
     assert sum(line.startswith("3 adapters, round-robin Throughput:") for line in lines) == 2
     m = re.fullmatch(r"output tokens/s ratio LoRA/base = ([0-9.]+) \(3 adapters, max_loras 3, rank 8, 2 alternating "
                      r"rounds\)", lines[-1])
+    assert m and float(m.group(1)) > 0, lines[-1]
+
+
+def test_bench_embed_against_sentence_transformers(model_dirs):
+    pytest.importorskip("sentence_transformers")
+    proc = run("bench", "embed", "--model", str(model_dirs["qwen3"]), "--num-prompts", "12", "--min-len", "4",
+               "--max-len", "30", "--batch-size", "4", "--kv-cache-memory", "8MiB", "--compare-sentence-transformers")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[1].startswith("aserve: ") and "sentences/s" in lines[1] and "12 prompts of 4-30 tokens" in lines[1]
+    assert lines[2].startswith("sentence-transformers: ") and "(batch size 4)" in lines[2]
+    m = re.fullmatch(r"sentences/s ratio aserve/sentence-transformers = ([0-9.]+)", lines[-1])
     assert m and float(m.group(1)) > 0, lines[-1]
 
 
