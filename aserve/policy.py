@@ -105,6 +105,9 @@ class Policy:
     name: str = "base"
     description: str = ""
     priority_classes: bool = False  # True: latency metrics are labelled with each request's priority
+    # With LoRA on, the scheduler sets this to --max-loras: the most distinct adapters (request.lora) in one step,
+    # which it enforces itself; a policy may use it to order its queue. None: LoRA is off.
+    max_loras: int | None = None
 
     def waiting_queue(self) -> FCFSQueue:
         return FCFSQueue()

@@ -104,6 +104,7 @@ def test_one_slot_serves_two_adapters_in_turn(model_dirs, adapters):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         lora_request=[request_of(adapters, n) for n in names])
     assert max(len(s) for s in steps) == 1 and len(set().union(*steps)) == 2
+    assert llm.engine.policy.max_loras == 1  # the constraint, where a policy plugin can read it
     references = {name: load_with_adapter(base, adapters[name] if name else None) for name in set(names)}
     assert [o.outputs[0].token_ids for o in outs] == [greedy(references[n], p, GREEDY.max_tokens)
                                                       for n, p in zip(names, prompts)]

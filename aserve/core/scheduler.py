@@ -111,6 +111,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_loras = max_loras  # distinct adapters in one step (None: LoRA is off)
+        policy.max_loras = max_loras  # the constraint, where a policy can see it
         self.pooling_kind = pooling_kind  # the pooling runner: how every request pools (None: generation)
         self.waiting = policy.waiting_queue()
         self.running: list[Request] = []
