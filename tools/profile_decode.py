@@ -1,5 +1,5 @@
 """Where a decode step's time goes: N requests prefilled, then `--steps` decode steps under torch.profiler,
-self CPU time grouped by what the op does. The README's performance table comes from this script.
+self CPU time grouped by what the op does. The decode profiles in docs/performance.md come from this script.
 
     python tools/profile_decode.py --model /tmp/bench-model --dtype bfloat16            # as shipped
     ASERVE_CPU_KERNELS=0 ASERVE_PREPACK=0 python tools/profile_decode.py ...            # the plain torch path

@@ -16,8 +16,9 @@ DEATH_GRACE_S = 2.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own flags; the engine's come from EngineConfig (see aserve.config.add_engine_arguments)."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     parser.add_argument("--api-key", default=os.environ.get("ASERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the API routes (or set ASERVE_API_KEY)")
     parser.add_argument("--max-request-body", type=int, default=8 * 1024 * 1024, help="bytes; larger bodies get 413")

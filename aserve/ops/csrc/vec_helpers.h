@@ -4,10 +4,10 @@
 //
 // The kernels (csrc/*.cpp, one file a family, each registering its own torch.ops.aserve.* ops) fuse decode and
 // prefill attention over the paged KV cache, KV cache writes (FP8 quantization included), RMSNorm, rotary
-// embedding, SiLU-and-mul, the int8 weight-only linear of decode batches and sampling. Each replaces a chain of
-// small torch ops (and, for attention, a gather that copied every request's context once per layer) with one
-// pass over the data. aserve/ops/cpu_kernels.py builds them, with cpu_gemm.cpp, as one extension once per CPU
-// kind and falls back to the torch path without it.
+// embedding, SiLU-and-mul, the int8 weight-only linear of decode batches, sampling and the batched LoRA delta
+// (lora.cpp). Each replaces a chain of small torch ops (and, for attention, a gather that copied every request's
+// context once per layer) with one pass over the data. aserve/ops/cpu_kernels.py builds them, with cpu_gemm.cpp,
+// as one extension once per CPU kind and falls back to the torch path without it.
 //
 // Arithmetic is in fp32 whatever the storage dtype (float, bfloat16, half); results are rounded where the
 // torch path rounds, so the two agree to the last bit in fp32 up to summation order.
@@ -70,14 +70,6 @@ template <typename T> inline void load_row(const T* src, float* dst, int64_t n) 
   }
 }
 template <typename T> inline void store_row(const float* src, T* dst, int64_t n) { at::vec::convert(src, dst, n); }
-
-// Round a fp32 row through T and back: where the torch path stores an intermediate in the model's dtype.
-template <typename T> inline void round_row(float* row, T* tmp, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-    store_row(row, tmp, n);
-    load_row(tmp, row, n);
-  }
-}
 
 inline void scale_row(float* x, float alpha, int64_t n) {
   const fVec a(alpha);
