@@ -94,6 +94,7 @@ class ModelRunner:
                                                  a.head_dim)
         self.host_cache = (torch.zeros(host_shape, dtype=self.kv_dtype, pin_memory=True) if not on_cpu
                            else lazy_zeros(host_shape, self.kv_dtype))
+        self.pools = False  # the pooling runner (set by the worker): requests pool their prompt, nothing is sampled
         self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' device slots (enable_lora)
         self.lora_step: lora_layers.LoRAStep | None = None  # this step's token -> slot mask, read by every layer
 
@@ -167,7 +168,8 @@ class ModelRunner:
                 self.lora.release()
                 self.lora_step.clear()
         result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        result.pooled = self._pool(batch, hidden)
+        if self.pools:  # the pooling runner: generation steps never walk the batch for it
+            result.pooled = self._pool(batch, hidden)
         if sample_reqs:  # else only prefill chunks that do not reach the end of their prompts
             logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples (see append_sampled)

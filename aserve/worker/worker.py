@@ -49,6 +49,7 @@ class Worker:
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
                                   config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,
                                   config.calculate_kv_scales, config.kv_cache_prefault_tokens)
+        self.runner.pools = config.resolved_runner == "pooling"
         if config.enable_lora:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         shape = loaded.model.shape
