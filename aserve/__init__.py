@@ -15,10 +15,12 @@ _EXPORTS = {"AsyncLLM": "aserve.engine.async_llm", "EngineDeadError": "aserve.er
             "CompletionOutput": "aserve.outputs", "Logprob": "aserve.outputs", "RequestOutput": "aserve.outputs",
             "SamplingParams": "aserve.sampling_params", "LoRARequest": "aserve.lora.request",
             "PoolingParams": "aserve.pooling.params", "PoolingRequestOutput": "aserve.outputs",
-            "EmbeddingRequestOutput": "aserve.outputs"}
+            "EmbeddingRequestOutput": "aserve.outputs", "ClassificationRequestOutput": "aserve.outputs",
+            "ScoringRequestOutput": "aserve.outputs"}
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"]
+           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput"]
 __version__ = "0.1.0"
 
 

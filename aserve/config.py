@@ -169,9 +169,9 @@ class EngineConfig:
         """Refuse a policy, a model folder or a weight format that cannot work, before any weights load (see
         check_before_loading)."""
         check_before_loading(self.model, self.policy, self.policy_options, self.quantization, self.quantize_lm_head)
-        if self.runner == "generate" and self._bare():
-            raise ConfigError(f"model {self.model}: a bare decoder stack (no LM head) cannot generate; serve it with "
-                              f"runner='pooling' (--runner pooling)")
+        if self.runner == "generate" and self._pooling_only():
+            raise ConfigError(f"model {self.model}: an encoder, classifier or bare decoder stack (no LM head) cannot "
+                              f"generate; serve it with runner='pooling' (--runner pooling)")
 
     def token_budget(self, device: torch.device) -> int:
         """max_num_batched_tokens, or the device's default. On the CPU a 512-token step loses no throughput to
@@ -187,19 +187,19 @@ class EngineConfig:
 
     @property
     def resolved_runner(self) -> str:
-        """`runner`, with auto decided from the model folder: pooling for a sentence-transformers folder or a bare
-        decoder stack (no LM head), else generate."""
+        """`runner`, with auto decided from the model folder: pooling for a sentence-transformers folder, an
+        encoder, a classifier or a bare decoder stack (no LM head), else generate."""
         if self.runner != "auto":
             return self.runner
         from aserve.pooling.params import is_sentence_transformers
 
-        return "pooling" if self.model and (is_sentence_transformers(self.model) or self._bare()) else "generate"
+        return "pooling" if self.model and (is_sentence_transformers(self.model) or self._pooling_only()) else "generate"
 
-    def _bare(self) -> bool:
-        from aserve.models.registry import BARE_ARCHITECTURES, architecture, read_config
+    def _pooling_only(self) -> bool:
+        from aserve.models.registry import POOLING_ONLY, architecture, read_config
 
         try:
-            return architecture(read_config(self.model)) in BARE_ARCHITECTURES
+            return architecture(read_config(self.model)) in POOLING_ONLY
         except (OSError, ValueError):
             return False  # verify() says what is wrong with the folder
 

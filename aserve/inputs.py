@@ -17,6 +17,7 @@ from aserve.lora.request import LoRAFacts
 from aserve.structured_output.grammar import check as check_constraint
 
 if TYPE_CHECKING:
+    from aserve.pooling.params import PoolingSpec
     from aserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class EngineFacts:
     max_n: int = 32
     kv_cache_dtype: str = ""  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
     lora: LoRAFacts | None = None  # with enable_lora: what adapters are checked against
+    pooling: PoolingSpec | None = None  # the pooling runner's PoolingSpec (labels for a classifier); None: the generate runner
 
 
 PROMPT_FORMS = "a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'"

@@ -13,8 +13,10 @@ from aserve.errors import ConfigError
 from aserve.inputs import admit_prompts, parse_prompts
 from aserve.lora.request import LoRARequest
 from aserve.metrics.loggers import StatLoggers
-from aserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from aserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                            ScoringOutput, ScoringRequestOutput)
 from aserve.pooling.params import PoolingParams
+from aserve.pooling.score import cosine, pair_token_ids, pair_up
 from aserve.sampling_params import SamplingParams
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
@@ -90,6 +92,31 @@ class LLM:
                use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """The raw pooled hidden state of each prompt (`.outputs.data`, float32), neither cut nor normalized."""
         return self._pool(prompts, pooling_params, "encode", use_tqdm)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each label's probability for each prompt (a *ForSequenceClassification model): `.outputs.probs`, the
+        softmax of the head's logits (their sigmoid for a one-label head), in id2label's order."""
+        return [ClassificationRequestOutput.of(out)
+                for out in self._pool(prompts, pooling_params, "classify", use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """A score for each pair, in order: one text_1 against every text_2, or text_1[i] against text_2[i].
+        A cross-encoder (a one-label classifier) reads each pair as one input: `.outputs.score` is its activated
+        output, as sentence-transformers' CrossEncoder.predict gives it. An embedding model embeds every text
+        once: the score is the cosine similarity of the pair's embeddings."""
+        pairs = pair_up(text_1, text_2)
+        spec = self.engine.pooling_spec
+        if spec is not None and spec.labels is None:
+            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+            params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+            embedded = dict(zip(texts, self._pool(texts, params, "embed", use_tqdm)))
+            return [ScoringRequestOutput(f"score-{i}", None, embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
+                                         ScoringOutput(float(cosine(embedded[a].outputs.data, embedded[b].outputs.data))))
+                    for i, (a, b) in enumerate(pairs)]
+        prompts = pair_token_ids(self.engine.tokenizer, pairs, truncate_prompt_tokens)
+        return [ScoringRequestOutput.of(out) for out in self._pool(prompts, None, "score", use_tqdm)]
 
     def _pool(self, prompts, pooling_params: PoolingParams | None, task: str, use_tqdm: bool):
         """Admit every prompt (one forward pass each, nothing sampled), refusing before anything is queued."""

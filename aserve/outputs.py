@@ -112,16 +112,60 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """LLM.embed's answer for one prompt (vLLM's name): `outputs.embedding` is a list of floats."""
+class ClassificationOutput:
+    probs: list[float]  # each label's probability, in the order of config.json's id2label
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class _PooledAnswer:
+    """What LLM.embed / classify / score return for one prompt (vLLM's names), made from the pooling output."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
+    outputs: object
     finished: bool = True
 
     @classmethod
-    def of(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+    def of(cls, out: PoolingRequestOutput):
         if out.outputs.data is None:
-            raise RuntimeError(f"request {out.request_id} has no embedding: {out.error}")
-        return cls(out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(out.outputs.data.tolist()))
+            raise RuntimeError(f"request {out.request_id} has no result: {out.error}")
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, cls.wrap(out.outputs.data))
+
+
+@dataclass
+class EmbeddingRequestOutput(_PooledAnswer):
+    """`outputs.embedding` is a list of floats."""
+    outputs: EmbeddingOutput
+
+    @staticmethod
+    def wrap(data) -> EmbeddingOutput:
+        return EmbeddingOutput(data.tolist())
+
+
+@dataclass
+class ClassificationRequestOutput(_PooledAnswer):
+    """`outputs.probs`: each label's probability."""
+    outputs: ClassificationOutput
+
+    @staticmethod
+    def wrap(data) -> ClassificationOutput:
+        return ClassificationOutput(data.tolist())
+
+
+@dataclass
+class ScoringRequestOutput(_PooledAnswer):
+    """`outputs.score`: a cross-encoder's relevance of the pair, or an embedding model's cosine similarity."""
+    outputs: ScoringOutput
+
+    @staticmethod
+    def wrap(data) -> ScoringOutput:
+        return ScoringOutput(float(data.reshape(-1)[0]))

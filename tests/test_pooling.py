@@ -14,18 +14,13 @@ import torch
 
 from aserve import LLM, PoolingParams, SamplingParams
 from conftest import build_tiny_model
+from pooling_util import TEXTS, write_st_modules
 from server_util import RunningServer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
                                 reason="sentence-transformers not installed (the test extra has it)")
 
-TEXTS = ["To be, or not to be, that is the question", "Now is the winter of our discontent",
-         "All the world's a stage, and all the men and women merely players", "Et tu, Brute?",
-         "A horse! a horse! my kingdom for a horse!"]
 OPTIONS = dict(dtype="float32", kv_cache_memory="16MiB", device="cpu", max_num_batched_tokens=8)  # chunked prefill
-
-
-ST_MODES = {"lasttoken": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
 
 
 def st_folder(tmp_path_factory, kind: str, matryoshka=None):
@@ -38,14 +33,7 @@ def st_folder(tmp_path_factory, kind: str, matryoshka=None):
     if matryoshka:
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": matryoshka}))
-    modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling"),
-               ("2_Normalize", "sentence_transformers.models.Normalize")]
-    (path / "modules.json").write_text(json.dumps([{"idx": i, "name": str(i), "path": folder, "type": kind_}
-                                                   for i, (folder, kind_) in enumerate(modules)]))
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, ST_MODES[kind]: True}))
-    (path / "2_Normalize").mkdir()
+    write_st_modules(path, kind, 64)
     return path, SentenceTransformer(str(path), device="cpu")
 
 

@@ -28,16 +28,17 @@ MIXED = [(0, 1), (3, 1), (40, 1), (0, 9), (21, 6), (5, 19)]
 
 
 def compare(requests, block_size=16, heads=(4, 2), head_dim=16, window=None, softcap=None,
-            dtype=torch.float32, atol=1e-5, fp8=None):
+            dtype=torch.float32, atol=1e-5, fp8=None, causal=True):
     """The Triton backend on DEVICE in `dtype` against the torch backend on the CPU in float32, both from the
     same `dtype`-rounded inputs: the cache each writes must be equal, their outputs within `atol`. With `fp8`
-    (a format name) both write and read an FP8 cache of bytes."""
+    (a format name) both write and read an FP8 cache of bytes. `causal` False: an encoder's layer, whose keys the
+    torch backend does not keep (the Triton one reads them back from the cache), so only outputs compare."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads = heads
     layout = make_layout(requests, block_size, gen)
     layer = SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                             scale=head_dim ** -0.5, sliding_window=window, logit_softcap=softcap,
-                            k_scale=0.02, v_scale=0.02, kv_scales_pending=False)
+                            k_scale=0.02, v_scale=0.02, kv_scales_pending=False, causal=causal)
     tokens = len(layout.positions)
     query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
     key, value = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
@@ -57,7 +58,8 @@ def compare(requests, block_size=16, heads=(4, 2), head_dim=16, window=None, sof
         assert out.dtype == kind and out.device.type == device
         outs.append(out.cpu().float())
         caches.append(kv.cpu().float())
-    assert torch.equal(caches[0], caches[1])
+    if causal:
+        assert torch.equal(caches[0], caches[1])
     torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
 
 
@@ -78,6 +80,12 @@ def test_window_and_softcap_match_torch(block_size, window, softcap):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_fp8_cache_matches_torch(fmt, dtype, atol):
     compare(MIXED, 16, (6, 2), 16, dtype=dtype, atol=atol, fp8=fmt)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_bidirectional_matches_torch(heads):
+    """An encoder's layer: whole prompts, one-token ones among them, each token seeing all of its prompt."""
+    compare([(0, 1), (0, 1), (0, 9), (0, 23), (0, 40)], heads=heads, causal=False)
 
 
 def test_decode_only_and_single_prefill():
@@ -140,6 +148,18 @@ def test_greedy_output_matches_torch_backend(model_dirs, family):
         logprobs[backend] = [o.cumulative_logprob for o in outs]
     assert tokens["triton"] == tokens["torch"]
     assert logprobs["triton"] == pytest.approx(logprobs["torch"], abs=1e-4)  # greedy tokens alone can hide drift
+
+
+def test_encoder_embeddings_match_torch_backend(tmp_path):
+    """A BERT embedder end to end: the Triton backend's bidirectional attention gives the torch backend's vectors."""
+    from pooling_util import TEXTS, encoder_folder
+
+    path = encoder_folder(tmp_path / "bert")
+    vectors = {}
+    for backend, device in (("torch", "cpu"), ("triton", DEVICE)):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="4MiB", attention_backend=backend, device=device)
+        vectors[backend] = torch.stack([o.outputs.data for o in llm.encode(TEXTS, use_tqdm=False)])
+    torch.testing.assert_close(vectors["triton"], vectors["torch"], atol=1e-4, rtol=1e-4)
 
 
 # -- the whole engine on a GPU against the CPU: batches, block sizes, chunks, preemption and swaps ------------

@@ -1,5 +1,5 @@
-"""The attention layer a model holds: its heads, scale and variant (sliding window, soft-capping), with the
-work done by whatever backend built this step's metadata."""
+"""The attention layer a model holds: its heads, scale and variant (sliding window, soft-capping, or
+bidirectional for encoder models), with the work done by whatever backend built this step's metadata."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +13,7 @@ class Attention(nn.Module):
     kv_scales_pending = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, logit_softcap: float | None = None):
+                 sliding_window: int | None = None, logit_softcap: float | None = None, causal: bool = True):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
@@ -22,6 +22,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window  # a query at position i sees keys at j > i - sliding_window
         self.logit_softcap = logit_softcap
+        # False: an encoder's attention, every token of a prompt sees every other. The prompt is then scheduled
+        # whole (it cannot be chunked: a token also sees the ones after it) and nothing is kept for later steps.
+        self.causal = causal
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache, meta) -> torch.Tensor:
         """query [T, Hq * D], key/value [T, Hkv * D] -> [T, Hq * D]."""

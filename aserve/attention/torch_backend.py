@@ -6,6 +6,8 @@ blocking: each chunk's queries over its cached context, then causally over itsel
 before attention runs). Elsewhere, or without the kernels, decode requests go through a head-major gather of
 their blocks and two batched matmuls, and each prefill chunk through SDPA (causal, after any cached context).
 Masks for sliding-window layers are built once per step and window size, and shared by the layers that use them.
+An encoder's bidirectional layer (Attention.causal False) runs each whole prompt through SDPA without a mask and
+leaves the cache alone.
 """
 from __future__ import annotations
 
@@ -128,6 +130,8 @@ class TorchAttentionBackend:
         return meta
 
     def forward(self, layer, query, key, value, kv_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        if not layer.causal:
+            return bidirectional(layer, query, key, value, meta)
         k_cache, v_cache = kv_cache
         fmt = self.kv_format
         kv_quant.write(layer, kv_cache, key, value, meta.slot_mapping, fmt)
@@ -169,3 +173,21 @@ class TorchAttentionBackend:
             out[chunk.start:chunk.end] = prefill_attention(q, k, v, meta.prefill_mask(i, window), layer.scale,
                                                            cap).transpose(0, 1)
         return out
+
+
+def bidirectional(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  meta: TorchAttentionMetadata) -> torch.Tensor:
+    """An encoder layer: each prompt, whole in this step (the scheduler never chunks one), attends over all of
+    itself. Nothing is written to the cache or read from it: no later step needs these keys."""
+    if (meta.prefills and max(c.context_len for c in meta.prefills)) or (
+            meta.num_decode_tokens and int(meta.decode_context.max()) > 1):
+        raise RuntimeError("a bidirectional layer was given part of a prompt: encoder prompts must be scheduled whole")
+    out = torch.empty_like(query)
+    nd, gqa = meta.num_decode_tokens, query.shape[1] != key.shape[1]
+    if nd:  # one-token prompts: each token sees itself alone
+        out[:nd] = value[:nd].repeat_interleave(query.shape[1] // key.shape[1], 1)
+    for chunk in meta.prefills:
+        q, k, v = (t[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        out[chunk.start:chunk.end] = F.scaled_dot_product_attention(q, k, v, scale=layer.scale,
+                                                                    enable_gqa=gqa)[0].transpose(0, 1)
+    return out

@@ -1,6 +1,8 @@
 """The Triton backend: the CUDA path, one kernel launch per layer for decode tokens and prefill chunks alike.
 
-It keeps the torch backend's cache layout, so swaps, copies and zeroing in the runner are the same. Only
+It keeps the torch backend's cache layout, so swaps, copies and zeroing in the runner are the same. An encoder's
+bidirectional layer writes its prompt's keys into the cache like any other (the kernel reads them from there) and
+sees all of them; the blocks go back when the request ends. Only
 `select_backend` imports this module, so aserve runs without triton wherever this backend is not chosen.
 """
 from __future__ import annotations
@@ -63,4 +65,5 @@ class TritonAttentionBackend:
         block_q = tokens_per_tile(layer.num_heads // layer.num_kv_heads)
         return unified_attention(query, k_cache, v_cache, meta.block_tables, meta.positions,
                                  meta.tiles(block_q, query.device), block_q, layer.scale, layer.sliding_window,
-                                 layer.logit_softcap, layer.k_scale, layer.v_scale, 0 if fmt is None else fmt.code)
+                                 layer.logit_softcap, layer.k_scale, layer.v_scale, 0 if fmt is None else fmt.code,
+                                 layer.causal)

@@ -104,7 +104,7 @@ class StepAdapters:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, max_loras: int | None = None,
-                 pooling_kind: str | None = None):
+                 pooling_kind: str | None = None, chunk_prompts: bool = True):
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -113,6 +113,9 @@ class Scheduler:
         self.max_loras = max_loras  # distinct adapters in one step (None: LoRA is off)
         policy.max_loras = max_loras  # the constraint, where a policy can see it
         self.pooling_kind = pooling_kind  # the pooling runner: how every request pools (None: generation)
+        # False for an encoder model: a prompt is admitted only when all of it fits this step's budget (its
+        # tokens attend to the ones after them, so it cannot be split across steps)
+        self.chunk_prompts = chunk_prompts
         self.waiting = policy.waiting_queue()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in the order they were swapped out
@@ -227,6 +230,8 @@ class Scheduler:
                 if len(self.running) < self.max_num_seqs:
                     computed, num_computed = self.kv.find_computed(req)
                     num_new = min(req.num_tokens - num_computed, budget)
+                    if not self.chunk_prompts and num_new < req.num_tokens - num_computed:
+                        break  # the whole prompt next step
                     if self.kv.allocate_slots(req, num_new, computed, num_computed):
                         self.waiting.pop()
                         if req.num_cached_tokens is None:  # for usage.prompt_tokens_details

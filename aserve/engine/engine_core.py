@@ -15,7 +15,7 @@ import torch
 from aserve.config import DEFAULT_MODEL_DIR, EngineConfig
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler, SchedulerOutput
-from aserve.errors import EngineOverloadedError, InvalidRequestError
+from aserve.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from aserve.engine.output_processor import OutputProcessor
 from aserve.hardware import cpu_info, resolve_device
 from aserve.inputs import EngineFacts, validate_request
@@ -57,11 +57,16 @@ class EngineCore:
         self.policy = load_policy(config.policy, config.policy_options)
         self.pooling_spec = (read_spec(config.model or DEFAULT_MODEL_DIR, info.model_config)
                              if config.resolved_runner == "pooling" else None)  # None: the generate runner
+        budget = config.token_budget(resolve_device(config.device))
+        if not info.causal and budget < self.max_model_len:
+            raise ConfigError(f"{info.model_class} is an encoder: each prompt runs whole in one step, so "
+                              f"max_num_batched_tokens ({budget}) must be at least max_model_len "
+                              f"({self.max_model_len}); raise the one or lower the other")
         self.scheduler = Scheduler(self.kv, self.policy, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.token_budget(resolve_device(config.device)),
-                                   max_model_len=self.max_model_len,
+                                   max_num_batched_tokens=budget, max_model_len=self.max_model_len,
                                    max_loras=config.max_loras if config.enable_lora else None,
-                                   pooling_kind=self.pooling_spec.kind if self.pooling_spec else None)
+                                   pooling_kind=self.pooling_spec.kind if self.pooling_spec else None,
+                                   chunk_prompts=info.causal)
         self.lora_facts = (LoRAFacts(info.lora_targets, info.num_layers, config.max_lora_rank)
                            if config.enable_lora else None)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -89,7 +94,7 @@ class EngineCore:
         return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
                            self.eos_token_ids, self.kv.num_host_blocks, self.policy.name,
                            bool(getattr(self.policy, "priority_classes", False)), self.config.max_n,
-                           self.kv_cache_dtype, self.lora_facts)
+                           self.kv_cache_dtype, self.lora_facts, self.pooling_spec)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
@@ -139,11 +144,11 @@ class EngineCore:
             return None
         if pooling_params is None:
             raise InvalidRequestError(f"{self.config.model_name} runs the pooling runner: it generates nothing "
-                                      f"(use embed or encode)", "model")
+                                      f"(use embed, encode, classify or score)", "model")
         try:
-            check_params(pooling_params, self.pooling_spec)
+            check_params(pooling_params, self.pooling_spec, self.config.model_name)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc), "dimensions") from None
+            raise InvalidRequestError(str(exc), "dimensions" if str(exc).startswith("dimensions=") else "model") from None
         return pooling_params
 
     def resolve_lora(self, lora_request: LoRARequest | None) -> ResolvedLoRA | None:
@@ -315,13 +320,19 @@ class EngineCore:
 
 def pooling_output(output: RequestOutput, req: Request, spec: PoolingSpec) -> PoolingRequestOutput:
     """A finished pooling request's answer: the embedding (its first `dimensions` features, L2-normalized as
-    asked or as the folder says) for task "embed", the raw pooled hidden state for "encode"."""
+    asked or as the folder says) for task "embed", the raw pooled hidden state (a classifier's logits) for
+    "encode", the labels' probabilities for "classify" (softmax; sigmoid for one label), the activated score
+    for "score"."""
     vector, params = req.pooled, req.pooling
     if vector is not None and params.task == "embed":
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
         if params.normalize if params.normalize is not None else spec.normalize:
             vector = torch.nn.functional.normalize(vector, dim=-1)
+    elif vector is not None and params.task == "classify":
+        vector = vector.sigmoid() if len(vector) == 1 else vector.softmax(-1)
+    elif vector is not None and params.task == "score" and spec.score_activation == "sigmoid":
+        vector = vector.sigmoid()
     error = None if vector is not None else (req.error or req.status.value)
     return PoolingRequestOutput(output.request_id, output.prompt, output.prompt_token_ids, PoolingOutput(vector),
                                 True, output.num_cached_tokens, error)

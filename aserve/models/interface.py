@@ -24,6 +24,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
+    causal: bool = True  # False: an encoder (bidirectional attention); prompts run whole and keep no KV cache
 
 
 class CausalLM(Protocol):
@@ -39,6 +40,12 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def num_labels(config: dict) -> int:
+    """A classifier's label count: config.json's id2label (what transformers saves), else num_labels, else 2."""
+    labels = config.get("id2label")
+    return len(labels) if labels else int(config.get("num_labels", 2))
 
 
 def need(config: dict, name: str):

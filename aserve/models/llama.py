@@ -197,6 +197,18 @@ class LlamaForCausalLM(nn.Module):
         layers = [layer.flat_layer(dtype) for layer in self.layers]
         return None if any(layer is None for layer in layers) else layers
 
+    num_labels = 0  # a *ForSequenceClassification checkpoint: its labels (add_classifier)
+
+    def add_classifier(self, num_labels: int) -> None:
+        """Make this a classifier or reranker (*ForSequenceClassification): a `score` projection of the pooled
+        last-token state onto `num_labels` logits, where a causal LM has its head."""
+        self.num_labels = num_labels
+        self.score = Linear(self.args.hidden_size, num_labels)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] last-token states -> [N, num_labels] logits."""
+        return self.score(pooled)
+
     def output_weight(self) -> torch.Tensor:
         """The logits projection: the embedding when tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

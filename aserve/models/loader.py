@@ -16,8 +16,9 @@ from safetensors import safe_open
 
 from aserve.hardware import native, resolve_dtype
 from aserve.models import parallel
-from aserve.models.interface import CausalLM
-from aserve.models.registry import BARE_ARCHITECTURES, architecture, model_class, read_config, read_json
+from aserve.models.interface import CausalLM, num_labels
+from aserve.models.registry import (BARE_ARCHITECTURES, DECODER_CLASSIFIERS, architecture, model_class, read_config,
+                                    read_json)
 from aserve.ops.cpu_gemm import gemm_name, prepack_linears
 from aserve.quantization import resolve as resolve_quantization
 
@@ -112,7 +113,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     config = read_config(model_dir)
     arch = architecture(config)
     cls = model_class(arch)
-    if arch in BARE_ARCHITECTURES:  # no LM head in the files: the pooling runner never asks for logits
+    if arch in BARE_ARCHITECTURES or arch in DECODER_CLASSIFIERS:  # no LM head in the files: never asked for logits
         config = {**config, "tie_word_embeddings": True}
     spec = resolve_quantization(config, quantization, quantize_lm_head)
     tp = tp or parallel.SINGLE
@@ -124,7 +125,10 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     torch_dtype, reason = resolve_dtype(dtype, config, device)
     files = checkpoint_files(model_dir)
     with torch.device("meta"), parallel.building(tp):
-        model = cls.from_config(config).to(torch_dtype)
+        model = cls.from_config(config)
+        if arch in DECODER_CLASSIFIERS:
+            model.add_classifier(num_labels(config))
+        model = model.to(torch_dtype)
         if spec is not None:  # before the weights are allocated: a GPTQ/AWQ layer never holds a dense one
             method = loading.attach(model, spec, torch_dtype, checkpoint_names(files))
     model = model.to_empty(device=device)
@@ -134,6 +138,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     with device:  # tables made here (rotary cos/sin) are plain tensors that .to() would not move
         model.prepare(max_model_len or 0, torch_dtype)
     model.eval().requires_grad_(False)
+    if hasattr(model, "sep_token_id") and model.sep_token_id is None:  # an encoder reading segments off [SEP]
+        model.sep_token_id = load_tokenizer(model_dir).sep_token_id
     if device.type == "cpu" and native(torch_dtype, device) and os.environ.get("ASERVE_PREPACK", "1") != "0":
         packed = prepack_linears(model, torch_dtype)
         if packed:

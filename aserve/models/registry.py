@@ -25,6 +25,28 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 BARE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                       "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 ARCHITECTURES.update({bare: ARCHITECTURES[full] for bare, full in BARE_ARCHITECTURES.items()})
+# Decoder classifiers and rerankers: the same classes again, with a `score` projection of the last token's state
+# onto the labels in place of the LM head (the loader adds it).
+DECODER_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                       "MistralForSequenceClassification": "MistralForCausalLM",
+                       "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                       "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
+ARCHITECTURES.update({arch: ARCHITECTURES[full] for arch, full in DECODER_CLASSIFIERS.items()})
+# Encoders (aserve.models.bert): embedders, the masked-LM checkpoints among them, and classifiers.
+ENCODERS = {"BertModel": "BertModel", "BertForMaskedLM": "BertModel",
+            "BertForSequenceClassification": "BertForSequenceClassification",
+            "RobertaModel": "RobertaModel", "RobertaForMaskedLM": "RobertaModel",
+            "RobertaForSequenceClassification": "RobertaForSequenceClassification",
+            "XLMRobertaModel": "RobertaModel", "XLMRobertaForMaskedLM": "RobertaModel",
+            "XLMRobertaForSequenceClassification": "RobertaForSequenceClassification"}
+ARCHITECTURES.update({arch: ("bert", cls) for arch, cls in ENCODERS.items()})
+# What the pooling runner alone can serve: nothing here has an LM head to generate with.
+POOLING_ONLY = frozenset(BARE_ARCHITECTURES) | frozenset(DECODER_CLASSIFIERS) | frozenset(ENCODERS)
+
+
+def is_classifier(arch: str) -> bool:
+    """A `*ForSequenceClassification` model: it pools into its labels' logits (classify, score, rerank)."""
+    return arch.endswith("ForSequenceClassification")
 
 
 def supported() -> list[str]:

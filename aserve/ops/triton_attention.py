@@ -4,8 +4,8 @@ The cache layout is the torch backend's ([num_kv_heads, num_blocks, block_size, 
 so the runner's block swaps and copies need not know which backend wrote it. A program takes a tile of
 query tokens of one request and the query heads of one KV head (the GQA group), as rows token-major:
 row r is token r // GROUP_P, head r % GROUP_P. It walks the request's block table over the keys that tile
-may see (causal, and inside the sliding window when there is one) with an online softmax in fp32, so no
-score matrix is ever written out.
+may see (causal, and inside the sliding window when there is one; for an encoder's bidirectional layer, every
+key of its prompt) with an online softmax in fp32, so no score matrix is ever written out.
 """
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ def _widen_fp8(bits, FP8: tl.constexpr):
 
 @triton.jit
 def _unified_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr,
-                       tile_request_ptr, tile_first_ptr, tile_len_ptr,
+                       tile_request_ptr, tile_first_ptr, tile_len_ptr, tile_last_ptr,
                        scale, softcap, window, group, head_dim, block_size, k_scale, v_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cb, stride_cs, stride_table,
                        GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       FP8: tl.constexpr):
+                       FP8: tl.constexpr, CAUSAL: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     request = tl.load(tile_request_ptr + tile)
@@ -59,7 +59,11 @@ def _unified_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
 
     # The tile's tokens are consecutive positions of one request: the last one bounds the keys any row sees,
     # the first one (less the window) the earliest.
-    key_end = tl.load(positions_ptr + first + count - 1) + 1
+    # Bidirectional: every key of the prompt, up to its last row's position.
+    if CAUSAL:
+        key_end = tl.load(positions_ptr + first + count - 1) + 1
+    else:
+        key_end = tl.load(positions_ptr + tl.load(tile_last_ptr + tile)) + 1
     key_start = 0
     if USE_WINDOW:
         key_start = tl.maximum(tl.load(positions_ptr + first) - window + 1, 0)
@@ -82,7 +86,10 @@ def _unified_attention(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if USE_SOFTCAP:  # cap * tanh(scores / cap), tanh written with exp (no tanh in tl)
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-        seen = keys[None, :] <= pos[:, None]
+        if CAUSAL:
+            seen = keys[None, :] <= pos[:, None]
+        else:
+            seen = (keys[None, :] + 0 * pos[:, None]) < key_end
         if USE_WINDOW:
             seen = seen & (keys[None, :] > pos[:, None] - window)
         scores = tl.where(seen, scores, float("-inf"))
@@ -108,24 +115,27 @@ def tokens_per_tile(group: int) -> int:
 
 
 def query_tiles(query_starts: list[int], counts: list[int], block_q: int) -> tuple[torch.Tensor, ...]:
-    """Each request's tokens cut into tiles of up to `block_q`: (request, first row, tokens) per tile."""
+    """Each request's tokens cut into tiles of up to `block_q`: (request, first row, tokens, the request's last
+    row) per tile."""
     counts_t = torch.tensor(counts)
     per_request = (counts_t + block_q - 1) // block_q
     request = torch.repeat_interleave(torch.arange(len(counts)), per_request)
     index = torch.arange(len(request)) - (torch.cumsum(per_request, 0) - per_request)[request]
     first = torch.tensor(query_starts)[request] + index * block_q
-    return request, first, torch.clamp(counts_t[request] - index * block_q, max=block_q)
+    last = (torch.tensor(query_starts) + counts_t - 1)[request]
+    return request, first, torch.clamp(counts_t[request] - index * block_q, max=block_q), last
 
 
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       positions: torch.Tensor, tiles: tuple[torch.Tensor, ...], block_q: int, scale: float,
                       window: int | None = None, softcap: float | None = None, k_scale: float = 1.0,
-                      v_scale: float = 1.0, fp8: int = 0) -> torch.Tensor:
+                      v_scale: float = 1.0, fp8: int = 0, causal: bool = True) -> torch.Tensor:
     """query [T, Hq, D] (head dim contiguous) against the paged cache -> [T, Hq, D].
 
     k_cache / v_cache are one layer's [Hkv, num_blocks, block_size, D] views with the same strides, in the
     query's dtype or (fp8 = 1 e4m3, 2 e5m2) FP8 bytes read as bytes * k_scale / v_scale;
-    `tiles` is query_tiles(..., block_q) on the query's device."""
+    `tiles` is query_tiles(..., block_q) on the query's device; `causal` False: each token sees its whole prompt
+    (all of which this step holds)."""
     _, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -140,5 +150,5 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32 models stay fp32, not tf32
-        FP8=fp8)
+        FP8=fp8, CAUSAL=causal)
     return out

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-TASKS = ("embed", "encode")
+TASKS = ("embed", "encode", "classify", "score")
 POOLING_KINDS = ("last", "mean", "cls")
 
 
@@ -13,7 +13,9 @@ POOLING_KINDS = ("last", "mean", "cls")
 class PoolingParams:
     """`dimensions`: keep the embedding's first N features (Matryoshka models), renormalized when `normalize`;
     `normalize`: L2-normalize the embedding (default: as the folder says, a sentence-transformers Normalize module);
-    `task`: "embed" (the embedding) or "encode" (the raw pooled hidden state), set by LLM.embed / LLM.encode."""
+    `task`: "embed" (the embedding), "encode" (the raw pooled hidden state; a classifier's logits), "classify"
+    (a classifier's label probabilities) or "score" (a one-label classifier's score: a cross-encoder's relevance),
+    set by LLM.embed / encode / classify / score and by the routes."""
     dimensions: int | None = None
     normalize: bool | None = None
     task: str = "embed"
@@ -34,10 +36,14 @@ class PoolingParams:
 @dataclass(frozen=True)
 class PoolingSpec:
     """How this model pools: `kind` (last token, mean over the prompt, or the first token), whether embeddings are
-    normalized by default, and the Matryoshka dimensions it declares (None: any `dimensions` is refused)."""
+    normalized by default, and the Matryoshka dimensions it declares (None: any `dimensions` is refused). A
+    classifier (*ForSequenceClassification) has `labels`, its head's outputs in order, and the activation of its
+    score: sigmoid, or identity where sentence-transformers' config says so."""
     kind: str = "last"
     normalize: bool = True
     matryoshka_dimensions: tuple[int, ...] | None = None
+    labels: tuple[str, ...] | None = None
+    score_activation: str = "sigmoid"
 
 
 # sentence-transformers' module types: "sentence_transformers.models.Pooling" before 6.0, then
@@ -57,16 +63,24 @@ def is_sentence_transformers(model_dir: str | Path) -> bool:
     return any(_is(m, "Pooling") for m in _modules(Path(model_dir)))
 
 
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")  # config.json model_type: pool the first token by default
+
+
 def read_spec(model_dir: str | Path, config: dict) -> PoolingSpec:
-    """The folder's pooling: sentence-transformers' modules.json and its Pooling module's config.json (one mode of
-    CLS, mean, last token; a Normalize module after it), else a decoder's default (last token, normalized)."""
+    """The folder's pooling: a classifier's head over its first (encoders) or last (decoders) token; else
+    sentence-transformers' modules.json and its Pooling module's config.json (one mode of CLS, mean, last token;
+    a Normalize module after it); else the architecture's default: CLS for encoders, last token for decoders,
+    normalized."""
     folder = Path(model_dir)
     modules = _modules(folder)
     matryoshka = config.get("matryoshka_dimensions")
     dims = tuple(int(d) for d in matryoshka) if matryoshka else None
+    default_kind = "cls" if config.get("model_type") in ENCODER_TYPES else "last"
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return PoolingSpec(default_kind, False, None, _labels(config), _score_activation(config))
     pooling = next((m for m in modules if _is(m, "Pooling")), None)
     if pooling is None:
-        return PoolingSpec("last", True, dims)
+        return PoolingSpec(default_kind, True, dims)
     settings = json.loads((folder / pooling.get("path", "") / "config.json").read_text())
     if isinstance(settings.get("pooling_mode"), str):  # sentence-transformers 6
         modes = [ST_MODE_NAMES[settings["pooling_mode"]]] if settings["pooling_mode"] in ST_MODE_NAMES else []
@@ -81,6 +95,23 @@ def read_spec(model_dir: str | Path, config: dict) -> PoolingSpec:
     return PoolingSpec(modes[0], normalize, dims)
 
 
+def _labels(config: dict) -> tuple[str, ...]:
+    """A classifier's labels by index: id2label (what transformers saves), else LABEL_0..."""
+    from aserve.models.interface import num_labels
+
+    names = {int(k): str(v) for k, v in (config.get("id2label") or {}).items()}
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels(config)))
+
+
+def _score_activation(config: dict) -> str:
+    """sentence-transformers' CrossEncoder stores its activation in config.json (`sentence_transformers.
+    activation_fn`, before 4.0 `sbert_ce_default_activation_function`); without one a one-label model's score is
+    its sigmoid, as CrossEncoder.predict's default."""
+    path = (config.get("sentence_transformers") or {}).get("activation_fn") or config.get(
+        "sbert_ce_default_activation_function") or "Sigmoid"
+    return "identity" if str(path).endswith("Identity") else "sigmoid"
+
+
 def _modules(folder: Path) -> list[dict]:
     path = folder / "modules.json"
     if not path.is_file():
@@ -92,8 +123,19 @@ def _modules(folder: Path) -> list[dict]:
     return modules if isinstance(modules, list) else []
 
 
-def check_params(params: PoolingParams, spec: PoolingSpec) -> None:
-    """Refuse `dimensions` the model does not declare (Matryoshka), as vLLM does; ValueError says why."""
+def check_params(params: PoolingParams, spec: PoolingSpec, model: str = "this model") -> None:
+    """Refuse a task the model cannot do (embed on a classifier, classify or score on an embedder, score on a
+    classifier of several labels) and `dimensions` it does not declare (Matryoshka), as vLLM does; ValueError
+    says why."""
+    if spec.labels is not None and params.task == "embed":
+        raise ValueError(f"{model} is a classifier ({len(spec.labels)} labels): it classifies and scores "
+                         f"(classify, score, rerank), it does not embed")
+    if spec.labels is None and params.task in ("classify", "score"):
+        raise ValueError(f"{model} is an embedding model, not a classifier: {params.task} needs a "
+                         f"*ForSequenceClassification model (an embedding model scores pairs by cosine similarity)")
+    if params.task == "score" and len(spec.labels) != 1:
+        raise ValueError(f"{model} has {len(spec.labels)} labels: a score needs a one-label classifier "
+                         f"(a cross-encoder); classify gives each label's probability")
     if params.dimensions is None:
         return
     if spec.matryoshka_dimensions is None:

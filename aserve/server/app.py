@@ -243,6 +243,10 @@ def build_app(engine: AsyncLLM, served_model_name: str | None = None, api_key: s
         Route("/generate", api_route(ctx, generate), methods=["POST"]),
         Route("/v1/embeddings", api_route(ctx, pooling.embeddings), methods=["POST"]),
         Route("/pooling", api_route(ctx, pooling.pooling), methods=["POST"]),
+        Route("/classify", api_route(ctx, pooling.classify), methods=["POST"]),
+        *(Route(path, api_route(ctx, pooling.score), methods=["POST"]) for path in ("/score", "/v1/score")),
+        *(Route(path, api_route(ctx, pooling.rerank), methods=["POST"]) for path in ("/rerank", "/v1/rerank",
+                                                                                     "/v2/rerank")),
     ]
     if adapters is not None and allow_runtime_lora_updates:
         routes += [Route("/v1/load_lora_adapter", api_route(ctx, load_lora_adapter), methods=["POST"]),

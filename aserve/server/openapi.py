@@ -28,6 +28,12 @@ ROUTES = [
      p.EmbeddingRequest, p.EmbeddingResponse, None),
     ("/pooling", "post", "vLLM's /pooling: each input's raw pooled hidden state", p.PoolingRequest, p.PoolingResponse,
      None),
+    ("/classify", "post", "vLLM's /classify: each input's label probabilities (a classification model)",
+     p.ClassificationRequest, p.ClassificationResponse, None),
+    ("/score", "post", "vLLM's /score: a relevance score per text pair (a cross-encoder, or an embedding model's "
+     "cosine similarity); also at /v1/score", p.ScoreRequest, p.ScoreResponse, None),
+    ("/rerank", "post", "Documents ranked by relevance to a query, Jina's and Cohere's shape; also at /v1/rerank and "
+     "/v2/rerank", p.RerankRequest, p.RerankResponse, None),
 ]
 ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
           408: "The body was not sent in time", 499: "The client went away",

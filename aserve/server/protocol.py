@@ -187,15 +187,100 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    """OpenAI's POST /v1/embeddings: `input` is a string, strings, token ids, or lists of token ids."""
+class PooledInputs(msgspec.Struct, kw_only=True):
+    """What the pooling routes share: `input` is a string, strings, token ids, or lists of token ids."""
     input: (Annotated[str, NonEmpty]
             | Annotated[list[Annotated[str, NonEmpty] | TokenId | Annotated[list[TokenId], NonEmpty]], NonEmpty])
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Meta(ge=1)] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None  # vLLM's: keep each input's last N tokens
+
+
+class EmbeddingRequest(PooledInputs, kw_only=True):
+    """OpenAI's POST /v1/embeddings."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+
+
+class ClassificationRequest(PooledInputs, kw_only=True):
+    """vLLM's POST /classify: each input's label probabilities (a *ForSequenceClassification model)."""
+
+
+class ClassificationData(msgspec.Struct):
+    index: int
+    label: str  # the most probable label (config.json's id2label)
+    probs: list[float]
+    num_classes: int
+    object: str = "classify"
+
+
+class ClassificationResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: "EmbeddingUsage"
+    object: str = "list"
+
+
+Texts = Annotated[str, NonEmpty] | Annotated[list[Annotated[str, NonEmpty]], NonEmpty]
+
+
+class ScoreRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /score: text_1 against each text_2 (or pairwise when both are lists of one length)."""
+    text_1: Texts
+    text_2: Texts
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None  # each pair cut longest-first to N tokens
+
+
+class ScoreData(msgspec.Struct):
+    index: int
+    score: float
+    object: str = "score"
+
+
+class ScoreResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: "EmbeddingUsage"
+    object: str = "list"
+
+
+class RerankDocument(msgspec.Struct):
+    text: Annotated[str, NonEmpty]
+
+
+class RerankRequest(msgspec.Struct, kw_only=True):
+    """POST /rerank (also /v1/rerank, /v2/rerank), Jina's and Cohere's shape: `documents` ranked by relevance to
+    `query`; `top_n` keeps the best N (None or 0: all)."""
+    query: Annotated[str, NonEmpty]
+    documents: Annotated[list[Annotated[str, NonEmpty] | RerankDocument], NonEmpty]
+    model: str | None = None
+    top_n: Annotated[int, Meta(ge=0)] | None = None
+    return_documents: bool = True
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class RerankResult(msgspec.Struct, omit_defaults=True):
+    index: int  # the document's place in the request
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(msgspec.Struct):
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
 
 
 class PoolingRequest(EmbeddingRequest, kw_only=True):

@@ -32,7 +32,8 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
 @dataclass
 class ModelRunnerOutput:
     """What one step produced, by request id: a sampled token (or an error) and any new prompt logprobs; for a
-    pooling request whose prompt ended this step, its pooled vector (float32, on the host)."""
+    pooling request whose prompt ended this step, its pooled vector (float32, on the host): a classifier's is
+    its labels' logits."""
     sampled: dict[str, SampleResult] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -84,7 +85,7 @@ class ModelRunner:
         self.block_dim = self.backend.block_dim
         self.kv_cache = (lazy_zeros(shape, self.kv_dtype) if on_cpu
                          else torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-        if on_cpu and prefault_tokens:  # the pool hands out blocks 0, 1, 2, ... first
+        if on_cpu and prefault_tokens and model.shape.causal:  # the pool hands out blocks 0, 1, 2, ... first
             count = min(self.num_blocks, -(-prefault_tokens // block_size), PREFAULT_MAX_BYTES // per_block)
             self.kv_cache.narrow(self.block_dim, 0, count).zero_()
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
@@ -94,6 +95,9 @@ class ModelRunner:
                                                  a.head_dim)
         self.host_cache = (torch.zeros(host_shape, dtype=self.kv_dtype, pin_memory=True) if not on_cpu
                            else lazy_zeros(host_shape, self.kv_dtype))
+        # An encoder (bidirectional attention) writes nothing to the cache: its blocks need no zeroing, and on
+        # the CPU their lazily zeroed pages are never touched.
+        self.keeps_kv = model.shape.causal
         self.pools = False  # the pooling runner (set by the worker): requests pool their prompt, nothing is sampled
         self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' device slots (enable_lora)
         self.lora_step: lora_layers.LoRAStep | None = None  # this step's token -> slot mask, read by every layer
@@ -145,7 +149,7 @@ class ModelRunner:
         # Order matters: save swapped-out blocks before anyone reuses them, then restore, then copy-on-write.
         if sched.swap_out:
             self.swap_out(sched.swap_out)
-        if sched.blocks_to_zero:  # after swap-out: a victim's block may be handed to someone else in the same step
+        if sched.blocks_to_zero and self.keeps_kv:  # after swap-out: a victim's block may be handed to someone else in the same step
             self.kv_cache.index_fill_(self.block_dim, torch.tensor(sched.blocks_to_zero, device=self.device), 0)
         if sched.swap_in:
             self.swap_in(sched.swap_in)
@@ -212,11 +216,14 @@ class ModelRunner:
                 elif req.pooling == "cls" and start == 0:
                     req.pool_first = rows[0].float()
                 if start + n == req.num_prompt_tokens:
-                    vector = {"mean": lambda: req.pool_sum / req.num_prompt_tokens, "cls": lambda: req.pool_first,
-                              "last": lambda: rows[-1].float()}[req.pooling]()
-                    pooled[req.request_id] = vector.cpu()
+                    pooled[req.request_id] = {"mean": lambda: req.pool_sum / req.num_prompt_tokens,
+                                              "cls": lambda: req.pool_first,
+                                              "last": lambda: rows[-1].float()}[req.pooling]()
             row += n
-        return pooled
+        if pooled and getattr(self.model, "num_labels", 0):  # a classifier: its head, on the step's vectors at once
+            logits = self.model.classify(torch.stack(list(pooled.values())).to(self.dtype)).float()
+            pooled = dict(zip(pooled, logits))
+        return {request_id: vector.cpu() for request_id, vector in pooled.items()}
 
     def _prompt_logprobs(self, batch: list[tuple[RequestState, int]], hidden: torch.Tensor) -> dict[str, list]:
         """For requests that asked: the log-probability of each prompt token given the ones before it."""

@@ -32,6 +32,7 @@ class WorkerInfo:
     attention_backend: str
     kv_cache_dtype: str  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
     num_layers: int = 0
+    causal: bool = True  # False: an encoder model, whose prompts the scheduler must not chunk
     lora_targets: dict | None = None  # with enable_lora: module name -> (in, out) features (lora.layers.target_shapes)
 
 
@@ -56,7 +57,7 @@ class Worker:
         self.info = WorkerInfo(type(loaded.model).__name__, loaded.config, str(loaded.dtype).replace("torch.", ""),
                                loaded.dtype_reason, shape.vocab_size, shape.max_position_embeddings,
                                loaded.eos_token_ids, self.runner.num_blocks, self.runner.num_host_blocks,
-                               self.runner.backend.name, self.runner.kv_cache_dtype, shape.num_layers,
+                               self.runner.backend.name, self.runner.kv_cache_dtype, shape.num_layers, shape.causal,
                                self.runner.lora.targets if self.runner.lora is not None else None)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
