@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Write the benchmark model: a SmolLM2-135M-shaped Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152)
-with random bf16 weights and a small byte-level BPE tokenizer.
+with random bf16 weights and a small byte-level BPE tokenizer; with --bert, the embedding benchmark's model
+instead: a BERT-base-shaped encoder (hidden 768, 12 layers, 12 heads, vocab 30522) with a WordPiece tokenizer,
+saved as a sentence-transformers folder (mean pooling, normalized), as most BERT-based embedders ship.
 
-Usage: python benchmarks/make_bench_model.py OUT_DIR [--layers N] [--seed S] [--corpus-bytes B]
+Usage: python benchmarks/make_bench_model.py OUT_DIR [--bert] [--layers N] [--seed S] [--corpus-bytes B]
 
 Random weights measure speed as well as trained ones do: run them with ignore_eos and fixed lengths, as vLLM's own
 benchmarks do. The tokenizer is trained on this Python's standard library sources, so nothing is downloaded.
@@ -40,19 +42,63 @@ def train_tokenizer(corpus_bytes: int):
                                    unk_token="<|endoftext|>")
 
 
+def train_wordpiece(corpus_bytes: int):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(stdlib_sources(corpus_bytes), trainers.WordPieceTrainer(vocab_size=30522,
+                                                                                    special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return BertTokenizerFast(tokenizer_object=tok)
+
+
+def write_bert(args) -> None:
+    """BERT-base's shape, random weights, as a sentence-transformers folder (Transformer, mean Pooling, Normalize)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    out = pathlib.Path(args.out)
+    config = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=args.layers or 12, num_attention_heads=12,
+                        intermediate_size=3072, max_position_embeddings=512, pad_token_id=0)
+    torch.manual_seed(args.seed)
+    BertModel(config, add_pooling_layer=False).to(torch.bfloat16).save_pretrained(out)
+    train_wordpiece(args.corpus_bytes).save_pretrained(out)
+    modules = [("", "sentence_transformers.models.Transformer"), ("1_Pooling", "sentence_transformers.models.Pooling"),
+               ("2_Normalize", "sentence_transformers.models.Normalize")]
+    (out / "modules.json").write_text(json.dumps([{"idx": i, "name": str(i), "path": path, "type": kind}
+                                                  for i, (path, kind) in enumerate(modules)], indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
+    for folder in ("1_Pooling", "2_Normalize"):
+        (out / folder).mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 768,
+                                                               "pooling_mode_mean_tokens": True}))
+    print(f"wrote {out}: a BERT-base-shaped sentence-transformers embedder")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the folder to write (Hugging Face format)")
-    ap.add_argument("--layers", type=int, default=30, help="decoder layers (30 is SmolLM2-135M's shape)")
+    ap.add_argument("--bert", action="store_true", help="the BERT-base-shaped embedder (aserve bench embed) instead")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers (default 30, SmolLM2-135M's; with --bert 12, BERT-base's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000, help="how much stdlib source trains the tokenizer")
     args = ap.parse_args()
+    if args.bert:
+        return write_bert(args)
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = train_tokenizer(args.corpus_bytes)
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers or 30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(args.seed)

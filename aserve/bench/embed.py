@@ -3,8 +3,9 @@
 
 sentence-transformers is fed exactly what its `encode` feeds the model, without re-tokenizing: the prompts sorted
 by length, `--batch-size` at a time, padded, one forward each, pooled and normalized by its own modules; same dtype,
-same threads. A folder that is not a sentence-transformers one is pooled as aserve pools it by default (last token,
-normalized) on both sides.
+same threads. A folder that is not a sentence-transformers one is pooled as aserve pools it by default (CLS for an
+encoder, else the last token; normalized) on both sides. `python benchmarks/make_bench_model.py OUT --bert` writes the
+BERT-base-shaped embedder the docs' figure is measured on.
 """
 from __future__ import annotations
 
@@ -36,13 +37,16 @@ def run_sentence_transformers(model_dir: str, prompts: list[list[int]], batch_si
     import torch
     from sentence_transformers import SentenceTransformer, models
 
-    from aserve.pooling.params import is_sentence_transformers
+    from aserve.models.registry import read_config
+    from aserve.pooling.params import is_sentence_transformers, read_spec
 
     if is_sentence_transformers(model_dir):
         st = SentenceTransformer(model_dir, device="cpu")
     else:
         transformer = models.Transformer(model_dir)
-        pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="lasttoken")
+        kind = read_spec(model_dir, read_config(model_dir)).kind
+        pooling = models.Pooling(transformer.get_word_embedding_dimension(),
+                                 pooling_mode={"last": "lasttoken", "cls": "cls", "mean": "mean"}[kind])
         st = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device="cpu")
     st = st.to(dtype).eval()
     pad = st.tokenizer.pad_token_id if st.tokenizer.pad_token_id is not None else 0

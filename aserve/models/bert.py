@@ -95,15 +95,18 @@ class EncoderLayer(nn.Module):
         self.attention_output = Linear(h, h, bias=True)
         self.attention_norm = nn.LayerNorm(h, eps=args.layer_norm_eps)
         self.intermediate = Linear(h, args.intermediate_size, bias=True)
-        self.act = activation(args.hidden_act)
+        self.act = args.hidden_act
+        activation(args.hidden_act)  # refuse an unknown one at load
         self.output = Linear(args.intermediate_size, h, bias=True)
         self.output_norm = nn.LayerNorm(h, eps=args.layer_norm_eps)
         self.hidden_size = h
 
     def forward(self, x, kv_cache, meta):
+        """Post-norm: LN(x + attention), then LN(x + MLP); the residual adds and the GELU run in the GEMMs'
+        epilogues where the weights are packed for oneDNN (models.layers.Linear.forward_add / forward_gelu)."""
         q, k, v = self.qkv(x).split(self.hidden_size, dim=-1)
-        x = self.attention_norm(x + self.attention_output(self.attn(q, k, v, kv_cache, meta)))
-        return self.output_norm(x + self.output(self.act(self.intermediate(x))))
+        x = self.attention_norm(self.attention_output.forward_add(self.attn(q, k, v, kv_cache, meta), x))
+        return self.output_norm(self.output.forward_add(self.intermediate.forward_gelu(x, self.act), x))
 
 
 class BertModel(nn.Module):

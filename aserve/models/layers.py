@@ -11,8 +11,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from aserve.ops import cpu_kernels
-from aserve.quantization.base import UNQUANTIZED, LinearMethod, ParamLayout
+from aserve.ops import cpu_gemm, cpu_kernels
+from aserve.quantization.base import UNQUANTIZED, LinearMethod, ParamLayout, UnquantizedLinearMethod
 
 
 class Linear(nn.Module):
@@ -45,6 +45,24 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
         return y if self.lora is None else self.lora(x, y)
+
+    def _fusable(self) -> bool:
+        """A dense weight packed for the CPU GEMM, no adapters: the GEMM can apply an epilogue."""
+        return (self.lora is None and isinstance(self.method, UnquantizedLinearMethod)
+                and getattr(self, "packed", None) is not None)
+
+    def forward_gelu(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """activation(kind)(self(x)) for a GELU `kind` (gelu, gelu_new, gelu_pytorch_tanh), in the GEMM's epilogue
+        where it can be (ops.cpu_gemm.packed_linear_gelu)."""
+        if self._fusable() and kind in cpu_gemm.GELU_ALGORITHMS:
+            return cpu_gemm.packed_linear_gelu(x, self.packed, self.bias, kind)
+        return activation(kind)(self(x))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """self(x) + residual, the add in the GEMM's epilogue where it can be."""
+        if self._fusable() and residual.dtype == x.dtype:
+            return cpu_gemm.packed_linear_then(x, self.packed, "add", residual, self.bias)
+        return self(x) + residual
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.method.name}"
