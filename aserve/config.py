@@ -43,10 +43,11 @@ def option(default, help: str, **cli):
     return field(default=default, metadata={"help": help, **cli})
 
 
-# The pooling runner's default step on the CPU: `aserve bench embed` (bench model, 512 prompts of 16-256 tokens, bf16,
-# Sapphire Rapids AMX, 2 threads) embedded 33.4 sentences/s at 512 tokens a step, 40.7 at 2048, 42.8 at 4096, 40.3 at
-# 8192.
-POOLING_TOKEN_BUDGET = 4096
+# The pooling runner's default step on the CPU: 512 prompts of 16-256 tokens, bf16, Sapphire Rapids AMX, 2 threads.
+# The bench model (a decoder) embedded 33.4 sentences/s at 512 tokens a step, 40.7 at 2048, 42.8 at 4096, 40.3 at
+# 8192 in separate runs, and the same at 4096 and 8192 alternated in one process (41.7 and 41.7, the 2nd of 3
+# rounds); the BERT-base-shaped embedder (make_bench_model.py --bert), alternated: 60.5 at 4096, 66.0 at 8192.
+POOLING_TOKEN_BUDGET = 8192
 
 
 @dataclass
@@ -65,7 +66,7 @@ class EngineConfig:
     max_num_seqs: int = option(256, "most requests in one batch")
     max_num_batched_tokens: int | None = option(None, "token budget of one step (prefill chunks and decodes "
                                                       "together); default 512 on the CPU, 2048 on a GPU (the "
-                                                      "pooling runner: 4096, 16384)")
+                                                      "pooling runner: 8192, 32768)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompts' shared prefixes")
     policy: str | object = option("fcfs", "scheduling policy: an installed name, module:Class or "
                                           "path/to/file.py:Class (or, in Python, a class or an instance)")

@@ -38,15 +38,17 @@ class PackedWeight(NamedTuple):
 
 @functools.cache
 def gemm_for(dtype: torch.dtype) -> str:
-    """Which GEMM multiplies packed weights of `dtype` in this process: `aserve` (csrc/cpu_gemm.cpp) for fp32, and
-    for bf16 on CPUs with AVX512-BF16 but no AMX, where the CPU kernels are built; else `onednn`.
+    """Which GEMM multiplies packed weights of `dtype` in this process: `aserve` (csrc/cpu_gemm.cpp) on CPUs without
+    AMX, for fp32 and (with AVX512-BF16) bf16, where the CPU kernels are built; else `onednn`.
 
     Decode steps of the bench model alternated in one engine (tools/step_ab.py --compare gemm), aserve's GEMM against
     oneDNN's, 2 threads. On an AMD EPYC (Zen 4, AVX512-BF16, no AMX): bf16 batch 64 62.7 against 71.5 ms, batch 1
     11.4 against 16.6; fp32 119.6 against 127.8 and 19.4 against 24.6 (fp32 held to AVX2, as on an AVX2-only CPU:
     118.7 against 143.6 and 22.3 against 29.6). On an Intel Sapphire Rapids (AMX-BF16): bf16 batch 64 100.2
     against 43.4 ms (oneDNN runs AMX tiles, 2.3x faster), batch 1 12.7 against 16.3; so bf16 goes to oneDNN there,
-    giving up ~3.6 ms a step at batch 1 for 57 ms at batch 64.
+    giving up ~3.6 ms a step at batch 1 for 57 ms at batch 64. There fp32 goes to oneDNN too: batch 64 123.7 against
+    108.2 ms, batch 1 28.2 against 27.9 (its AVX-512 kernels keep both FMA ports busy: a [M, 768] x [768, 3072]
+    GEMM at M >= 64 ran at ~200 GFLOPS in aserve's, ~320 in oneDNN's, which the pooling runner's large steps feel most).
     ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels, and AVX512-BF16 for bf16)."""
     from aserve.hardware import cpu_info
     from aserve.ops import cpu_kernels
@@ -59,7 +61,7 @@ def gemm_for(dtype: torch.dtype) -> str:
     if asked == "aserve" and not can and dtype in (torch.float32, torch.bfloat16):
         log.warning("ASERVE_GEMM=aserve, but aserve's %s GEMM is not built here (no compiler, or no AVX2/FMA, or "
                     "for bf16 no AVX512-BF16): using oneDNN", str(dtype).replace("torch.", ""))
-    if not asked and dtype == torch.bfloat16 and cpu_info().amx_bf16:
+    if not asked and cpu_info().amx_bf16:
         return "onednn"
     wanted = asked != "onednn"
     return "aserve" if wanted and can else "onednn"
