@@ -1,5 +1,8 @@
 """`aserve bench embed`: offline embedding throughput (sentences/s) on random prompts of random lengths, and with
 `--compare-sentence-transformers` the same token ids through sentence-transformers in this process, and the ratio.
+With `--base-url`, the same prompts sent instead to a running server's POST /v1/embeddings (any OpenAI-compatible
+one: aserve's or vLLM's), one prompt a request from `--concurrency` clients at once; `--model` then names the folder
+the prompts' vocabulary comes from.
 
 sentence-transformers is fed exactly what its `encode` feeds the model, without re-tokenizing: the prompts sorted
 by length, `--batch-size` at a time, padded, one forward each, pooled and normalized by its own modules; same dtype,
@@ -10,7 +13,9 @@ BERT-base-shaped embedder the docs' figure is measured on.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
+import statistics
 import time
 
 from aserve.config import add_engine_arguments, engine_options
@@ -23,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     parser.add_argument("--compare-sentence-transformers", action="store_true",
                         help="then embed the same token ids with sentence-transformers and print the ratio")
+    parser.add_argument("--base-url", default=None,
+                        help="measure a running server's /v1/embeddings instead (e.g. http://127.0.0.1:8000)")
+    parser.add_argument("--concurrency", type=int, default=32, help="with --base-url: clients sending at once")
     add_engine_arguments(parser)
 
 
@@ -72,7 +80,46 @@ def run_sentence_transformers(model_dir: str, prompts: list[list[int]], batch_si
     return rate
 
 
+async def run_served(base_url: str, prompts: list[list[int]], concurrency: int) -> float:
+    """Each prompt as one /v1/embeddings request, `concurrency` in flight; prints and returns sentences/s."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=3600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        pending, latencies = iter(prompts), []
+
+        async def one_client():
+            for prompt in pending:
+                sent = time.perf_counter()
+                answer = await client.post("/v1/embeddings", json={"model": model, "input": prompt})
+                answer.raise_for_status()
+                latencies.append(time.perf_counter() - sent)
+
+        await client.post("/v1/embeddings", json={"model": model, "input": prompts[0]})  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    rate = len(prompts) / elapsed
+    print(f"served {base_url}: {rate:.2f} sentences/s, {sum(map(len, prompts)) / elapsed:.2f} tokens/s, "
+          f"latency p50 {statistics.median(latencies) * 1e3:.0f} ms ({len(prompts)} prompts of "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {concurrency} clients)", flush=True)
+    return rate
+
+
+def served(args: argparse.Namespace) -> None:
+    from aserve.bench.throughput import engine_model_dir
+    from aserve.models.loader import load_tokenizer
+    from aserve.models.registry import read_config
+
+    model_dir = engine_model_dir(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = random_lengths_prompts(args, read_config(model_dir)["vocab_size"], set(tokenizer.all_special_ids))
+    asyncio.run(run_served(args.base_url, prompts, args.concurrency))
+
+
 def main(args: argparse.Namespace) -> None:
+    if args.base_url:
+        return served(args)
     from aserve import LLM
     from aserve.hardware import cpu_info
 
