@@ -420,7 +420,7 @@ def test_backend_kernels_match_the_torch_path(monkeypatch, dtype, block_size, wi
     layout = make_layout(requests, block_size, gen)
     num_heads, num_kv_heads, head_dim = 6, 2, 64
     layer = SimpleNamespace(scale=head_dim ** -0.5, sliding_window=window, logit_softcap=softcap, k_scale=1.0,
-                            v_scale=1.0)
+                            v_scale=1.0, causal=True)
     tokens = len(layout.positions)
     query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
     key, value = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
