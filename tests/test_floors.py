@@ -28,7 +28,7 @@ FLOORS = [
     ("settings", "engine options and the checks that read only config files and class names: no weights",
      ["aserve.config", "aserve.policy", "aserve.models.registry", "aserve.quantization.__init__"]),
     ("core", "scheduling, and the rules requests meet on their way in and out (admission, grammars, tool calls)",
-     ["aserve.core", "aserve.inputs", "aserve.structured_output", "aserve.tool_parsers"]),
+     ["aserve.core", "aserve.inputs", "aserve.structured_output", "aserve.tool_parsers", "aserve.pooling.score"]),
     ("kernels", "tensor ops and weight formats: tensors in, tensors out",
      ["aserve.ops", "aserve.quantization", "aserve.lora.adapter"]),
     ("layers", "what models are built from: the attention seam, linear layers, tensor-parallel pieces, the interface",

@@ -43,6 +43,10 @@ def test_models_and_health(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
     embeddings = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"}, headers={"Authorization": f"Bearer {KEY}"})
     assert embeddings.status_code == 400 and "generate runner" in embeddings.json()["error"]["message"]
+    for route, body in (("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                        ("/classify", {"input": "a"})):
+        answer = httpx.post(f"{server.url}{route}", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert answer.status_code == 400 and "generate runner" in answer.json()["error"]["message"], route
     for route in ("load_lora_adapter", "unload_lora_adapter"):  # only with --enable-lora --allow-runtime-lora-updates
         answer = httpx.post(f"{server.url}/v1/{route}", json={"lora_name": "x", "lora_path": "/x"},
                             headers={"Authorization": f"Bearer {KEY}"})

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from aserve.attention import Attention
-from aserve.models.interface import ModelShape, fill_from_checkpoint, need, num_labels
+from aserve.models.interface import ModelShape, fill_from_checkpoint, need
+from aserve.pooling.params import num_labels
 from aserve.models.layers import Linear, activation
 from aserve.models.parallel import plain_embedding
 

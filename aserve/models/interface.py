@@ -42,12 +42,6 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def num_labels(config: dict) -> int:
-    """A classifier's label count: config.json's id2label (what transformers saves), else num_labels, else 2."""
-    labels = config.get("id2label")
-    return len(labels) if labels else int(config.get("num_labels", 2))
-
-
 def need(config: dict, name: str):
     if name not in config:
         raise ValueError(f"config.json: required field {name!r} is missing")

@@ -95,10 +95,14 @@ def read_spec(model_dir: str | Path, config: dict) -> PoolingSpec:
     return PoolingSpec(modes[0], normalize, dims)
 
 
+def num_labels(config: dict) -> int:
+    """A classifier's label count: config.json's id2label (what transformers saves), else num_labels, else 2."""
+    labels = config.get("id2label")
+    return len(labels) if labels else int(config.get("num_labels", 2))
+
+
 def _labels(config: dict) -> tuple[str, ...]:
     """A classifier's labels by index: id2label (what transformers saves), else LABEL_0..."""
-    from aserve.models.interface import num_labels
-
     names = {int(k): str(v) for k, v in (config.get("id2label") or {}).items()}
     return tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels(config)))
 

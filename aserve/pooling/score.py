@@ -8,6 +8,8 @@ from typing import Sequence
 
 import torch
 
+from aserve.errors import InvalidRequestError
+
 
 def pair_up(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
     """One text_1 against each text_2, or text_1[i] against text_2[i]; a ValueError says what does not fit."""
@@ -27,7 +29,12 @@ def pair_token_ids(tokenizer, pairs: list[tuple[str, str]], max_length: int | No
     """Each pair as the tokenizer encodes it; with `max_length` (truncate_prompt_tokens) cut longest-first to
     that many tokens, as sentence-transformers' CrossEncoder cuts."""
     cut = {"truncation": True, "max_length": max_length} if max_length else {}
-    return [tokenizer(a, b, **cut)["input_ids"] for a, b in pairs]
+    try:
+        return [tokenizer(a, b, **cut)["input_ids"] for a, b in pairs]
+    except Exception as exc:  # the tokenizer's own refusal, e.g. a max_length under its special tokens
+        raise InvalidRequestError(f"the pair could not be encoded"
+                                  + (f" in {max_length} tokens" if max_length else "") + f": {exc}",
+                                  "truncate_prompt_tokens" if max_length else "text_2") from None
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

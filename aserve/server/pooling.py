@@ -81,7 +81,10 @@ async def _scores(ctx: ServerContext, request: Request, req, pairs: list[tuple[s
     """Each pair's score: a cross-encoder reads the pair as one input; an embedding model embeds each text once
     and scores by cosine similarity. (request id, scores, prompt tokens)."""
     spec = ctx.engine.facts.pooling
-    if spec is not None and spec.labels is None:
+    if spec is None:
+        raise APIError(400, f"{ctx.model_name} runs the generate runner: it scores nothing (start it with "
+                            f"--runner pooling and a cross-encoder or an embedding model)", "model")
+    if spec.labels is None:
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         request_id, finals, usage = await _pool(ctx, request, req, texts, PoolingParams(task="embed"),
                                                 req.truncate_prompt_tokens)
