@@ -43,11 +43,13 @@ def option(default, help: str, **cli):
     return field(default=default, metadata={"help": help, **cli})
 
 
-# The pooling runner's default step on the CPU: 512 prompts of 16-256 tokens, bf16, Sapphire Rapids AMX, 2 threads.
-# The bench model (a decoder) embedded 33.4 sentences/s at 512 tokens a step, 40.7 at 2048, 42.8 at 4096, 40.3 at
-# 8192 in separate runs, and the same at 4096 and 8192 alternated in one process (41.7 and 41.7, the 2nd of 3
-# rounds); the BERT-base-shaped embedder (make_bench_model.py --bert), alternated: 60.5 at 4096, 66.0 at 8192.
-POOLING_TOKEN_BUDGET = 8192
+# The pooling runner's default step on the CPU (`aserve bench embed`: 512 prompts of 16-256 tokens, bf16, Sapphire
+# Rapids AMX, 2 threads). The bench model (a decoder) embedded 33.4 sentences/s at 512 tokens a step, 40.7 at 2048,
+# 42.8 at 4096, 40.3 at 8192 (separate runs; again at f13a56f: 40.0 at 4096, 37.5 and 37.9 at 8192). An encoder's
+# prompts run whole and its attention is cheaper per token: the BERT-base-shaped embedder (make_bench_model.py
+# --bert), alternated in one process, 54.9/60.5/59.6 at 4096 against 58.3/66.0/62.5 at 8192.
+POOLING_TOKEN_BUDGET = 4096
+ENCODER_TOKEN_BUDGET = 8192
 
 
 @dataclass
@@ -66,7 +68,7 @@ class EngineConfig:
     max_num_seqs: int = option(256, "most requests in one batch")
     max_num_batched_tokens: int | None = option(None, "token budget of one step (prefill chunks and decodes "
                                                       "together); default 512 on the CPU, 2048 on a GPU (the "
-                                                      "pooling runner: 8192, 32768)")
+                                                      "pooling runner: 4096, 16384; 8192, 32768 for an encoder)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompts' shared prefixes")
     policy: str | object = option("fcfs", "scheduling policy: an installed name, module:Class or "
                                           "path/to/file.py:Class (or, in Python, a class or an instance)")
@@ -174,16 +176,18 @@ class EngineConfig:
             raise ConfigError(f"model {self.model}: an encoder, classifier or bare decoder stack (no LM head) cannot "
                               f"generate; serve it with runner='pooling' (--runner pooling)")
 
-    def token_budget(self, device: torch.device) -> int:
+    def token_budget(self, device: torch.device, encoder: bool = False) -> int:
         """max_num_batched_tokens, or the device's default. On the CPU a 512-token step loses no throughput to
         a 2048-token one (the GEMMs are as fast from M=128 up) while each step takes a quarter of the time: a
         burst of prompts reaches its first tokens sooner (bench model, 64 x 128/128 served at once on 2 AMD
         EPYC avx512_bf16 cores: TTFT p50 4.35 s at 2048, 3.76 at 1024, 3.68 at 512), and running requests wait
-        less between tokens while prompts are prefilled. A GPU wants larger GEMMs."""
+        less between tokens while prompts are prefilled. A GPU wants larger GEMMs. The pooling runner has no
+        decode to keep waiting: larger steps, larger GEMMs (`encoder`: an encoder model's, larger still)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        if self.resolved_runner == "pooling":  # no decode to keep waiting: larger steps, larger GEMMs
-            return POOLING_TOKEN_BUDGET if device.type == "cpu" else 4 * POOLING_TOKEN_BUDGET
+        if self.resolved_runner == "pooling":
+            budget = ENCODER_TOKEN_BUDGET if encoder else POOLING_TOKEN_BUDGET
+            return budget if device.type == "cpu" else 4 * budget
         return 512 if device.type == "cpu" else 2048
 
     @property

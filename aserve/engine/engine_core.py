@@ -57,7 +57,7 @@ class EngineCore:
         self.policy = load_policy(config.policy, config.policy_options)
         self.pooling_spec = (read_spec(config.model or DEFAULT_MODEL_DIR, info.model_config)
                              if config.resolved_runner == "pooling" else None)  # None: the generate runner
-        budget = config.token_budget(resolve_device(config.device))
+        budget = config.token_budget(resolve_device(config.device), encoder=not info.causal)
         if not info.causal and budget < self.max_model_len:
             raise ConfigError(f"{info.model_class} is an encoder: each prompt runs whole in one step, so "
                               f"max_num_batched_tokens ({budget}) must be at least max_model_len "
