@@ -59,6 +59,7 @@ class EngineCore:
                              if config.resolved_runner == "pooling" else None)  # None: the generate runner
         budget = config.token_budget(resolve_device(config.device), encoder=not info.causal)
         if not info.causal and budget < self.max_model_len:
+            self.executor.shutdown()
             raise ConfigError(f"{info.model_class} is an encoder: each prompt runs whole in one step, so "
                               f"max_num_batched_tokens ({budget}) must be at least max_model_len "
                               f"({self.max_model_len}); raise the one or lower the other")

@@ -20,9 +20,9 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
-from aserve.pooling.params import num_labels
 from aserve.models.layers import Linear, activation
 from aserve.models.parallel import plain_embedding
+from aserve.pooling.params import num_labels
 
 # a layer's checkpoint name (after encoder.layer.N.) -> (ours, shard of the fused q|k|v)
 LAYER_NAMES = {"attention.self.query": ("qkv", 0), "attention.self.key": ("qkv", 1),

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from aserve.hardware import native, resolve_dtype
 from aserve.models import parallel
 from aserve.models.interface import CausalLM
-from aserve.pooling.params import num_labels
 from aserve.models.registry import (BARE_ARCHITECTURES, DECODER_CLASSIFIERS, architecture, model_class, read_config,
                                     read_json)
 from aserve.ops.cpu_gemm import gemm_name, prepack_linears
+from aserve.pooling.params import num_labels
 from aserve.quantization import resolve as resolve_quantization
 
 log = logging.getLogger("aserve")

@@ -32,7 +32,7 @@ def pair_token_ids(tokenizer, pairs: list[tuple[str, str]], max_length: int | No
     try:
         return [tokenizer(a, b, **cut)["input_ids"] for a, b in pairs]
     except Exception as exc:  # the tokenizer's own refusal, e.g. a max_length under its special tokens
-        raise InvalidRequestError(f"the pair could not be encoded"
+        raise InvalidRequestError("the pair could not be encoded"
                                   + (f" in {max_length} tokens" if max_length else "") + f": {exc}",
                                   "truncate_prompt_tokens" if max_length else "text_2") from None
 
