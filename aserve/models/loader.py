@@ -3,7 +3,6 @@ generation_config.json, and the FP8 KV cache scales a checkpoint may hold. Error
 fault."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
