@@ -16,11 +16,13 @@ _EXPORTS = {"AsyncLLM": "aserve.engine.async_llm", "EngineDeadError": "aserve.er
             "SamplingParams": "aserve.sampling_params", "LoRARequest": "aserve.lora.request",
             "PoolingParams": "aserve.pooling.params", "PoolingRequestOutput": "aserve.outputs",
             "EmbeddingRequestOutput": "aserve.outputs", "ClassificationRequestOutput": "aserve.outputs",
-            "ScoringRequestOutput": "aserve.outputs"}
+            "ScoringRequestOutput": "aserve.outputs", "BeamSearchParams": "aserve.sampling_params",
+            "BeamSearchOutput": "aserve.outputs", "BeamSearchSequence": "aserve.outputs"}
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "LoRARequest", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
-           "ClassificationRequestOutput", "ScoringRequestOutput"]
+           "ClassificationRequestOutput", "ScoringRequestOutput", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence"]
 __version__ = "0.1.0"
 
 

@@ -90,6 +90,10 @@ def validate_request(facts: EngineFacts, prompt_token_ids: list[int], params: "S
     """Raise InvalidRequestError for a request the engine could never serve; return its max_tokens."""
     if params.n > facts.max_n:
         raise InvalidRequestError(f"n must be at most {facts.max_n} on this server (max_n), got {params.n}", "n")
+    width = params.beam.beam_width if params.beam is not None else 1
+    if width > facts.max_n:
+        raise InvalidRequestError(f"beam_width must be at most {facts.max_n} on this server (max_n), got {width}",
+                                  "beam_width")
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise InvalidRequestError("the prompt is empty: it must contain at least one token", "prompt")
@@ -106,10 +110,14 @@ def validate_request(facts: EngineFacts, prompt_token_ids: list[int], params: "S
                                   f"max_model_len ({facts.max_model_len}); lower max_tokens or shorten the prompt",
                                   "max_tokens")
     blocks = -(-(num_prompt + max_tokens) // facts.block_size)
+    if width > 1:  # beams share the prompt's full blocks; each may need the rest for itself, and a copy on write
+        shared = num_prompt // facts.block_size
+        blocks = shared + width * (blocks - shared + 1)
     if blocks > facts.num_blocks:
-        raise InvalidRequestError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {blocks} "
-                                  f"KV blocks, but the whole cache has {facts.num_blocks}; raise kv_cache_memory",
-                                  "max_tokens")
+        beams = f" in each of {width} beams" if width > 1 else ""
+        raise InvalidRequestError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}){beams} needs "
+                                  f"{blocks} KV blocks, but the whole cache has {facts.num_blocks}; raise "
+                                  f"kv_cache_memory", "max_tokens")
     return max_tokens
 
 

@@ -13,11 +13,11 @@ from aserve.errors import ConfigError
 from aserve.inputs import admit_prompts, parse_prompts
 from aserve.lora.request import LoRARequest
 from aserve.metrics.loggers import StatLoggers
-from aserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+from aserve.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                             ScoringOutput, ScoringRequestOutput)
 from aserve.pooling.params import PoolingParams
 from aserve.pooling.score import cosine, pair_token_ids, pair_up
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = Any  # str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}
 
@@ -81,6 +81,37 @@ class LLM:
                                     priority=prio, output_kind="final", lora_request=lora)
             ids_in_order.append(request_id)
         return self._run(ids_in_order, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (see BeamSearchParams), in input order: each prompt's beam_width hypotheses,
+        best first, with the prompt in their `tokens` and `text` (vLLM's shape). Each prompt runs as one request
+        whose beams share their blocks (core/beam_search.py)."""
+        prompts = parse_prompts(prompts)
+        admitted = admit_prompts(self.engine.facts, prompts, params.sampling_params(), self.engine.tokenizer.encode)
+        self.engine.resolve_lora(lora_request)
+        ids_in_order = []
+        for prompt in admitted:
+            request_id = f"beam-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(prompt.token_ids, params, request_id=request_id, prompt=prompt.text,
+                                    lora_request=lora_request)
+            ids_in_order.append(request_id)
+        return [BeamSearchOutput([BeamSearchSequence(
+                    out.prompt_token_ids + o.token_ids, o.logprobs, o.cumulative_logprob, self._beam_text(out, o, params),
+                    o.finish_reason, o.stop_reason,
+                    o.cumulative_logprob / max(1, len(o.token_ids)) ** params.length_penalty)
+                    for o in out.outputs])
+                for out in self._run(ids_in_order, use_tqdm)]
+
+    def _beam_text(self, out: RequestOutput, o, params: BeamSearchParams) -> str:
+        """A hypothesis's text with its prompt's: decoded whole, as vLLM does; one a stop string cut keeps its cut
+        text after the prompt's."""
+        decode = self.engine.tokenizer.decode
+        skip = params.skip_special_tokens
+        if isinstance(o.stop_reason, str):
+            return decode(out.prompt_token_ids, skip_special_tokens=skip) + o.text
+        return decode(out.prompt_token_ids + o.token_ids, skip_special_tokens=skip)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:

@@ -73,6 +73,24 @@ class RequestOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One hypothesis of `LLM.beam_search`, with vLLM's names: `tokens` and `text` include the prompt."""
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]  # one entry per generated token: its log-probability
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (eos or a stop token), "length" (max_tokens), "abort"
+    stop_reason: int | str | None = None
+    score: float = 0.0  # cum_logprob / generated_length ** length_penalty: what `sequences` is ordered by
+
+
+@dataclass
+class BeamSearchOutput:
+    """`LLM.beam_search`'s answer for one prompt: its beam_width hypotheses, best first."""
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class PoolingOutput:
     """A pooling request's vector (float32): the embedding (task "embed"), or the raw pooled hidden state
     ("encode"). None when the request ended without one (aborted, failed)."""

@@ -50,6 +50,11 @@ class TokenSequence:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def replace_output(self, token_ids: list[int]) -> None:
+        """Take another history after the prompt (a beam continuing another beam's)."""
+        self.output_token_ids = list(token_ids)
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
 
 class Request(TokenSequence):
     """Token state, cache state and timestamps of one sequence.
@@ -88,6 +93,10 @@ class Request(TokenSequence):
         self.fork_parent: Request | None = None
         self.pending_forks: list[Request] = []
         self.sent_blocks: list[int] | None = None  # the block table as the worker last heard it (None: never sent)
+        # Beam search: the search this sequence is a beam of (core/beam_search.py). Its first beam is the request
+        # the scheduler and the policy see; the others ride along with it.
+        self.beam = None
+        self.tokens_replaced = False  # a beam search's step gave it another history, not yet sent to the worker
         now = time.monotonic()
         self.arrival_time = arrival_time if arrival_time is not None else now
         self.scheduled_time: float | None = None
@@ -99,6 +108,11 @@ class Request(TokenSequence):
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def sequences(self) -> list["Request"]:
+        """What this request runs as in a step: itself, or a beam search's live beams (its own first)."""
+        return self.beam.beams if self.beam is not None else [self]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from aserve.errors import InvalidRequestError
@@ -33,6 +34,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar to match
     # Filled in by the engine: the model's eos ids, which end a request unless ignore_eos.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+    # Set by BeamSearchParams.sampling_params(): the request runs as a beam search (see core/beam_search.py);
+    # its rows return their best next tokens and the engine, not the sampler, picks what each beam appends.
+    beam: "BeamSearchParams | None" = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,9 +85,69 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The token ids that end a sequence: stop_token_ids, and eos unless ignore_eos."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else self.eos_token_ids)
+
+    @property
+    def beam_candidates(self) -> int:
+        """How many next tokens a beam-search row brings (0 for other rows): transformers' K, max(2, 1 + stop ids)
+        x beam_width, so that beam_width candidates remain to continue after those that stop are set aside."""
+        return max(2, 1 + len(self.stop_ids)) * self.beam.beam_width if self.beam is not None else 0
+
+    @property
+    def num_outputs(self) -> int:
+        """How many outputs a prompt gets: n samples, or a beam search's beam_width hypotheses."""
+        return self.beam.beam_width if self.beam is not None else self.n
+
+    @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed, normalized and validated like a new one."""
         return dataclasses.replace(self, **changes)
+
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search, with vLLM's names (`LLM.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=64))`)
+    and transformers' algorithm and meanings: a hypothesis scores cum_logprob / generated_length **
+    length_penalty, and `early_stopping` is transformers' (False: stop once no running beam can beat the
+    worst kept hypothesis at its current length; True: stop as soon as beam_width hypotheses are done;
+    "never": only when no running beam can improve at its longest possible length)."""
+    beam_width: int
+    max_tokens: int | None  # None: up to max_model_len
+    ignore_eos: bool = False
+    temperature: float = 0.0  # > 0 scores the log-probabilities of logits / temperature
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
+
+        need(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool) and self.beam_width >= 1,
+             "beam_width", "an integer >= 1")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+                                         and self.max_tokens >= 1), "max_tokens", "an integer >= 1 or None")
+        need(isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", ">= 0")
+        need(isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty),
+             "length_penalty", "a finite number")
+        need(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
+             'True, False or "never"')
+        self.sampling_params()  # stop and stop_token_ids are checked as SamplingParams checks them
+
+    def sampling_params(self) -> SamplingParams:
+        """What the engine runs each beam with: its stop conditions and max_tokens, greedy rows that bring their
+        candidates (`beam`)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos,
+                              stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens, beam=self)

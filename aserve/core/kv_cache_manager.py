@@ -83,12 +83,9 @@ class KVCacheManager:
 
     # -- allocation -------------------------------------------------------------------------------
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[int] = (), num_computed_tokens: int = 0) -> bool:
-        """Make room for `num_new_tokens` more tokens of `req`; False (and no change) if blocks are short.
-
-        `computed_blocks` (from find_computed) are taken over by a request that holds no blocks yet.
-        """
+    def blocks_taken(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = (),
+                     num_computed_tokens: int = 0) -> int:
+        """How many free blocks `allocate_slots` would take: new ones, a copy-on-write, cached ones revived."""
         bs, pool, table = self.block_size, self.pool, req.block_table
         start = req.num_computed_tokens + num_computed_tokens
         num_held = len(table) + len(computed_blocks)
@@ -99,13 +96,24 @@ class KVCacheManager:
         else:  # a block being taken over now is shared as soon as anyone else holds it
             write_shared = first_write < num_held and pool.ref_count(computed_blocks[first_write - len(table)]) > 0
         revived = sum(1 for b in computed_blocks if pool.ref_count(b) == 0)
-        if num_new_blocks + write_shared > pool.num_free - revived:
-            return False
+        return num_new_blocks + write_shared + revived
 
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] = (), num_computed_tokens: int = 0) -> bool:
+        """Make room for `num_new_tokens` more tokens of `req`; False (and no change) if blocks are short.
+
+        `computed_blocks` (from find_computed) are taken over by a request that holds no blocks yet.
+        """
+        pool, table = self.pool, req.block_table
+        if self.blocks_taken(req, num_new_tokens, computed_blocks, num_computed_tokens) > pool.num_free:
+            return False
+        start = req.num_computed_tokens + num_computed_tokens
+        num_new_blocks = max(0, self.blocks_needed(start + num_new_tokens) - len(table) - len(computed_blocks))
         for block_id in computed_blocks:
             pool.acquire(block_id)
         table.extend(computed_blocks)
         req.num_computed_tokens += num_computed_tokens
+        first_write = start // self.block_size
         if first_write < len(table):
             old = table[first_write]
             if pool.ref_count(old) > 1:  # copy-on-write
@@ -120,6 +128,36 @@ class KVCacheManager:
             table.append(block_id)
             self.fresh_blocks.append(block_id)
         return True
+
+    def allocate_all(self, entries: list[tuple[Request, int, list[int], int]]) -> bool:
+        """allocate_slots for several sequences that run together (a beam search's beams): all or none. The
+        check adds up each one's need, which counts a block two of them share (a copy-on-write, a revived
+        prefix) twice: it may refuse a step that would just fit, never admit one that does not."""
+        if len(entries) == 1:
+            return self.allocate_slots(*entries[0])
+        if sum(self.blocks_taken(*entry) for entry in entries) > self.pool.num_free:
+            return False
+        for entry in entries:
+            if not self.allocate_slots(*entry):
+                raise RuntimeError(f"{entry[0]} found no room it was promised")
+        return True
+
+    def adopt(self, seqs: list[Request], parents: list[Request]) -> None:
+        """Beam search's fork and drop in one move: seqs[i] goes on from parents[i]'s cache state (a sequence among
+        `seqs`, itself included), sharing its blocks (a shared block is copied before it is written) and giving
+        back its own. The new references are taken before the old ones are dropped, so a block that stays in use
+        is never freed in between; a block no beam keeps returns to the pool now (its prefix hash kept)."""
+        taken = [(list(p.block_table), p.num_computed_tokens, list(p.block_hashes), p.num_cached_blocks)
+                 for p in parents]
+        for table, *_ in taken:
+            for block_id in table:
+                self.pool.acquire(block_id)
+        for seq in seqs:
+            for block_id in reversed(seq.block_table):
+                self.pool.release(block_id)
+        for seq, (table, num_computed, hashes, num_cached) in zip(seqs, taken):
+            seq.block_table, seq.num_computed_tokens = table, num_computed
+            seq.block_hashes, seq.num_cached_blocks = hashes, num_cached
 
     def cache_full_blocks(self, req: Request) -> None:
         """Index the request's blocks that have just become full of computed tokens."""
@@ -155,36 +193,60 @@ class KVCacheManager:
     def num_free_host_blocks(self) -> int:
         return self.host_pool.num_free
 
-    def can_swap_out(self, req: Request) -> bool:
-        return 0 < len(req.block_table) <= self.host_pool.num_free
+    def can_swap_out(self, seqs: list[Request]) -> bool:
+        num_blocks = len({b for seq in seqs for b in seq.block_table})
+        return 0 < num_blocks <= self.host_pool.num_free
 
-    def swap_out(self, req: Request) -> list[tuple[int, int]]:
-        """Give the request's device blocks back, its K/V to be kept in host blocks: (device, host) pairs.
+    def swap_out(self, seqs: list[Request]) -> list[tuple[int, int]]:
+        """Give the sequences' device blocks back, their K/V to be kept in host blocks: (device, host) pairs. The
+        sequences of one request (a beam search's beams) keep sharing what they shared: one host block each.
 
         A copy-on-write still pending for one of its blocks has not happened yet, so that block's
         content is read from the copy's source."""
         pending = {dst: src for src, dst in self.pending_copies}
+        host_of: dict[int, int] = {}
         pairs = []
-        for block_id in req.block_table:
-            pairs.append((pending.get(block_id, block_id), self.host_pool.allocate()))
-        host_table = [h for _, h in pairs]
-        num_computed = req.num_computed_tokens
-        self.free(req)  # releases device blocks (cached ones stay revivable) and drops pending copies
-        req.host_block_table = host_table
-        req.num_computed_tokens = num_computed
+        for seq in seqs:
+            host_table = []
+            for block_id in seq.block_table:
+                host_block = host_of.get(block_id)
+                if host_block is None:
+                    host_block = host_of[block_id] = self.host_pool.allocate()
+                    pairs.append((pending.get(block_id, block_id), host_block))
+                else:
+                    self.host_pool.acquire(host_block)
+                host_table.append(host_block)
+            num_computed = seq.num_computed_tokens
+            self.free(seq)  # releases device blocks (cached ones stay revivable) and drops pending copies
+            seq.host_block_table = host_table
+            seq.num_computed_tokens = num_computed
         return pairs
 
-    def can_swap_in(self, req: Request, num_new_tokens: int) -> bool:
-        needed = max(len(req.host_block_table), self.blocks_needed(req.num_computed_tokens + num_new_tokens))
+    def can_swap_in(self, plan: list[tuple[Request, int]]) -> bool:
+        """Whether the sequences fit back with room for their next tokens (and a copy-on-write each, when they
+        share blocks)."""
+        host_blocks = {h for seq, _ in plan for h in seq.host_block_table}
+        needed = len(host_blocks) + (len(plan) if len(plan) > 1 else 0)
+        for seq, num_new in plan:
+            needed += max(0, self.blocks_needed(seq.num_computed_tokens + num_new) - len(seq.host_block_table))
         return needed <= self.pool.num_free
 
-    def swap_in(self, req: Request) -> list[tuple[int, int]]:
-        """Bring a swapped request's blocks back to the device: (host, device) pairs."""
-        pairs = [(h, self.pool.allocate()) for h in req.host_block_table]
-        for host_block in req.host_block_table:
-            self.host_pool.release(host_block)
-        req.block_table = [d for _, d in pairs]
-        req.host_block_table = []
+    def swap_in(self, seqs: list[Request]) -> list[tuple[int, int]]:
+        """Bring swapped sequences' blocks back to the device, shared as they were: (host, device) pairs."""
+        device_of: dict[int, int] = {}
+        pairs = []
+        for seq in seqs:
+            table = []
+            for host_block in seq.host_block_table:
+                block_id = device_of.get(host_block)
+                if block_id is None:
+                    block_id = device_of[host_block] = self.pool.allocate()
+                    pairs.append((host_block, block_id))
+                else:
+                    self.pool.acquire(block_id)
+                table.append(block_id)
+            self.free_host(seq)
+            seq.block_table = table
         return pairs
 
     def free_host(self, req: Request) -> None:

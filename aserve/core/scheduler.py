@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from aserve.core.beam_search import BeamSearch
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.lora.request import ResolvedLoRA
 from aserve.policy import KVView, Policy, PreemptionMode
@@ -30,6 +31,7 @@ class NewRequestData:
     num_computed_tokens: int
     lora: ResolvedLoRA | None = None  # the adapter it runs under
     pooling: str | None = None  # a pooling request: how it pools (pooling.params.POOLING_KINDS)
+    output_token_ids: list[int] = field(default_factory=list)  # a beam made mid-search: the history it continues
 
 
 @dataclass
@@ -39,6 +41,9 @@ class CachedRequestData:
     num_computed_tokens: int
     new_block_ids: list[int]  # blocks appended to its table, or the whole table when `replace_blocks`
     replace_blocks: bool = False  # the table changed other than by appending (recompute, swap-in, copy-on-write)
+    # Its output tokens, whole, when the engine rather than the worker's sampler chose them (a beam search's step:
+    # a beam may go on from another's history); None: unchanged but for what the worker sampled itself.
+    output_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -88,8 +93,15 @@ def _adapter_names(requests) -> tuple[str, ...]:
     return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
+Plan = list[tuple[Request, int]]  # a request's sequences (itself, or its beams) and their new tokens this step
+
+
+def plan_tokens(plan: Plan | None) -> int:
+    return sum(n for _, n in plan) if plan else 0
+
+
 class StepBatch(dict):
-    """A step's requests -> their new tokens, counting the distinct adapters among them as requests come and go
+    """A step's requests -> their plans, counting the distinct adapters among them as requests come and go
     (victims leave mid-schedule), so that the multi-LoRA rule costs O(1) a request, not a walk of the batch."""
 
     def __init__(self, adapter_limit: int | None):
@@ -97,10 +109,10 @@ class StepBatch(dict):
         self.adapter_limit = adapter_limit
         self.adapters: Counter = Counter()  # adapter identity -> requests of it in the step
 
-    def __setitem__(self, req: Request, num_new: int) -> None:
+    def __setitem__(self, req: Request, plan: Plan) -> None:
         if req not in self and req.lora is not None:
             self.adapters[req.lora.identity] += 1
-        super().__setitem__(req, num_new)
+        super().__setitem__(req, plan)
 
     def pop(self, req: Request, default=None):
         if req in self and req.lora is not None:
@@ -171,18 +183,24 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
-            self.kv.free_host(req)
+            for seq in req.sequences:
+                self.kv.free_host(seq)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
-        if req.sent_blocks is not None:
-            self._finished_ids.append(req.request_id)
-            req.sent_blocks = None
+        for seq in req.sequences:
+            self._forget(seq)
         req.status = status
         req.stop_reason, req.error = stop_reason, error
         req.finished_time = time.monotonic()
         self.finished_since_stats.append(req)
         self.policy.on_event(req, "finished")
+
+    def _forget(self, seq: Request) -> None:
+        """Give back a sequence's blocks and tell the worker to drop it."""
+        self.kv.free(seq)
+        if seq.sent_blocks is not None:
+            self._finished_ids.append(seq.request_id)
+            seq.sent_blocks = None
 
     def kv_view(self) -> KVView:
         kv = self.kv
@@ -210,30 +228,32 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING or not scheduled.fits(req):  # a victim earlier in this loop,
                 continue  # or its adapter would be one too many this step (it keeps its blocks and waits a step)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            plan = self._plan(req, budget)
+            if plan is None:  # beams that cannot all run their last tokens this step
+                continue
+            while not self.kv.allocate_all(_entries(plan)):
                 victim = self.policy.select_victim(self.running, req) or req
-                budget += scheduled.pop(victim, 0)
+                budget += plan_tokens(scheduled.pop(victim))
                 self._preempt(victim, out, preempted)
                 if victim is req:
                     break
             else:
-                scheduled[req] = num_new
-                budget -= num_new
+                scheduled[req] = plan
+                budget -= plan_tokens(plan)
 
         while self.swapped and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_swap_in(req, num_new) or not scheduled.fits(req):
+            plan = self._plan(req, budget)
+            if plan is None or not self.kv.can_swap_in(plan) or not scheduled.fits(req):
                 break
             self.swapped.pop(0)
-            pairs = self.kv.swap_in(req)
+            pairs = self.kv.swap_in(req.sequences)
             out.swap_in.extend(pairs)
             self.blocks_swapped_in += len(pairs)
-            if not self.kv.allocate_slots(req, num_new):
+            if not self.kv.allocate_all(_entries(plan)):
                 raise RuntimeError("a swapped-in request found no room it was promised")
-            self._run(req, num_new, scheduled, "swapped_in")
-            budget -= num_new
+            self._run(req, plan, scheduled, "swapped_in")
+            budget -= plan_tokens(plan)
 
         if not preempted and not self.swapped:  # swapped requests come back before anyone new
             skipped: list[Request] = []  # their adapter is one too many this step; the others keep their order
@@ -243,30 +263,50 @@ class Scheduler:
                     skipped.append(self.waiting.pop())
                     continue
                 if len(self.running) < self.max_num_seqs:
-                    computed, num_computed = self.kv.find_computed(req)
-                    num_new = min(req.num_tokens - num_computed, budget)
-                    if not self.chunk_prompts and num_new < req.num_tokens - num_computed:
+                    found = [self.kv.find_computed(seq) for seq in req.sequences]
+                    plan = self._plan(req, budget, [num for _, num in found])
+                    if plan is None:
+                        break
+                    if not self.chunk_prompts and plan[0][1] < req.num_tokens - found[0][1]:
                         break  # the whole prompt next step
-                    if self.kv.allocate_slots(req, num_new, computed, num_computed):
+                    if self.kv.allocate_all(_entries(plan, found)):
                         self.waiting.pop()
                         if req.num_cached_tokens is None:  # for usage.prompt_tokens_details
-                            req.num_cached_tokens = num_computed
-                        self._run(req, num_new, scheduled, "admitted")
-                        budget -= num_new
+                            req.num_cached_tokens = found[0][1]
+                        self._run(req, plan, scheduled, "admitted")
+                        budget -= plan_tokens(plan)
                         continue
                 victim = self.policy.should_preempt_for(req, self.running)
                 if victim is None or victim is req or victim not in self.running:
                     break
-                budget += scheduled.pop(victim, 0)
+                budget += plan_tokens(scheduled.pop(victim))
                 self._preempt(victim, out, preempted)
             for req in reversed(skipped):
                 self.waiting.prepend(req)
 
-        self.scheduled = list(scheduled.items())
+        self.scheduled = [(seq, n) for plan in scheduled.values() for seq, n in plan if n]
         out.copies = self.kv.take_copies()
         out.blocks_to_zero = self.kv.take_fresh()
         self._diff_for_worker(out)
         return out
+
+    @staticmethod
+    def _plan(req: Request, budget: int, num_computed: list[int] | None = None) -> Plan | None:
+        """How many tokens each of the request's sequences runs this step, within `budget` (`num_computed`: what
+        the prefix cache holds for each, on admission). One sequence runs what is left of it, up to the budget.
+        A beam search's beams are compared with each other after every step, so they reach their last tokens
+        in the same step: when the budget cannot take all of them there (catching up after recompute), each holds
+        its last token back; None when not one token of them fits."""
+        seqs = req.sequences
+        done = num_computed or [seq.num_computed_tokens for seq in seqs]
+        left = [seq.num_tokens - n for seq, n in zip(seqs, done)]
+        if len(seqs) == 1:
+            return [(req, min(left[0], budget))]
+        if sum(left) <= budget:
+            return list(zip(seqs, left))
+        share = budget // len(seqs)
+        plan = [(seq, min(n - 1, share)) for seq, n in zip(seqs, left)]
+        return plan if plan_tokens(plan) else None
 
     def _diff_for_worker(self, out: SchedulerOutput) -> None:
         """The batch as the worker needs it: new requests in full, the others as what changed."""
@@ -274,31 +314,36 @@ class Scheduler:
         for req, num_new in self.scheduled:
             out.num_scheduled_tokens.append((req.request_id, num_new))
             table, sent = req.block_table, req.sent_blocks
+            history = None
+            if req.tokens_replaced:  # a beam search's step chose its tokens
+                history, req.tokens_replaced = list(req.output_token_ids), False
             if sent is None:
                 req.sent_blocks = list(table)
                 out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params, list(table),
                                                        req.num_computed_tokens, req.lora,
-                                                       self.pooling_kind if req.pooling is not None else None))
+                                                       self.pooling_kind if req.pooling is not None else None,
+                                                       history or []))
             elif len(table) >= len(sent) and table[:len(sent)] == sent:
                 new_ids = table[len(sent):]
                 sent.extend(new_ids)
-                out.cached_requests.append(CachedRequestData(req.request_id, req.num_computed_tokens, new_ids))
+                out.cached_requests.append(CachedRequestData(req.request_id, req.num_computed_tokens, new_ids,
+                                                             output_token_ids=history))
             else:
                 req.sent_blocks = list(table)
                 out.cached_requests.append(CachedRequestData(req.request_id, req.num_computed_tokens, list(table),
-                                                             replace_blocks=True))
+                                                             replace_blocks=True, output_token_ids=history))
 
     def take_finished_ids(self) -> list[str]:
         """Requests that ended since the last step, for an engine that tells the worker outside a step."""
         ids, self._finished_ids = self._finished_ids, []
         return ids
 
-    def _run(self, req: Request, num_new: int, scheduled: dict[Request, int], event: str) -> None:
+    def _run(self, req: Request, plan: Plan, scheduled: StepBatch, event: str) -> None:
         req.status = RequestStatus.RUNNING
         if req.scheduled_time is None:
             req.scheduled_time = time.monotonic()
         self.running.append(req)
-        scheduled[req] = num_new
+        scheduled[req] = plan
         self.policy.on_event(req, event)
 
     def _preempt(self, victim: Request, out: SchedulerOutput, preempted: list[Request]) -> None:
@@ -307,8 +352,8 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         preempted.append(victim)
-        if mode == PreemptionMode.SWAP and self.kv.can_swap_out(victim):
-            pairs = self.kv.swap_out(victim)
+        if mode == PreemptionMode.SWAP and self.kv.can_swap_out(victim.sequences):
+            pairs = self.kv.swap_out(victim.sequences)
             out.swap_out.extend(pairs)
             self.blocks_swapped_out += len(pairs)
             victim.status = RequestStatus.SWAPPED
@@ -316,21 +361,25 @@ class Scheduler:
             self.preemptions[PreemptionMode.SWAP.value] += 1
             self.policy.on_event(victim, "swapped")
             return
-        self.recomputed_tokens += victim.num_computed_tokens
-        self.kv.free(victim)
+        for seq in victim.sequences:
+            self.recomputed_tokens += seq.num_computed_tokens
+            self.kv.free(seq)
         victim.status = RequestStatus.PREEMPTED
         self.waiting.prepend(victim)
         self.preemptions[PreemptionMode.RECOMPUTE.value] += 1
         self.policy.on_event(victim, "preempted")
 
-    def update(self, sampled: dict[str, int], pooled: frozenset[str] = frozenset()) -> list[Request]:
+    def update(self, sampled: dict[str, int], pooled: frozenset[str] = frozenset(),
+               candidates: dict[str, list[tuple[int, float]]] | None = None) -> list[Request]:
         """After the last step ran: advance computed tokens, append sampled ones (by request id), and finish
-        requests that hit a stop condition, and pooling requests whose prompt is pooled (`pooled`, by id)."""
+        requests that hit a stop condition, and pooling requests whose prompt is pooled (`pooled`, by id).
+        `candidates`: beam-search rows' best next tokens (by id); a search steps once all its beams brought them."""
         finished = []
         self._ended_by_update = set()
         now = time.monotonic()
+        searches: dict[BeamSearch, dict[Request, list[tuple[int, float]]]] = {}
         for req, num_new in self.scheduled:
-            if req.status != RequestStatus.RUNNING:
+            if (req.beam.first if req.beam is not None else req).status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += num_new
             self.kv.cache_full_blocks(req)
@@ -338,13 +387,15 @@ class Scheduler:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
                 finished.append(req)
                 continue
+            if req.beam is not None:
+                if candidates and req.request_id in candidates:
+                    searches.setdefault(req.beam, {})[req] = candidates[req.request_id]
+                continue
             token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.append_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.prev_token_time, req.last_token_time = req.last_token_time, now
+            _stamp(req, now)
             if req.pending_forks:  # its prompt is in the cache now: the other samples can share it
                 for child in reversed(req.pending_forks):
                     self.waiting.prepend(child)
@@ -353,8 +404,33 @@ class Scheduler:
             if status is not None:
                 self.finish(req, status, stop_reason=reason)
                 finished.append(req)
+        for search, found in searches.items():
+            if len(found) == len(search.beams) and self._advance_beams(search, found, now):
+                finished.append(search.first)
         self._ended_by_update.update(finished)
         return finished
+
+    def _advance_beams(self, search: BeamSearch, found: dict[Request, list[tuple[int, float]]], now: float) -> bool:
+        """One step of a beam search: the search picks the next beams; each takes the history and the blocks of the
+        beam it continues (beams no candidate continues give theirs back). True when the search ended."""
+        moves = search.step(found)
+        first = search.first
+        _stamp(first, now)
+        if search.done:
+            best = search.hypotheses[0] if search.hypotheses else None
+            status = (RequestStatus.FINISHED_STOPPED if best is not None and best.finish_reason == "stop"
+                      else RequestStatus.FINISHED_LENGTH)
+            self.finish(first, status, stop_reason=best.stop_reason if best is not None else None)
+            return True
+        histories = [parent.output_token_ids + [token] for parent, token in moves]
+        seqs = search.beams[:len(moves)]
+        self.kv.adopt(seqs, [parent for parent, _ in moves])
+        for seq, history in zip(seqs, histories):
+            seq.replace_output(history)
+            seq.tokens_replaced = True
+        for seq in search.drop_beams(len(moves)):
+            self._forget(seq)
+        return False
 
     def _stop_status(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         """How the token just appended ends the request, if it does, and the stop token that did it."""
@@ -367,3 +443,16 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
+
+
+def _entries(plan: Plan, found: list[tuple[list[int], int]] | None = None) -> list:
+    """allocate_all's entries for a plan: each sequence with new tokens, or prefix-cache blocks to take over."""
+    found = found or [((), 0)] * len(plan)
+    return [(seq, n, blocks, num) for (seq, n), (blocks, num) in zip(plan, found) if n or blocks]
+
+
+def _stamp(req: Request, now: float) -> None:
+    """A token came for the request: its timestamps, for the latency metrics."""
+    if req.first_token_time is None:
+        req.first_token_time = now
+    req.prev_token_time, req.last_token_time = req.last_token_time, now

@@ -31,7 +31,7 @@ from aserve.models.loader import load_tokenizer
 from aserve.outputs import PoolingRequestOutput, RequestOutput
 from aserve.pooling.params import PoolingParams
 from aserve.request import RequestStatus
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import BeamSearchParams, SamplingParams
 from aserve.worker.host_memory import rss_bytes
 
 log = logging.getLogger("aserve")
@@ -347,6 +347,16 @@ class AsyncLLM:
                 yield output
         finally:
             stream.close()
+
+    async def beam_search(self, prompt, request_id: str | None, params: BeamSearchParams,
+                          lora_request: LoRARequest | None = None, priority: int = 0,
+                          timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """A beam search (vLLM's call): yields one final RequestOutput with the beam_width hypotheses, best first.
+        It runs in the core as one request whose beams share their blocks (core/beam_search.py)."""
+        async with aclosing(self.generate(prompt, params.sampling_params(), request_id, priority, "final", timeout,
+                                          lora_request)) as stream:
+            async for final in stream:
+                yield final
 
     async def infer(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, timeout: float | None = None,

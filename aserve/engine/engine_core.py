@@ -13,6 +13,7 @@ import uuid
 import torch
 
 from aserve.config import DEFAULT_MODEL_DIR, EngineConfig
+from aserve.core.beam_search import BeamSearch
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.scheduler import Scheduler, SchedulerOutput
 from aserve.errors import ConfigError, EngineOverloadedError, InvalidRequestError
@@ -27,7 +28,7 @@ from aserve.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from aserve.pooling.params import PoolingParams, PoolingSpec, check_params, read_spec
 from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import BeamSearchParams, SamplingParams
 from aserve.structured_output.manager import StructuredOutputManager
 from aserve.worker.host_memory import memory_diagnostics, rss_bytes
 from aserve.worker.executor import make_executor
@@ -97,12 +98,17 @@ class EngineCore:
                            bool(getattr(self.policy, "priority_classes", False)), self.config.max_n,
                            self.kv_cache_dtype, self.lora_facts, self.pooling_spec)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
                     lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> str:
         pooling = self.check_pooling(pooling_params)
         params = params or SamplingParams()
+        if isinstance(params, BeamSearchParams):  # one request whose beams the engine picks (core/beam_search.py)
+            params = params.sampling_params()
+        if params.beam is not None:
+            self.check_beam_search(params.beam)
+            output_kind = "final"  # a beam search's answer is known only when it ends
         if pooling is not None:  # one forward pass over the prompt, nothing sampled
             params = SamplingParams(max_tokens=1)
         request_id = request_id or uuid.uuid4().hex
@@ -126,6 +132,10 @@ class EngineCore:
         for child in samples[1:]:
             child.fork_parent = first
         first.pending_forks = samples[1:]
+        if params.beam is not None:
+            skip = params.skip_special_tokens
+            BeamSearch(first, params.beam, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip))
+            self._stats.beam_requests += 1
         self.requests[request_id] = samples
         self.outputs.add_group(request_id, prompt, prompt_token_ids, samples, output_kind)
         if params.structured_outputs is not None:  # scheduled once its grammar is compiled (see step)
@@ -134,6 +144,15 @@ class EngineCore:
         else:
             self.scheduler.add_request(first)
         return request_id
+
+    def check_beam_search(self, beam: BeamSearchParams) -> None:
+        """A beam search's beams decode in one step and must fit it."""
+        if self.pooling_spec is not None:
+            raise InvalidRequestError(f"{self.config.model_name} runs the pooling runner: it generates nothing", "model")
+        budget = self.scheduler.max_num_batched_tokens
+        if beam.beam_width > min(budget, self.config.max_n):
+            raise InvalidRequestError(f"beam_width must be at most {min(budget, self.config.max_n)} on this server "
+                                      f"(max_n, max_num_batched_tokens), got {beam.beam_width}", "beam_width")
 
     def check_pooling(self, pooling_params: PoolingParams | None) -> PoolingParams | None:
         """A pooling request on the pooling runner, a generation request on the generate runner: the other way
@@ -201,10 +220,13 @@ class EngineCore:
         for req, result in sampled.items():
             if result.error is not None:  # before update(), so no token is appended and its blocks go back now
                 self._fail(req, result.error)
-        tokens = {req.request_id: result.token_id for req, result in sampled.items() if result.error is None}
+        tokens = {req.request_id: result.token_id for req, result in sampled.items()
+                  if result.error is None and req.beam is None}
+        candidates = {req.request_id: result.top_logprobs for req, result in sampled.items()
+                      if result.error is None and req.beam is not None}
         for request_id, vector in ran.pooled.items():
             by_id[request_id].pooled = vector
-        self.scheduler.update(tokens, frozenset(ran.pooled))
+        self.scheduler.update(tokens, frozenset(ran.pooled), candidates)
         stats = self._stats
         stats.num_steps += 1
         stats.iteration_tokens.append(sched.num_batched_tokens)
@@ -214,6 +236,12 @@ class EngineCore:
                 continue
             touched[req.group_id] = None
             if result.error is not None:
+                continue
+            if req.beam is not None:  # each beam decoded a token; which one its search chose is not per beam
+                if req is req.beam.first:
+                    stats.record_token(req)
+                else:
+                    stats.generation_tokens += 1
                 continue
             stats.record_token(req)
             try:
@@ -268,13 +296,16 @@ class EngineCore:
     def _fail(self, req: Request, message: str) -> None:
         """End one request (and the samples still waiting to fork from it) with an error; the batch goes on."""
         log.warning("request %s failed: %s", req.request_id, message)
+        if req.beam is not None:  # a beam fails its whole search
+            req = req.beam.first
         for sample in [req, *req.pending_forks]:
             self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR, error=message)
         req.pending_forks = []
 
     def _finish_group(self, group_id: str) -> RequestOutput | PoolingRequestOutput:
-        output = self.outputs.make_output(group_id)
         first = self.requests[group_id][0]
+        output = (self.outputs.beam_output(group_id, first.beam) if first.beam is not None
+                  else self.outputs.make_output(group_id))
         if first.pooling is not None:
             output = pooling_output(output, first, self.pooling_spec)
         self.outputs.release(group_id)

@@ -134,6 +134,25 @@ class OutputProcessor:
                 out.prompt_logprobs.append(entry)
         return out
 
+    def beam_output(self, group_id: str, search) -> RequestOutput:
+        """A beam search's answer (core/beam_search.py): its hypotheses, best first, each decoded once here. One
+        that ended from outside (an abort, an error) answers with the hypotheses kept so far, then its live
+        beams."""
+        prompt, prompt_token_ids, reqs, _ = self.groups[group_id]
+        first = reqs[0]
+        found = [(h.token_ids, h.logprobs, h.cum_logprob, h.finish_reason, h.stop_reason, h.text)
+                 for h in search.hypotheses]
+        if not search.done:
+            found += [(beam.output_token_ids, logprobs, cum, first.status.value, None, None)
+                      for beam, logprobs, cum in zip(search.beams, search.token_logprobs, search.cum_logprobs)]
+        skip = first.params.skip_special_tokens
+        outputs = [CompletionOutput(i, text if text is not None else self.tokenizer.decode(tokens, skip_special_tokens=skip),
+                                    list(tokens), cum, [{t: Logprob(lp)} for t, lp in zip(tokens, logprobs)], reason,
+                                    stop_reason, first.error)
+                   for i, (tokens, logprobs, cum, reason, stop_reason, text) in enumerate(found)]
+        return RequestOutput(group_id, prompt, list(prompt_token_ids), outputs, True,
+                             num_cached_tokens=first.num_cached_tokens)
+
     def release(self, group_id: str) -> None:
         _, _, reqs, _ = self.groups.pop(group_id)
         for req in reqs:

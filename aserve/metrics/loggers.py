@@ -89,6 +89,8 @@ class PrometheusStatLogger:
         self.iteration = histogram("iteration_tokens_total", "Tokens batched per engine step.", ITERATION_BUCKETS)
         self.structured = counter("structured_output_requests", "Requests with structured output, by kind "
                                   "(json, json_object, regex, choice, grammar).", ["kind"])
+        self.beam_requests = counter("beam_search_requests", "Beam-search requests admitted (each runs its beam_width "
+                                     "beams as one request).")
         self.compile_time = histogram("grammar_compile_seconds", "Time to compile a structured-output grammar "
                                       "(cache misses only), on the engine core's compile thread.", COMPILE_BUCKETS)
         self.up = gauge("replica_up", "1 while the replica's engine core is alive, 0 once it has died.")
@@ -119,6 +121,7 @@ class PrometheusStatLogger:
             for kind in KINDS:
                 self.structured.labels(**labels, kind=kind)
             self.compile_time.labels(**labels)
+            self.beam_requests.labels(**labels)
             for direction in ("in", "out"):
                 self.swapped_blocks.labels(**labels, direction=direction)
 
@@ -172,6 +175,8 @@ class PrometheusStatLogger:
             self.structured.labels(**labels, kind=kind).inc()
         for seconds in stats.grammar_compile_seconds:
             self.compile_time.labels(**labels).observe(seconds)
+        if stats.beam_requests:
+            self.beam_requests.labels(**labels).inc(stats.beam_requests)
         for f in stats.finished:
             self.success.labels(**labels, finished_reason=f.finish_reason).inc()
             self._latency(self.e2e, labels, f.priority).observe(f.e2e_latency)

@@ -47,9 +47,11 @@ class IterationStats:
     finished: list[FinishedRequestStats] = field(default_factory=list)
     structured_requests: list[str] = field(default_factory=list)  # the structured-output kind of each new one
     grammar_compile_seconds: list[float] = field(default_factory=list)
+    beam_requests: int = 0  # beam-search requests admitted
 
     def __bool__(self) -> bool:
-        return bool(self.num_steps or self.finished or self.structured_requests or self.grammar_compile_seconds)
+        return bool(self.num_steps or self.finished or self.structured_requests or self.grammar_compile_seconds
+                    or self.beam_requests)
 
     def record_token(self, req: Request) -> None:
         """Account for the token a request just sampled (its timestamps are already updated)."""

@@ -132,12 +132,16 @@ class ModelRunner:
         for request_id in sched.finished_ids:
             self.requests.pop(request_id, None)
         for new in sched.new_requests:
-            self.requests[new.request_id] = RequestState(new.request_id, new.prompt_token_ids, new.params,
-                                                         new.block_table, new.num_computed_tokens, new.lora,
-                                                         new.pooling)
+            state = self.requests[new.request_id] = RequestState(
+                new.request_id, new.prompt_token_ids, new.params, new.block_table, new.num_computed_tokens, new.lora,
+                new.pooling)
+            if new.output_token_ids:
+                state.replace_output(new.output_token_ids)
         for diff in sched.cached_requests:
             state = self.requests[diff.request_id]
             state.num_computed_tokens = diff.num_computed_tokens
+            if diff.output_token_ids is not None:
+                state.replace_output(diff.output_token_ids)
             if diff.replace_blocks:
                 state.block_table = list(diff.new_block_ids)
             else:
@@ -183,7 +187,7 @@ class ModelRunner:
                 apply_grammar_bitmask(logits, [r.request_id for r in sample_reqs], sched.structured_request_ids,
                                       sched.grammar_bitmask)
             for state, sampled in zip(sample_reqs, sample(logits, sample_reqs)):
-                if sampled.error is None:
+                if sampled.error is None and state.params.beam is None:  # the engine picks a beam's token
                     state.append_token(sampled.token_id)
                 result.sampled[state.request_id] = sampled
         return result
@@ -199,7 +203,7 @@ class ModelRunner:
         requests' tokens stay those of rank 0 (who appends its own as it samples)."""
         for request_id, token_id in tokens.items():
             state = self.requests.get(request_id)
-            if state is not None:
+            if state is not None and state.params.beam is None:
                 state.append_token(token_id)
 
     def _pool(self, batch: list[tuple[RequestState, int]], hidden: torch.Tensor) -> dict[str, torch.Tensor]:

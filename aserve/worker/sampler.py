@@ -113,8 +113,24 @@ def reads_logits_as_they_are(r: RequestState) -> bool:
     """True where this row's token comes from the model's logits untouched (greedy, or a plain draw at
     temperature 1): argmax and the draw then read 16-bit logits directly, as exact as from an fp32 copy."""
     p = r.params
-    return (p.logprobs is None and r.num_output_tokens >= p.min_tokens and not p.needs_penalties
+    return (p.logprobs is None and p.beam is None and r.num_output_tokens >= p.min_tokens and not p.needs_penalties
             and (p.greedy or (p.temperature == 1.0 and not p.top_k and p.top_p >= 1 and p.min_p <= 0)))
+
+
+def beam_candidates(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> list[list[tuple[int, float]]]:
+    """Beam-search rows: each one's best `beam_candidates` next tokens and their log-probabilities, best first, as
+    transformers scores them (fp32 log-softmax; of logits / temperature where that is > 0). The engine picks the
+    beams from these; the row's sampled token is not used."""
+    x = logits[torch.tensor(rows, device=logits.device)].float()
+    temperatures = [r.params.beam.temperature for r in reqs]
+    if any(t > 0 and t != 1.0 for t in temperatures):
+        x = x / torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=x.device).clamp_(
+            MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
+    k = min(max(r.params.beam_candidates for r in reqs), x.shape[-1])
+    values, ids = x.log_softmax(dim=-1).topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[j][:r.params.beam_candidates], values[j][:r.params.beam_candidates]))
+            for j, r in enumerate(reqs)]
 
 
 def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]:
@@ -177,6 +193,10 @@ def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]
             res, kk = results[i], reqs[i].params.logprobs
             res.logprob, res.rank = chosen_lps[j], rank_list[j]
             res.top_logprobs = list(zip(top_ids[j][:kk], top_vals[j][:kk])) if kk else []
+    beam_rows = [i for i, r in enumerate(reqs) if r.params.beam is not None]
+    if beam_rows:
+        for i, candidates in zip(beam_rows, beam_candidates(logits, [reqs[i] for i in beam_rows], beam_rows)):
+            results[i].top_logprobs = candidates
     for i in bad_rows:
         results[i] = SampleResult(results[i].token_id, error="the model produced NaN or infinite logits for it")
     assert len(results) == n

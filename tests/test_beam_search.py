@@ -1,0 +1,258 @@
+"""Beam search against transformers' own (fp32, the same weights): the same hypotheses in the same order with the
+same scores, across models, widths, length penalties and stopping rules, and through preemption."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from aserve import BeamSearchParams, LLM, SamplingParams
+from conftest import VOCAB, kv_memory_for_blocks, load_reference, random_prompts, reference_greedy
+
+FAMILIES = ["llama-gqa-tied", "qwen3", "opt"]
+MAX_TOKENS = 12
+NEVER = VOCAB + 1  # an eos id no token matches: transformers' beam search with nothing that stops it
+
+
+def reference_beams(model, ids: list[int], width: int, max_tokens: int, length_penalty: float, stop: list[int],
+                    early_stopping=False) -> list[tuple[list[int], float]]:
+    """transformers' beam search for one prompt: each hypothesis's generated tokens and its score, best first."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, num_beams=width, num_return_sequences=width,
+                             max_new_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping,
+                             eos_token_id=stop or [NEVER], pad_token_id=0, return_dict_in_generate=True,
+                             output_scores=True)
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
+    return [(seq[len(ids):len(ids) + n].tolist(), score)
+            for seq, n, score in zip(out.sequences, lengths, out.sequences_scores.tolist())]
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs):
+    """One engine and one reference model per family, for every case below."""
+    made = {family: (LLM(str(model_dirs[family]), dtype="float32", kv_cache_memory=1 << 24),
+                     load_reference(model_dirs[family])) for family in FAMILIES}
+    yield made
+    for llm, _ in made.values():
+        llm.engine.executor.shutdown()
+
+
+PROMPTS = random_prompts(2, lengths=(5, 30), seed=3)
+
+
+def stop_token(llm, width: int) -> int:
+    """A token the beams generate often after their first step: as a stop token, hypotheses end at several
+    lengths."""
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(width, MAX_TOKENS, ignore_eos=True))
+    counts = Counter(t for out in outs for seq in out.sequences for t in seq.tokens[-MAX_TOKENS + 1:])
+    return counts.most_common(1)[0][0]
+
+
+def check_against_reference(llm, reference, width: int, length_penalty: float, stop: list[int], **options):
+    """`stop`: stop tokens, with the model's eos; none: ignore_eos, only max_tokens ends a hypothesis."""
+    params = BeamSearchParams(width, MAX_TOKENS, length_penalty=length_penalty, stop_token_ids=stop,
+                              ignore_eos=not stop, **options)
+    outs = llm.beam_search(PROMPTS, params)
+    reasons = []
+    stop_ids = sorted(set(stop) | llm.engine.eos_token_ids) if stop else []
+    for ids, out in zip(PROMPTS, outs):
+        expected = reference_beams(reference, ids, width, MAX_TOKENS, length_penalty, stop_ids,
+                                   options.get("early_stopping", False))
+        got = [(seq.tokens[len(ids):], seq.score) for seq in out.sequences]
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+        for (_, score), (_, want) in zip(got, expected):
+            assert score == pytest.approx(want, abs=1e-4)
+        for seq in out.sequences:
+            assert seq.tokens[:len(ids)] == ids
+            n = len(seq.tokens) - len(ids)
+            assert seq.score == pytest.approx(seq.cum_logprob / n ** length_penalty, abs=1e-6)
+            assert len(seq.logprobs) == n and seq.cum_logprob == pytest.approx(
+                sum(lp.logprob for entry in seq.logprobs for lp in entry.values()), abs=1e-5)
+        reasons += [seq.finish_reason for seq in out.sequences]
+    llm.engine.check_idle()
+    return reasons
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_beams_match_transformers(engines, family, width):
+    """Widths 2, 4, 8 with length_penalty 0, 1 and 2; stopping at a token the beams often produce (hypotheses
+    end at different lengths) and with nothing that stops them before max_tokens."""
+    llm, reference = engines[family]
+    stop = [stop_token(llm, width)]
+    reasons = []
+    for length_penalty in (0.0, 1.0, 2.0):
+        assert set(check_against_reference(llm, reference, width, length_penalty, [])) == {"length"}
+        reasons += check_against_reference(llm, reference, width, length_penalty, stop)
+    assert "stop" in reasons, "the stop token never ended a kept hypothesis: the case tests nothing"
+
+
+@pytest.mark.parametrize("early_stopping", [True, "never"])
+def test_early_stopping_matches_transformers(engines, early_stopping):
+    llm, reference = engines["llama-gqa-tied"]
+    stop = [stop_token(llm, 4)]
+    for length_penalty in (0.0, 2.0):
+        check_against_reference(llm, reference, 4, length_penalty, stop, early_stopping=early_stopping)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_width_one_is_greedy(engines, family):
+    llm, reference = engines[family]
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(1, MAX_TOKENS))
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    expected = reference_greedy(reference, PROMPTS, MAX_TOKENS)
+    for ids, out, plain, want in zip(PROMPTS, outs, greedy, expected):
+        assert out.sequences[0].tokens[len(ids):] == plain.outputs[0].token_ids == want
+    llm.engine.check_idle()
+
+
+def sequences(outs) -> list[list[tuple[list[int], float]]]:
+    return [[(seq.tokens, seq.score) for seq in out.sequences] for out in outs]
+
+
+def assert_same(got, expected):
+    for g, e in zip(sequences(got), sequences(expected), strict=True):
+        assert [tokens for tokens, _ in g] == [tokens for tokens, _ in e]
+        assert [score for _, score in g] == pytest.approx([score for _, score in e], abs=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap"])
+def test_beams_survive_preemption_and_a_tiny_cache(model_dirs, engines, policy):
+    """Six width-4 searches in a cache that holds about one at a time: groups are preempted as a unit (recomputed,
+    or swapped out and back with their shared blocks), and every hypothesis comes out as with room to spare."""
+    path = model_dirs["llama-gqa-tied"]
+    roomy, _ = engines["llama-gqa-tied"]
+    prompts = random_prompts(6, lengths=(5, 30), seed=7)
+    params = BeamSearchParams(4, MAX_TOKENS, ignore_eos=True)
+    expected = roomy.beam_search(prompts, params)
+    tight = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 16),
+                swap_space=str(kv_memory_for_blocks(path, 64)))
+    try:
+        assert_same(tight.beam_search(prompts, params), expected)
+        preemptions = tight.engine.scheduler.stats().preemptions
+        assert preemptions["swap" if policy == "fcfs-swap" else "recompute"] > 0
+        tight.engine.check_idle()
+    finally:
+        tight.engine.executor.shutdown()
+
+
+def test_beams_beside_ordinary_requests(engines):
+    """Beam searches and sampled requests share steps; neither changes the other's output."""
+    llm, _ = engines["qwen3"]
+    prompts = random_prompts(4, lengths=(5, 30), seed=11)
+    params = BeamSearchParams(3, MAX_TOKENS, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected_beams = llm.beam_search(prompts, params)
+    expected_greedy = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
+    engine = llm.engine
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, params, request_id=f"beam{i}")
+        engine.add_request(ids, greedy, request_id=f"greedy{i}", output_kind="final")
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for i, ids in enumerate(prompts):
+        assert [ids + o.token_ids for o in done[f"beam{i}"].outputs] == [s.tokens for s in expected_beams[i].sequences]
+        assert done[f"greedy{i}"].outputs[0].token_ids == expected_greedy[i]
+    engine.check_idle()
+
+
+def test_no_block_leaks_after_many_searches_with_aborts(engines):
+    """100 searches of mixed widths, a third aborted at different points (waiting, mid-prefill, mid-search): every
+    block is free afterwards and the worker holds no beam."""
+    llm, _ = engines["opt"]
+    engine = llm.engine
+    prompts = random_prompts(100, lengths=(3, 40), seed=5)
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, BeamSearchParams(1 + i % 5, 4 + i % 9, ignore_eos=i % 2 == 0), request_id=f"b{i}")
+    step = 0
+    ended = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            ended[out.request_id] = out
+        step += 1
+        if step % 3 == 0:
+            live = [r for r in engine.requests if r not in ended]
+            for request_id in live[step % 7::11][:2]:
+                final = engine.abort(request_id)[0]
+                assert final.finished and all(o.finish_reason == "abort" for o in final.outputs)
+                ended[request_id] = final
+    assert len(ended) == 100
+    assert any(all(o.finish_reason == "abort" for o in out.outputs) for out in ended.values())
+    engine.check_idle()
+
+
+def test_peak_blocks_below_independent_samples(engines):
+    """The point of sharing: a width-4 search holds fewer blocks at its peak than 4 independent samples of the same
+    prompt and length (n=4, whose samples share only the prompt)."""
+    llm, _ = engines["llama-gqa-tied"]
+    engine = llm.engine
+    prompt = random_prompts(1, lengths=(40, 40), seed=2)[0]
+
+    def peak(params) -> int:
+        engine.add_request(prompt, params, request_id="peak")
+        most = 0
+        while engine.has_unfinished():
+            engine.step()
+            most = max(most, engine.kv.num_blocks - engine.kv.num_free_blocks)
+        engine.check_idle()
+        return most
+
+    beams = peak(BeamSearchParams(4, 48, ignore_eos=True))
+    samples = peak(SamplingParams(n=4, max_tokens=48, ignore_eos=True, seed=0))
+    assert beams < samples
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_end_hypotheses(engines, include):
+    """A candidate whose text completes a stop string stops there like a stop token: its hypothesis's text is cut
+    at it (kept with include_stop_str_in_output) and names it as stop_reason; no kept text runs past one."""
+    llm, _ = engines["llama-gqa-tied"]
+    free = llm.beam_search(PROMPTS, BeamSearchParams(4, MAX_TOKENS, ignore_eos=True))
+    generated = free[0].sequences[0].text[len(llm.get_tokenizer().decode(PROMPTS[0])):]
+    stop = generated.strip()[4:7]
+    assert len(stop) == 3
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(4, MAX_TOKENS, ignore_eos=True, stop=[stop],
+                                                    include_stop_str_in_output=include))
+    reasons = []
+    for out, ids in zip(outs, PROMPTS):
+        prompt_text = llm.get_tokenizer().decode(ids)
+        for seq in out.sequences:
+            text = seq.text[len(prompt_text):]
+            reasons.append(seq.finish_reason)
+            if seq.finish_reason == "stop":
+                assert seq.stop_reason == stop
+                assert text.endswith(stop) if include else stop not in text
+            else:
+                assert stop not in text
+    assert "stop" in reasons
+    llm.engine.check_idle()
+
+
+def test_async_llm_yields_one_final_output(model_dirs, engines):
+    """AsyncLLM.beam_search (the core in its own process): one final RequestOutput with beam_width outputs, best
+    first, as LLM.beam_search gives; concurrent searches do not disturb each other."""
+    import asyncio
+
+    from aserve import AsyncLLM
+    from conftest import until
+
+    llm, _ = engines["llama-gqa-tied"]
+    params = BeamSearchParams(4, MAX_TOKENS, ignore_eos=True, length_penalty=0.5)
+    expected = [[seq.tokens[len(ids):] for seq in out.sequences] for ids, out in zip(PROMPTS, llm.beam_search(PROMPTS, params))]
+
+    async def main():
+        async with AsyncLLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB") as engine:
+            async def one(i):
+                finals = [out async for out in engine.beam_search({"prompt_token_ids": PROMPTS[i]}, f"b{i}", params)]
+                assert len(finals) == 1 and finals[0].finished
+                return [o.token_ids for o in finals[0].outputs]
+            got = await asyncio.gather(*[one(i) for i in range(len(PROMPTS))])
+            assert got == expected
+            await until(engine.state, lambda s: s["num_live_requests"] == 0 and s["num_free_blocks"] == s["num_blocks"],
+                        "the core to hold no request")
+    asyncio.run(main())
