@@ -92,6 +92,37 @@ def test_n_samples_with_and_without_streaming(client):
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
 
 
+def test_beam_search_over_the_openai_routes(server, client, model_dirs):
+    """vLLM's extras: use_beam_search with n beams gives n choices, best first, as LLM.beam_search does offline;
+    streaming it, or a sampling field it cannot honour, is a 400 naming the field."""
+    prompts = conftest.random_prompts(2, lengths=(5, 20), seed=4)
+    llm = aserve.LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory=1 << 24)
+    try:
+        params = aserve.BeamSearchParams(3, 8, ignore_eos=True, length_penalty=0.5)
+        tokenizer = llm.get_tokenizer()
+        expected = [[tokenizer.decode(seq.tokens[len(ids):]) for seq in out.sequences]
+                    for ids, out in zip(prompts, llm.beam_search(prompts, params))]
+    finally:
+        llm.engine.executor.shutdown()
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, n=3,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True})
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [[c.text for c in out.choices[3 * i:3 * i + 3]] for i in range(2)] == expected
+    assert out.usage.completion_tokens == 6 * 8
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=5, extra_body={"use_beam_search": True})
+    assert [c.index for c in chat.choices] == [0, 1]
+    for extra, param in (({"stream": True}, "stream"), ({"top_p": 0.5}, "top_p"), ({"logprobs": 2}, "logprobs"),
+                         ({"seed": 1}, "seed")):
+        r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": MODEL, "prompt": "hi", "n": 2, "use_beam_search": True, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert any(line.startswith("aserve:beam_search_requests_total") and float(line.split()[-1]) >= 3
+               for line in metrics.splitlines())
+    wait_idle(server)
+
+
 def test_stop_max_tokens_logprobs_and_token_prompts(client):
     base = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=16, temperature=0)
     text = base.choices[0].text

@@ -165,7 +165,7 @@ async def completions(ctx: ServerContext, request: Request):
     for i, out in enumerate(finals):
         for o in out.outputs:
             lp = completion_logprobs(o, len(prefix[i]), tokenizer) if req.logprobs is not None else None
-            choices.append(p.CompletionChoice(i * params.n + o.index, prefix[i] + o.text, lp, o.finish_reason,
+            choices.append(p.CompletionChoice(i * params.num_outputs + o.index, prefix[i] + o.text, lp, o.finish_reason,
                                               o.stop_reason))
     return json_response(p.CompletionResponse(request_id, created, ctx.served_name(lora), choices,
                                               _usage(prompts, finals)))

@@ -10,7 +10,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from aserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from aserve.errors import InvalidRequestError
+from aserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 # Bounds on numbers, so a JSON body cannot carry a 300-digit integer into the engine (msgspec's ints are
 # unbounded); they appear in /openapi.json too. Finer limits (max_n, max_model_len) are the engine's.
@@ -85,9 +86,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # beam search, as vLLM's extras: n beams, n choices back, best first
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Meta(ge=-1e6, le=1e6)] = 1.0
+    early_stopping: bool | Literal["never"] = False  # transformers' meaning (see BeamSearchParams)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
                         structured_outputs=None):
+        if self.use_beam_search:
+            return self.beam_search_params(max_tokens if max_tokens is not None else default_max_tokens, logprobs,
+                                           structured_outputs).sampling_params()
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
@@ -97,6 +105,28 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs)
+
+
+    def beam_search_params(self, max_tokens: int | None, logprobs: int | None, structured_outputs) -> BeamSearchParams:
+        """use_beam_search: the request as a beam search of n beams; a field it cannot honour is refused by name."""
+        if self.stream:
+            raise InvalidRequestError("use_beam_search cannot stream: a beam search knows its answer only when it "
+                                      "ends; send stream=false", "stream")
+        unsupported = {"top_p": self.top_p not in (None, 1.0), "top_k": self.top_k not in (None, 0, -1),
+                       "min_p": self.min_p != 0, "seed": self.seed is not None, "min_tokens": self.min_tokens != 0,
+                       "presence_penalty": self.presence_penalty != 0,
+                       "frequency_penalty": self.frequency_penalty != 0,
+                       "repetition_penalty": self.repetition_penalty != 1, "logprobs": logprobs is not None,
+                       "structured_outputs": structured_outputs is not None}
+        for name, given in unsupported.items():
+            if given:
+                raise InvalidRequestError(f"{name} cannot be used with use_beam_search: beam search keeps the "
+                                          f"most likely continuations and samples nothing", name)
+        return BeamSearchParams(self.n, max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                early_stopping=self.early_stopping, stop=self.stop,
+                                stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
