@@ -92,8 +92,12 @@ class SamplingParams:
     @property
     def beam_candidates(self) -> int:
         """How many next tokens a beam-search row brings (0 for other rows): transformers' K, max(2, 1 + stop ids)
-        x beam_width, so that beam_width candidates remain to continue after those that stop are set aside."""
-        return max(2, 1 + len(self.stop_ids)) * self.beam.beam_width if self.beam is not None else 0
+        x beam_width, so that beam_width candidates remain to continue after those that stop are set aside (eos
+        stops a constrained beam whose grammar it completes, even with ignore_eos)."""
+        if self.beam is None:
+            return 0
+        stops = self.stop_ids | (self.eos_token_ids if self.structured_outputs is not None else frozenset())
+        return max(2, 1 + len(stops)) * self.beam.beam_width
 
     @property
     def num_outputs(self) -> int:
@@ -127,6 +131,7 @@ class BeamSearchParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # every beam stays within it (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -150,4 +155,5 @@ class BeamSearchParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos,
                               stop=self.stop, stop_token_ids=self.stop_token_ids,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens, beam=self)
+                              skip_special_tokens=self.skip_special_tokens,
+                              structured_outputs=self.structured_outputs, beam=self)

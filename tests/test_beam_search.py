@@ -2,6 +2,7 @@
 same scores, across models, widths, length penalties and stopping rules, and through preemption."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
@@ -256,3 +257,76 @@ def test_async_llm_yields_one_final_output(model_dirs, engines):
             await until(engine.state, lambda s: s["num_live_requests"] == 0 and s["num_free_blocks"] == s["num_blocks"],
                         "the core to hold no request")
     asyncio.run(main())
+
+
+class GrammarMask:
+    """transformers' side of a constrained beam search (a LogitsProcessor): each row's generated tokens replayed
+    through a fresh matcher of the same compiled grammar, every token it does not allow next set to -inf. It runs
+    after transformers' log-softmax, so scores stay the model's own log-probabilities, as aserve scores them."""
+
+    def __init__(self, compiled, stop_ids: list[int], prompt_len: int):
+        self.compiled, self.stop_ids, self.prompt_len = compiled, stop_ids, prompt_len
+
+    def __call__(self, input_ids, scores):
+        import xgrammar
+
+        from aserve.structured_output.grammar import RequestGrammar
+
+        for row, ids in enumerate(input_ids.tolist()):
+            grammar = RequestGrammar(self.compiled, self.stop_ids)
+            if not grammar.follow(ids[self.prompt_len:]) or grammar.terminated:
+                continue  # a junk beam (transformers fills a step's slots past the allowed tokens) or a finished one
+            mask = xgrammar.allocate_token_bitmask(1, scores.shape[-1])
+            grammar.matcher.fill_next_token_bitmask(mask)
+            xgrammar.apply_token_bitmask_inplace(scores[row:row + 1], mask)
+        return scores
+
+
+GRAMMARS = {"regex": dict(regex=r"[a-z]{1,6}( [a-z]{1,6}){0,2}\."),
+            "choice": dict(choice=["the king", "the queen", "a fool", "my lord, the king"])}
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+@pytest.mark.parametrize("width", [2, 4])
+def test_constrained_beams_match_transformers(engines, kind, width):
+    """Structured output: every beam stays within the grammar (its own matcher, forked as beams fork), a candidate
+    that completes it stops, and the hypotheses, their order and scores are transformers' with the same grammar
+    masking its beam search. Where the grammar allows fewer continuations than transformers has slots, transformers
+    fills them with beams scored near -1e9; only its finite hypotheses are compared."""
+    from transformers import LogitsProcessorList
+
+    from aserve.sampling_params import StructuredOutputsParams
+
+    llm, reference = engines["llama-gqa-tied"]
+    constraint = StructuredOutputsParams(**GRAMMARS[kind])
+    manager = llm.engine.structured
+    compiled = manager.compiled(constraint).result()
+    max_tokens = 16
+    outs = llm.beam_search(PROMPTS, BeamSearchParams(width, max_tokens, length_penalty=0.5,
+                                                    structured_outputs=constraint))
+    for ids, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = reference.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+                num_beams=width, num_return_sequences=width, max_new_tokens=max_tokens, length_penalty=0.5,
+                eos_token_id=sorted(llm.engine.eos_token_ids), pad_token_id=0, return_dict_in_generate=True,
+                output_scores=True,
+                logits_processor=LogitsProcessorList([GrammarMask(compiled, manager.stop_token_ids, len(ids))]))
+        lengths = (ref.beam_indices != -1).sum(dim=1).tolist()
+        expected = [(seq[len(ids):len(ids) + n].tolist(), score)
+                    for seq, n, score in zip(ref.sequences, lengths, ref.sequences_scores.tolist()) if score > -1e8]
+        got = [(seq.tokens[len(ids):], seq.score) for seq in out.sequences]
+        assert [tokens for tokens, _ in got[:len(expected)]] == [tokens for tokens, _ in expected]
+        assert [s for _, s in got[:len(expected)]] == pytest.approx([s for _, s in expected], abs=1e-4)
+        prompt_text = llm.get_tokenizer().decode(ids)
+        for seq in out.sequences:
+            text = seq.text[len(prompt_text):]
+            if seq.finish_reason == "stop":
+                if kind == "regex":
+                    assert re.fullmatch(GRAMMARS[kind]["regex"], text), text
+                else:
+                    assert text in GRAMMARS[kind]["choice"], text
+        if kind == "choice":
+            assert all(seq.finish_reason == "stop" for seq in out.sequences)
+            assert len({tuple(seq.tokens) for seq in out.sequences}) == len(out.sequences)  # (texts may repeat)
+    llm.engine.check_idle()

@@ -38,11 +38,11 @@ def test_nan_logits_fail_only_their_request(llm, monkeypatch, after_tokens):
     clean = run(llm, PROMPTS)
     real_sample = model_runner.sample
 
-    def poisoned(logits, reqs):
+    def poisoned(logits, reqs, *rest):
         for i, req in enumerate(reqs):
             if req.prompt_token_ids[0] == POISON and req.num_output_tokens >= after_tokens:
                 logits[i] = float("nan")
-        return real_sample(logits, reqs)
+        return real_sample(logits, reqs, *rest)
 
     monkeypatch.setattr(model_runner, "sample", poisoned)
     bad = [POISON] + PROMPTS[0][1:]
@@ -58,11 +58,11 @@ def test_nan_logits_fail_only_their_request(llm, monkeypatch, after_tokens):
 def test_nan_before_an_n_sample_fork_fails_every_sample(llm, monkeypatch):
     real_sample = model_runner.sample
 
-    def poisoned(logits, reqs):
+    def poisoned(logits, reqs, *rest):
         for i, req in enumerate(reqs):
             if req.prompt_token_ids[0] == POISON:
                 logits[i] = float("inf")
-        return real_sample(logits, reqs)
+        return real_sample(logits, reqs, *rest)
 
     monkeypatch.setattr(model_runner, "sample", poisoned)
     outs = llm.generate([{"prompt_token_ids": [POISON, 5, 6, 7]}, {"prompt_token_ids": PROMPTS[1]}],

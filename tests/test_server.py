@@ -112,8 +112,14 @@ def test_beam_search_over_the_openai_routes(server, client, model_dirs):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
                                           max_tokens=5, extra_body={"use_beam_search": True})
     assert [c.index for c in chat.choices] == [0, 1]
+    choices = ["the king", "the queen", "a fool"]
+    constrained = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "who?"}], n=3, max_tokens=12,
+        extra_body={"use_beam_search": True, "structured_outputs": {"choice": choices}})
+    assert len(constrained.choices) == 3
+    assert all(c.message.content in choices and c.finish_reason == "stop" for c in constrained.choices)
     for extra, param in (({"stream": True}, "stream"), ({"top_p": 0.5}, "top_p"), ({"logprobs": 2}, "logprobs"),
-                         ({"seed": 1}, "seed")):
+                         ({"seed": 1}, "seed"), ({"guided_regex": "(("}, "guided_regex")):
         r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": MODEL, "prompt": "hi", "n": 2, "use_beam_search": True, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -47,6 +47,7 @@ class BeamSearch:
         self.beams: list[Request] = [first]  # the live beams, the first the request the scheduler sees
         self.cum_logprobs = [0.0]  # each live beam's running log-probability
         self.token_logprobs: list[list[float]] = [[]]  # each live beam's tokens' log-probabilities
+        self.next_grammars: list = [None]  # with structured output: each next beam's matcher, its token accepted
         self.hypotheses: list[Hypothesis] = []  # the best beam_width finished, best first
         self.may_improve = True  # transformers' is_early_stop_heuristic_unsatisfied (once False, for good)
         self.done = False
@@ -80,6 +81,9 @@ class BeamSearch:
         length = self.first.num_output_tokens + 1  # generated tokens once this one is appended
         at_limit = length >= self.first.max_tokens
         stops = [at_limit or token in stop_ids for _, _, token, _ in scored]
+        grammars: list = [None] * len(scored)
+        if self.first.grammar is not None:  # each beam follows its grammar; a candidate that completes it stops
+            scored, stops, grammars = self._within_grammars(scored, stops)
         texts: list[str | None] = [None] * len(scored)
         cuts: dict[int, tuple[str, str]] = {}  # candidate -> (the stop string it completed, the text cut there)
         if self.stop_strings and self.decode is not None:
@@ -92,8 +96,8 @@ class BeamSearch:
 
         full = len(self.hypotheses) >= width
         if self.may_improve and not (full and self.params.early_stopping is True):
-            new = [self._hypothesis(c, length, cuts.get(j)) for j, (c, stop) in enumerate(zip(scored[:width], stops))
-                   if stop]
+            new = [self._hypothesis(c, length, cuts.get(j), grammars[j])
+                   for j, (c, stop) in enumerate(zip(scored[:width], stops)) if stop]
             if new:  # the best beam_width of kept and new; on a tie the one kept earlier stays first
                 merged = sorted(self.hypotheses + new, key=lambda h: -h.score)
                 self.hypotheses = merged[:width]
@@ -113,18 +117,34 @@ class BeamSearch:
         self.token_logprobs = [self.token_logprobs[i] + [lp] for _, i, _, lp in survivors]
         self.cum_logprobs = [score for score, _, _, _ in survivors]
         self.texts = [texts[j] or "" for j in kept]
+        self.next_grammars = [grammars[j] for j in kept]
         while len(self.beams) < len(survivors):
             self.beams.append(self._new_beam(len(self.beams)))
         return [(parent, token) for parent, (_, _, token, _) in zip(parents, survivors)]
 
-    def _hypothesis(self, candidate, length: int, cut: tuple[str, str] | None = None) -> Hypothesis:
+    def _hypothesis(self, candidate, length: int, cut: tuple[str, str] | None = None, grammar=None) -> Hypothesis:
+        """`grammar`: the candidate's, having accepted its token (a grammar it completed stopped it)."""
         cum_logprob, i, token, logprob = candidate
         params = self.first.params
-        stopped = token in params.stop_ids or cut is not None
+        stopped = token in params.stop_ids or cut is not None or (grammar is not None and grammar.terminated)
         stop_reason = cut[0] if cut is not None else token if token in params.stop_token_ids else None
         return Hypothesis(self.beams[i].output_token_ids + [token], self.token_logprobs[i] + [logprob], cum_logprob,
                           cum_logprob / length ** self.params.length_penalty, "stop" if stopped else "length",
                           stop_reason, cut[1] if cut is not None else None)
+
+    def _within_grammars(self, scored: list, stops: list[bool]) -> tuple[list, list[bool], list]:
+        """Each candidate's grammar: its beam's, forked, having accepted the candidate's token. A candidate the
+        grammar refuses is dropped (the step's bitmask allowed only what it accepts, so none should be); one that
+        completes it stops, as a stop token would."""
+        kept, kept_stops, grammars = [], [], []
+        for candidate, stop in zip(scored, stops):
+            beam = self.beams[candidate[1]]
+            grammar = beam.grammar.fork()
+            if grammar.follow(beam.output_token_ids + [candidate[2]]):
+                kept.append(candidate)
+                kept_stops.append(stop or grammar.terminated)
+                grammars.append(grammar)
+        return kept, kept_stops, grammars
 
     def _stop_string(self, before: str, text: str) -> tuple[str, str] | None:
         """The stop string the new end of `text` completes (after `before`, its text a token earlier), and the

@@ -425,9 +425,10 @@ class Scheduler:
         histories = [parent.output_token_ids + [token] for parent, token in moves]
         seqs = search.beams[:len(moves)]
         self.kv.adopt(seqs, [parent for parent, _ in moves])
-        for seq, history in zip(seqs, histories):
+        for seq, history, grammar in zip(seqs, histories, search.next_grammars):
             seq.replace_output(history)
             seq.tokens_replaced = True
+            seq.grammar = grammar
         for seq in search.drop_beams(len(moves)):
             self._forget(seq)
         return False

@@ -116,8 +116,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                        "min_p": self.min_p != 0, "seed": self.seed is not None, "min_tokens": self.min_tokens != 0,
                        "presence_penalty": self.presence_penalty != 0,
                        "frequency_penalty": self.frequency_penalty != 0,
-                       "repetition_penalty": self.repetition_penalty != 1, "logprobs": logprobs is not None,
-                       "structured_outputs": structured_outputs is not None}
+                       "repetition_penalty": self.repetition_penalty != 1, "logprobs": logprobs is not None}
         for name, given in unsupported.items():
             if given:
                 raise InvalidRequestError(f"{name} cannot be used with use_beam_search: beam search keeps the "
@@ -126,7 +125,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                                 temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
                                 include_stop_str_in_output=self.include_stop_str_in_output,
                                 early_stopping=self.early_stopping, stop=self.stop,
-                                stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens)
+                                stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
+                                structured_outputs=structured_outputs)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -162,6 +162,12 @@ class RequestGrammar:
             self.num_accepted += 1
         return True
 
+    def fork(self) -> "RequestGrammar":
+        """An independent copy in this one's state: a beam that continues this beam's tokens."""
+        twin = RequestGrammar.__new__(RequestGrammar)
+        twin.matcher, twin.num_accepted = self.matcher.fork(), self.num_accepted
+        return twin
+
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()

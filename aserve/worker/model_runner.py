@@ -19,7 +19,7 @@ from aserve.models.interface import CausalLM
 from aserve.structured_output.bitmask import apply_grammar_bitmask
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
 from aserve.worker.request_state import RequestState
-from aserve.worker.sampler import SampleResult, sample
+from aserve.worker.sampler import SampleResult, beam_log_normalizers, sample
 
 log = logging.getLogger("aserve")
 
@@ -183,10 +183,12 @@ class ModelRunner:
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples (see append_sampled)
                 return result
             # Sampling stays on the logits' device; only token ids and the logprobs asked for come back.
+            normalizers = None
             if sched.structured_request_ids:
+                normalizers = beam_log_normalizers(logits, sample_reqs)  # before the mask: see the function
                 apply_grammar_bitmask(logits, [r.request_id for r in sample_reqs], sched.structured_request_ids,
                                       sched.grammar_bitmask)
-            for state, sampled in zip(sample_reqs, sample(logits, sample_reqs)):
+            for state, sampled in zip(sample_reqs, sample(logits, sample_reqs, normalizers)):
                 if sampled.error is None and state.params.beam is None:  # the engine picks a beam's token
                     state.append_token(sampled.token_id)
                 result.sampled[state.request_id] = sampled

@@ -11,6 +11,7 @@ move. The uniforms are drawn on the host, from the same generators on every devi
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -117,23 +118,43 @@ def reads_logits_as_they_are(r: RequestState) -> bool:
             and (p.greedy or (p.temperature == 1.0 and not p.top_k and p.top_p >= 1 and p.min_p <= 0)))
 
 
-def beam_candidates(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> list[list[tuple[int, float]]]:
-    """Beam-search rows: each one's best `beam_candidates` next tokens and their log-probabilities, best first, as
-    transformers scores them (fp32 log-softmax; of logits / temperature where that is > 0). The engine picks the
-    beams from these; the row's sampled token is not used."""
+def _beam_logits(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> torch.Tensor:
+    """The beam rows' logits in fp32, divided by their temperature where that is > 0 and not 1."""
     x = logits[torch.tensor(rows, device=logits.device)].float()
     temperatures = [r.params.beam.temperature for r in reqs]
     if any(t > 0 and t != 1.0 for t in temperatures):
         x = x / torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=x.device).clamp_(
             MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
+    return x
+
+
+def beam_log_normalizers(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor | None:
+    """Each beam row's log-partition, taken before a grammar masks the logits, so that a constrained beam's scores
+    stay the model's own log-probabilities (as in transformers, whose logits processors mask after its
+    log-softmax): one per beam row, in row order; None without beam rows."""
+    rows = [i for i, r in enumerate(reqs) if r.params.beam is not None]
+    return _beam_logits(logits, [reqs[i] for i in rows], rows).logsumexp(dim=-1) if rows else None
+
+
+def beam_candidates(logits: torch.Tensor, reqs: list[RequestState], rows: list[int],
+                    normalizers: torch.Tensor | None = None) -> list[list[tuple[int, float]]]:
+    """Beam-search rows: each one's best `beam_candidates` next tokens and their log-probabilities, best first, as
+    transformers scores them (fp32 log-softmax; of logits / temperature where that is > 0); tokens a grammar
+    masked are left out. `normalizers`: the rows' log-partitions from before the mask (beam_log_normalizers).
+    The engine picks the beams from these; the row's sampled token is not used."""
+    x = _beam_logits(logits, reqs, rows)
+    x = x - normalizers.unsqueeze(1) if normalizers is not None else x.log_softmax(dim=-1)
     k = min(max(r.params.beam_candidates for r in reqs), x.shape[-1])
-    values, ids = x.log_softmax(dim=-1).topk(k, dim=-1)
+    values, ids = x.topk(k, dim=-1)
     values, ids = values.tolist(), ids.tolist()
-    return [list(zip(ids[j][:r.params.beam_candidates], values[j][:r.params.beam_candidates]))
+    return [[(t, v) for t, v in zip(ids[j][:r.params.beam_candidates], values[j][:r.params.beam_candidates])
+             if v != -math.inf]
             for j, r in enumerate(reqs)]
 
 
-def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]:
+def sample(logits: torch.Tensor, reqs: list[RequestState],
+           beam_normalizers: torch.Tensor | None = None) -> list[SampleResult]:
+    """One token per row (or, for a beam-search row, its candidates). `beam_normalizers`: see beam_candidates."""
     n, device = len(reqs), logits.device
     bad_rows = unusable_rows(logits)
     if logits.dtype != torch.float32 and (bad_rows or not all(map(reads_logits_as_they_are, reqs))):
@@ -195,7 +216,8 @@ def sample(logits: torch.Tensor, reqs: list[RequestState]) -> list[SampleResult]
             res.top_logprobs = list(zip(top_ids[j][:kk], top_vals[j][:kk])) if kk else []
     beam_rows = [i for i, r in enumerate(reqs) if r.params.beam is not None]
     if beam_rows:
-        for i, candidates in zip(beam_rows, beam_candidates(logits, [reqs[i] for i in beam_rows], beam_rows)):
+        for i, candidates in zip(beam_rows, beam_candidates(logits, [reqs[i] for i in beam_rows], beam_rows,
+                                                                       beam_normalizers)):
             results[i].top_logprobs = candidates
     for i in bad_rows:
         results[i] = SampleResult(results[i].token_id, error="the model produced NaN or infinite logits for it")
