@@ -65,7 +65,7 @@ class EngineConfig:
                                                   "this many tokens (at most 1 GiB), is faulted in at start-up "
                                                   "rather than on first use in a step; 0: all on first use")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)")
-    max_num_seqs: int = option(256, "most requests in one batch")
+    max_num_seqs: int = option(256, "most sequences in one batch (each beam of a beam search counts)")
     max_num_batched_tokens: int | None = option(None, "token budget of one step (prefill chunks and decodes "
                                                       "together); default 512 on the CPU, 2048 on a GPU (the "
                                                       "pooling runner: 4096, 16384; 8192, 32768 for an encoder)")

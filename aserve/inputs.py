@@ -35,6 +35,7 @@ class EngineFacts:
     kv_cache_dtype: str = ""  # the cache's storage: the model's dtype, or fp8_e4m3 / fp8_e5m2
     lora: LoRAFacts | None = None  # with enable_lora: what adapters are checked against
     pooling: PoolingSpec | None = None  # the pooling runner's PoolingSpec (labels for a classifier); None: the generate runner
+    max_beam_width: int = 32  # a search's beams decode in one step: min(max_n, max_num_seqs, max_num_batched_tokens)
 
 
 PROMPT_FORMS = "a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids'"
@@ -91,9 +92,9 @@ def validate_request(facts: EngineFacts, prompt_token_ids: list[int], params: "S
     if params.n > facts.max_n:
         raise InvalidRequestError(f"n must be at most {facts.max_n} on this server (max_n), got {params.n}", "n")
     width = params.beam.beam_width if params.beam is not None else 1
-    if width > facts.max_n:
-        raise InvalidRequestError(f"beam_width must be at most {facts.max_n} on this server (max_n), got {width}",
-                                  "beam_width")
+    if width > facts.max_beam_width:
+        raise InvalidRequestError(f"beam_width must be at most {facts.max_beam_width} on this server (max_n, "
+                                  f"max_num_seqs, max_num_batched_tokens), got {width}", "beam_width")
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise InvalidRequestError("the prompt is empty: it must contain at least one token", "prompt")

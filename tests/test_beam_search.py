@@ -330,3 +330,81 @@ def test_constrained_beams_match_transformers(engines, kind, width):
             assert all(seq.finish_reason == "stop" for seq in out.sequences)
             assert len({tuple(seq.tokens) for seq in out.sequences}) == len(out.sequences)  # (texts may repeat)
     llm.engine.check_idle()
+
+
+def test_priority_policy_sees_a_search_as_one_request(model_dirs, engines):
+    """Under the priority policy in a tight cache, urgent searches arriving late preempt running ones as whole
+    groups; every event and victim the policy sees is a search's first beam, never one of its other beams, and
+    every hypothesis comes out as with room to spare."""
+    from aserve_policies.priority import PriorityPolicy
+
+    class Watching(PriorityPolicy):
+        seen: set[str] = set()
+
+        def on_event(self, req, event):
+            self.seen.add(req.request_id)
+            super().on_event(req, event)
+
+        def select_victim(self, running, needing):
+            self.seen.update(r.request_id for r in (*running, needing))
+            return super().select_victim(running, needing)
+
+    path = model_dirs["llama-gqa-tied"]
+    roomy, _ = engines["llama-gqa-tied"]
+    prompts = random_prompts(5, lengths=(20, 30), seed=13)
+    params = BeamSearchParams(4, MAX_TOKENS, ignore_eos=True)
+    expected = roomy.beam_search(prompts, params)
+    policy = Watching()
+    tight = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 16))
+    engine = tight.engine
+    try:
+        for i in range(3):
+            engine.add_request(prompts[i], params, request_id=f"late{i}", priority=1)
+        for _ in range(3):
+            engine.step()
+        for i in range(3, 5):
+            engine.add_request(prompts[i], params, request_id=f"urgent{i}", priority=0)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        ids = ["late0", "late1", "late2", "urgent3", "urgent4"]
+        for request_id, ids_, want in zip(ids, prompts, expected):
+            assert [ids_ + o.token_ids for o in done[request_id].outputs] == [s.tokens for s in want.sequences]
+        assert engine.scheduler.stats().preemptions["recompute"] > 0
+        assert policy.seen and policy.seen <= set(ids)
+        engine.check_idle()
+    finally:
+        engine.executor.shutdown()
+
+
+def test_max_num_seqs_counts_every_beam(model_dirs, engines):
+    """max_num_seqs caps a step's sequences: a width-4 search counts as 4 (from its admission on), so two of them
+    never run together under a cap of 6, and a width past the cap is refused up front."""
+    from aserve.errors import InvalidRequestError
+
+    path = model_dirs["llama-gqa-tied"]
+    roomy, _ = engines["llama-gqa-tied"]
+    prompts = random_prompts(3, lengths=(5, 30), seed=17)
+    params = BeamSearchParams(4, MAX_TOKENS, ignore_eos=True)
+    expected = roomy.beam_search(prompts, params)
+    capped = LLM(str(path), dtype="float32", max_num_seqs=6, kv_cache_memory=1 << 24)
+    engine = capped.engine
+    try:
+        with pytest.raises(InvalidRequestError, match="beam_width must be at most 6"):
+            capped.beam_search(prompts[:1], BeamSearchParams(8, 4))
+        for i, ids in enumerate(prompts):
+            engine.add_request(ids, params, request_id=f"s{i}")
+        done, most = {}, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                done[out.request_id] = out
+            most = max(most, len(engine.scheduler.scheduled))
+            assert sum(len(r.sequences) for r in engine.scheduler.running) <= 6
+        assert most == 4
+        for i, (ids, want) in enumerate(zip(prompts, expected)):
+            assert [ids + o.token_ids for o in done[f"s{i}"].outputs] == [s.tokens for s in want.sequences]
+        engine.check_idle()
+    finally:
+        engine.executor.shutdown()

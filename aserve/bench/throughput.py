@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-schema", metavar="FILE",
                         help="then run the same prompts constrained by this JSON schema and print the ratio of "
                              "output tokens/s constrained/free")
+    parser.add_argument("--beam-width", type=int, default=0, metavar="N",
+                        help="run LLM.beam_search with N beams instead of sampling (output tokens count every beam's); "
+                             "also prints the KV blocks one prompt holds at its peak against N independent samples")
     lora = parser.add_argument_group("LoRA (aserve.bench.lora_bench): base alone, then requests spread over adapters")
     lora.add_argument("--num-loras", type=int, default=0,
                       help="write this many random PEFT adapters (all seven projections) and compare with the base")
@@ -71,13 +74,13 @@ def main(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
     from aserve.hardware import cpu_info
 
+    def prompts_for(llm):
+        engine = llm.engine
+        return random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
+                              set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed)
+
     if args.num_loras or args.lora_modules:
         from aserve.bench import lora_bench
-
-        def prompts_for(llm):
-            engine = llm.engine
-            return random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
-                                  set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed)
 
         lora_bench.run(args, engine_options(args), prompts_for, report)
         return
@@ -85,8 +88,10 @@ def main(args: argparse.Namespace) -> None:
     engine = llm.engine
     print(f"aserve bench throughput: {cpu_info().describe()}, dtype {str(engine.dtype).replace('torch.', '')}",
           flush=True)  # first: what the figures below were measured on
-    prompts = random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
-                             set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed)
+    prompts = prompts_for(llm)
+    if args.beam_width:
+        run_beam_search(llm, prompts, args.beam_width, args.output_len)
+        return
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -104,6 +109,36 @@ def main(args: argparse.Namespace) -> None:
         theirs = run_transformers(engine_model_dir(args.model), prompts, args.output_len, dtype)
         print(f"output tokens/s ratio aserve/transformers = {ours / theirs:.2f}")
         report("", len(prompts), total, output_tokens, elapsed)  # vLLM's format stays the last line
+
+
+def run_beam_search(llm, prompts: list[list[int]], width: int, output_len: int) -> float:
+    """Beam search throughput: every prompt's `width` beams decode `output_len` tokens each (ignore_eos), which is
+    what the output token count counts, as the same figure for vLLM's LLM.beam_search does
+    (benchmarks/vllm_beam_search.py). Then one prompt's peak KV blocks against `width` independent samples."""
+    from aserve import BeamSearchParams, SamplingParams
+
+    params = BeamSearchParams(width, output_len, ignore_eos=True)
+    llm.beam_search([{"prompt_token_ids": prompts[0][:16]}], BeamSearchParams(width, 4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    beams = peak_blocks(llm, prompts[0], params)
+    samples = peak_blocks(llm, prompts[0], SamplingParams(n=width, max_tokens=output_len, ignore_eos=True, seed=0))
+    print(f"KV blocks at the peak, one prompt of {len(prompts[0])} tokens + {output_len}: beam search "
+          f"(width {width}) {beams}, {width} independent samples {samples} ({1 - beams / samples:.0%} fewer)")
+    output_tokens = len(prompts) * width * output_len
+    return report("", len(prompts), sum(map(len, prompts)) + output_tokens, output_tokens, elapsed)
+
+
+def peak_blocks(llm, prompt: list[int], params) -> int:
+    """The most KV blocks in use at once while the engine runs one request alone."""
+    engine = llm.engine
+    engine.add_request(prompt, params, request_id="peak-blocks")
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, engine.kv.num_blocks - engine.kv.num_free_blocks)
+    return most
 
 
 def run_constrained(llm, prompts: list[list[int]], params, schema_file: str, rounds: int = 2) -> dict[str, int]:

@@ -241,7 +241,7 @@ class Scheduler:
                 scheduled[req] = plan
                 budget -= plan_tokens(plan)
 
-        while self.swapped and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and not preempted and budget > 0 and self._room_for(self.swapped[0]):
             req = self.swapped[0]
             plan = self._plan(req, budget)
             if plan is None or not self.kv.can_swap_in(plan) or not scheduled.fits(req):
@@ -262,7 +262,7 @@ class Scheduler:
                 if not scheduled.fits(req):
                     skipped.append(self.waiting.pop())
                     continue
-                if len(self.running) < self.max_num_seqs:
+                if self._room_for(req):
                     found = [self.kv.find_computed(seq) for seq in req.sequences]
                     plan = self._plan(req, budget, [num for _, num in found])
                     if plan is None:
@@ -289,6 +289,11 @@ class Scheduler:
         out.blocks_to_zero = self.kv.take_fresh()
         self._diff_for_worker(out)
         return out
+
+    def _room_for(self, req: Request) -> bool:
+        """Whether `req` fits within max_num_seqs beside the running requests, counted in sequences: a beam
+        search counts as its beam_width from the start (it widens to that after its prompt)."""
+        return sum(map(_width, self.running)) + _width(req) <= self.max_num_seqs
 
     @staticmethod
     def _plan(req: Request, budget: int, num_computed: list[int] | None = None) -> Plan | None:
@@ -450,6 +455,11 @@ def _entries(plan: Plan, found: list[tuple[list[int], int]] | None = None) -> li
     """allocate_all's entries for a plan: each sequence with new tokens, or prefix-cache blocks to take over."""
     found = found or [((), 0)] * len(plan)
     return [(seq, n, blocks, num) for (seq, n), (blocks, num) in zip(plan, found) if n or blocks]
+
+
+def _width(req: Request) -> int:
+    """The sequences a request runs as at most: its beam_width for a beam search, else 1."""
+    return req.beam.params.beam_width if req.beam is not None else 1
 
 
 def _stamp(req: Request, now: float) -> None:

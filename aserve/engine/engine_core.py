@@ -96,7 +96,8 @@ class EngineCore:
         return EngineFacts(self.vocab_size, self.max_model_len, self.kv.num_blocks, self.kv.block_size,
                            self.eos_token_ids, self.kv.num_host_blocks, self.policy.name,
                            bool(getattr(self.policy, "priority_classes", False)), self.config.max_n,
-                           self.kv_cache_dtype, self.lora_facts, self.pooling_spec)
+                           self.kv_cache_dtype, self.lora_facts, self.pooling_spec,
+                           min(self.config.max_n, self.config.max_num_seqs, self.scheduler.max_num_batched_tokens))
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams | None = None, *,
                     request_id: str | None = None, prompt: str | None = None, priority: int = 0,
@@ -107,7 +108,6 @@ class EngineCore:
         if isinstance(params, BeamSearchParams):  # one request whose beams the engine picks (core/beam_search.py)
             params = params.sampling_params()
         if params.beam is not None:
-            self.check_beam_search(params.beam)
             output_kind = "final"  # a beam search's answer is known only when it ends
         if pooling is not None:  # one forward pass over the prompt, nothing sampled
             params = SamplingParams(max_tokens=1)
@@ -144,15 +144,6 @@ class EngineCore:
         else:
             self.scheduler.add_request(first)
         return request_id
-
-    def check_beam_search(self, beam: BeamSearchParams) -> None:
-        """A beam search's beams decode in one step and must fit it."""
-        if self.pooling_spec is not None:
-            raise InvalidRequestError(f"{self.config.model_name} runs the pooling runner: it generates nothing", "model")
-        budget = self.scheduler.max_num_batched_tokens
-        if beam.beam_width > min(budget, self.config.max_n):
-            raise InvalidRequestError(f"beam_width must be at most {min(budget, self.config.max_n)} on this server "
-                                      f"(max_n, max_num_batched_tokens), got {beam.beam_width}", "beam_width")
 
     def check_pooling(self, pooling_params: PoolingParams | None) -> PoolingParams | None:
         """A pooling request on the pooling runner, a generation request on the generate runner: the other way
