@@ -101,6 +101,9 @@ class EngineConfig:
                                             "recognised from config.json without it", choices=QUANTIZATION_METHODS)
     quantize_lm_head: bool = option(False, "with --quantization int8: the logits projection too (a quantized copy "
                                            "when it is tied to the embedding)")
+    speculative_config: dict | str | None = option(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": N}", json=True)
     # multi-LoRA serving (aserve.lora)
     enable_lora: bool = option(False, "serve PEFT LoRA adapters named per request (lora_request), batched beside "
                                       "the base weights, never merged into them")
@@ -155,6 +158,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
                              f"{self.nnodes} (the same number of ranks on every machine)")
         self._check_lora()
+        from aserve.spec_decode.config import SpeculativeConfig  # torch-free
+
+        SpeculativeConfig.parse(self.speculative_config)  # a bad one fails here, before any weights load
         if self.data_parallel_size > 1 and (self.nnodes > 1 or self.distributed_init_method):
             raise ValueError("data_parallel_size > 1 with a multi-node tensor-parallel group is not supported: every "
                              "replica's ranks would meet at the one --distributed-init-method")
@@ -287,7 +293,9 @@ def _flag_spec(f, hint) -> dict:
     """argparse's keyword arguments for one field, from its type and metadata."""
     kinds = _kinds(hint)
     spec: dict = {"dest": f.name, "help": f.metadata["help"]}
-    if bool in kinds:
+    if f.metadata.get("json"):  # a JSON object as text; the field parses it
+        spec["metavar"] = "JSON"
+    elif bool in kinds:
         spec["action"] = argparse.BooleanOptionalAction
     elif dict in kinds:  # a repeatable KEY=VALUE flag; engine_options builds the dict
         spec.update(action="append", metavar="KEY=VALUE")
@@ -324,7 +332,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
-        if dict in _kinds(hints[f.name]) and value is not None:
+        if dict in _kinds(hints[f.name]) and value is not None and not f.metadata.get("json"):
             value = parse_key_values(value, _flag(f))
         options[f.name] = value
     return options

@@ -97,6 +97,7 @@ class Request(TokenSequence):
         # the scheduler and the policy see; the others ride along with it.
         self.beam = None
         self.tokens_replaced = False  # a beam search's step gave it another history, not yet sent to the worker
+        self.spec_token_ids: list[int] = []  # speculative decoding: tokens proposed to follow it, checked next step
         now = time.monotonic()
         self.arrival_time = arrival_time if arrival_time is not None else now
         self.scheduled_time: float | None = None

@@ -35,6 +35,10 @@ def assert_plain(value, where="SchedulerOutput"):
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             assert_plain(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            assert_plain(key, f"{where} key")
+            assert_plain(item, f"{where}[{key!r}]")
     else:
         assert isinstance(value, PLAIN), f"{where} holds a {type(value).__name__}"
 

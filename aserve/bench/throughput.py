@@ -22,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--prompt-repeats", type=int, default=1, metavar="N",
+                        help="each prompt a random passage of input-len / N tokens given N times (a prompt that "
+                             "quotes itself)")
     parser.add_argument("--compare-transformers", action="store_true",
                         help="then run transformers' generate on the same workload (batched) and print the ratio")
     parser.add_argument("--json-schema", metavar="FILE",
@@ -39,10 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def random_prompts(num: int, length: int, vocab_size: int, avoid: set[int], seed: int) -> list[list[int]]:
+def random_prompts(num: int, length: int, vocab_size: int, avoid: set[int], seed: int,
+                   repeats: int = 1) -> list[list[int]]:
+    """`repeats`: each prompt a random passage of length // repeats tokens, given that many times (and cut or
+    topped up with its start to `length`)."""
     rng = random.Random(seed)
     allowed = [t for t in range(vocab_size) if t not in avoid]
-    return [[rng.choice(allowed) for _ in range(length)] for _ in range(num)]
+    passages = [[rng.choice(allowed) for _ in range(max(1, length // max(1, repeats)))] for _ in range(num)]
+    return [(p * (length // len(p) + 1))[:length] for p in passages]
 
 
 def report(label: str, num: int, total_tokens: int, output_tokens: int, elapsed: float) -> float:
@@ -77,12 +85,18 @@ def main(args: argparse.Namespace) -> None:
     def prompts_for(llm):
         engine = llm.engine
         return random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
-                              set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed)
+                              set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed,
+                              args.prompt_repeats)
 
     if args.num_loras or args.lora_modules:
         from aserve.bench import lora_bench
 
         lora_bench.run(args, engine_options(args), prompts_for, report)
+        return
+    if args.speculative_config:
+        from aserve.bench import spec_bench
+
+        spec_bench.run(args, engine_options(args), prompts_for, report)
         return
     llm = LLM(**engine_options(args))
     engine = llm.engine
@@ -92,7 +106,7 @@ def main(args: argparse.Namespace) -> None:
     if args.beam_width:
         run_beam_search(llm, prompts, args.beam_width, args.output_len)
         return
-    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -172,6 +172,14 @@ class KVCacheManager:
             self.pool.cache(req.block_table[i], hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
         req.num_cached_blocks = num_full
 
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past those its tokens need (speculative decoding: blocks that held only rejected
+        proposals; they were never cached, since they held no computed token of it)."""
+        keep = self.blocks_needed(req.num_tokens)
+        for block_id in reversed(req.block_table[keep:]):
+            self.pool.release(block_id)
+        del req.block_table[keep:]
+
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so the tail is evicted before the shared prefix."""
         freed = set(req.block_table)

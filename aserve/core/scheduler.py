@@ -62,6 +62,9 @@ class SchedulerOutput:
     # tokens as raw bytes: int32 words, a bit per token of the tokenizer (see structured_output.manager).
     structured_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: bytes = b""
+    # Speculative decoding: the proposals each request checks this step, scheduled after its own next token (the
+    # last of its num_scheduled_tokens are these).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -306,6 +309,8 @@ class Scheduler:
         done = num_computed or [seq.num_computed_tokens for seq in seqs]
         left = [seq.num_tokens - n for seq, n in zip(seqs, done)]
         if len(seqs) == 1:
+            if left[0] == 1 and req.spec_token_ids:  # its proposals ride along, as far as the budget goes
+                return [(req, min(1 + len(req.spec_token_ids), budget))]
             return [(req, min(left[0], budget))]
         if sum(left) <= budget:
             return list(zip(seqs, left))
@@ -318,6 +323,9 @@ class Scheduler:
         out.finished_ids, self._finished_ids = self._finished_ids, []
         for req, num_new in self.scheduled:
             out.num_scheduled_tokens.append((req.request_id, num_new))
+            num_spec = _num_spec(req, num_new)
+            if num_spec:
+                out.spec_token_ids[req.request_id] = req.spec_token_ids[:num_spec]
             table, sent = req.block_table, req.sent_blocks
             history = None
             if req.tokens_replaced:  # a beam search's step chose its tokens
@@ -356,6 +364,7 @@ class Scheduler:
         mode = self.policy.preemption_mode(victim, self.kv_view())
         self.running.remove(victim)
         victim.num_preemptions += 1
+        victim.spec_token_ids = []
         preempted.append(victim)
         if mode == PreemptionMode.SWAP and self.kv.can_swap_out(victim.sequences):
             pairs = self.kv.swap_out(victim.sequences)
@@ -374,10 +383,12 @@ class Scheduler:
         self.preemptions[PreemptionMode.RECOMPUTE.value] += 1
         self.policy.on_event(victim, "preempted")
 
-    def update(self, sampled: dict[str, int], pooled: frozenset[str] = frozenset(),
+    def update(self, sampled: dict[str, int | list[int]], pooled: frozenset[str] = frozenset(),
                candidates: dict[str, list[tuple[int, float]]] | None = None) -> list[Request]:
         """After the last step ran: advance computed tokens, append sampled ones (by request id), and finish
         requests that hit a stop condition, and pooling requests whose prompt is pooled (`pooled`, by id).
+        A request that checked proposals brings a list: the proposals the worker accepted, then its own token;
+        the K/V of the accepted ones count as computed, the blocks that hold only rejected ones go back.
         `candidates`: beam-search rows' best next tokens (by id); a search steps once all its beams brought them."""
         finished = []
         self._ended_by_update = set()
@@ -386,8 +397,10 @@ class Scheduler:
         for req, num_new in self.scheduled:
             if (req.beam.first if req.beam is not None else req).status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(req)
+            num_spec = _num_spec(req, num_new)
+            req.num_computed_tokens += num_new - num_spec
+            if not num_spec:
+                self.kv.cache_full_blocks(req)
             if req.request_id in pooled:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
                 finished.append(req)
@@ -398,17 +411,28 @@ class Scheduler:
                 continue
             token = sampled.get(req.request_id)
             if token is None:
+                if num_spec:
+                    self.kv.trim(req)
                 continue
-            req.append_token(token)
+            tokens = [token] if isinstance(token, int) else token
+            if num_spec:  # the accepted proposals' K/V are computed, now that they are its tokens
+                req.num_computed_tokens += len(tokens) - 1
             _stamp(req, now)
             if req.pending_forks:  # its prompt is in the cache now: the other samples can share it
                 for child in reversed(req.pending_forks):
                     self.waiting.prepend(child)
                 req.pending_forks = []
-            status, reason = self._stop_status(req, token)
-            if status is not None:
-                self.finish(req, status, stop_reason=reason)
-                finished.append(req)
+            for token in tokens:
+                req.append_token(token)
+                status, reason = self._stop_status(req, token)
+                if status is not None:  # tokens after this one are dropped
+                    self.finish(req, status, stop_reason=reason)
+                    finished.append(req)
+                    break
+            else:
+                if num_spec:
+                    self.kv.cache_full_blocks(req)
+                    self.kv.trim(req)
         for search, found in searches.items():
             if len(found) == len(search.beams) and self._advance_beams(search, found, now):
                 finished.append(search.first)
@@ -455,6 +479,11 @@ def _entries(plan: Plan, found: list[tuple[list[int], int]] | None = None) -> li
     """allocate_all's entries for a plan: each sequence with new tokens, or prefix-cache blocks to take over."""
     found = found or [((), 0)] * len(plan)
     return [(seq, n, blocks, num) for (seq, n), (blocks, num) in zip(plan, found) if n or blocks]
+
+
+def _num_spec(req: Request, num_new: int) -> int:
+    """How many of a request's scheduled tokens are proposals: those past its own tokens (before update)."""
+    return max(0, num_new - (req.num_tokens - req.num_computed_tokens))
 
 
 def _width(req: Request) -> int:

@@ -29,6 +29,8 @@ from aserve.pooling.params import PoolingParams, PoolingSpec, check_params, read
 from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import BeamSearchParams, SamplingParams
+from aserve.spec_decode.config import SpeculativeConfig
+from aserve.spec_decode.ngram import NgramProposer
 from aserve.structured_output.manager import StructuredOutputManager
 from aserve.worker.host_memory import memory_diagnostics, rss_bytes
 from aserve.worker.executor import make_executor
@@ -73,6 +75,11 @@ class EngineCore:
                            if config.enable_lora else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = (NgramProposer(self.speculative.num_speculative_tokens, self.speculative.prompt_lookup_min,
+                                       self.speculative.prompt_lookup_max) if self.speculative else None)
+        if self.speculative:
+            log.info("speculative decoding: %s", self.speculative.describe())
         self._stats = IterationStats()
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
         tokens = info.num_blocks * config.block_size
@@ -199,10 +206,13 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output, in each request's output kind, for each prompt that advanced."""
         results = self._admit_constrained() if self.structured.num_awaiting else []
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched:
             return results
-        sched.structured_request_ids, sched.grammar_bitmask = self.structured.bitmask(self.scheduler.scheduled)
+        sched.structured_request_ids, sched.grammar_bitmask = self.structured.bitmask(self.scheduler.scheduled,
+                                                                                      sched.spec_token_ids)
         ran = self.executor.execute(sched)
         by_id = {req.request_id: req for req, _ in self.scheduler.scheduled}
         for request_id, entries in ran.prompt_logprobs.items():
@@ -211,8 +221,9 @@ class EngineCore:
         for req, result in sampled.items():
             if result.error is not None:  # before update(), so no token is appended and its blocks go back now
                 self._fail(req, result.error)
-        tokens = {req.request_id: result.token_id for req, result in sampled.items()
+        tokens = {req.request_id: result.token_ids for req, result in sampled.items()
                   if result.error is None and req.beam is None}
+        before = {req: req.num_output_tokens for req, result in sampled.items() if result.accepted is not None}
         candidates = {req.request_id: result.top_logprobs for req, result in sampled.items()
                       if result.error is None and req.beam is not None}
         for request_id, vector in ran.pooled.items():
@@ -236,7 +247,8 @@ class EngineCore:
                 continue
             stats.record_token(req)
             try:
-                stop = self.outputs.on_token(req, result)
+                stop = (self._on_tokens(req, result, before[req], sched.spec_token_ids[req.request_id])
+                        if req in before else self.outputs.on_token(req, result))
             except Exception as exc:  # noqa: BLE001 - this request's text is lost, not the engine
                 self._fail(req, f"could not detokenize its output: {type(exc).__name__}: {exc}")
                 continue
@@ -253,6 +265,44 @@ class EngineCore:
                     results.append(output)
         self._release_finished()
         return results
+
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for the running requests that will sample next step (none once
+        disable_by_batch_size requests are running). A request proposes no more tokens than it may still add."""
+        running = self.scheduler.running
+        off = self.speculative.disable_by_batch_size
+        asks = []
+        for req in running:
+            req.spec_token_ids = []
+            if (off and len(running) >= off) or not _may_speculate(req):
+                continue
+            most = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            if most > 0 and req.num_computed_tokens == req.num_tokens - 1:
+                asks.append((req.request_id, req.all_token_ids, most))
+        if not asks:
+            return
+        found = self.proposer.propose(asks)
+        for req in running:
+            spec = found.get(req.request_id)
+            if spec and req.grammar is not None:  # never a token its grammar refuses, nor past its end
+                spec = self.structured.check_proposals(req, spec)
+            if spec:
+                req.spec_token_ids = spec
+
+    def _on_tokens(self, req: Request, result, before: int, proposed: list[int]) -> str | None:
+        """The tokens a request that checked proposals kept, through the output processor one by one (the
+        scheduler appended them, up to a stop token): at a stop string the rest are cut off."""
+        appended = req.num_output_tokens - before
+        stats = self._stats
+        stats.generation_tokens += appended - 1  # record_token counted one
+        stats.record_proposals(len(proposed), len(result.accepted))
+        for i, step in enumerate([*result.accepted, result][:appended]):
+            stop = self.outputs.on_token(req, step)
+            if stop is not None:
+                if i + 1 < appended:
+                    req.replace_output(req.output_token_ids[:before + i + 1])
+                return stop
+        return None
 
     def _admit_constrained(self) -> list[RequestOutput]:
         """Queue the constrained prompts whose grammar is compiled; end those whose grammar failed."""
@@ -324,7 +374,8 @@ class EngineCore:
                  "num_swapped": len(scheduler.swapped), "num_live_requests": len(self.requests),
                  "core_rss_bytes": rss_bytes(),
                  "dtype": str(self.dtype).replace("torch.", ""), "kv_cache_dtype": self.kv_cache_dtype,
-                 "hardware": cpu_info().describe()}
+                 "hardware": cpu_info().describe(),
+                 "speculative": self.speculative.describe() if self.speculative else None}
         if diagnostics:
             measured = memory_diagnostics()
             state.update(core_heap_bytes=measured.heap_bytes, core_python_objects=measured.python_objects,
@@ -360,3 +411,7 @@ def pooling_output(output: RequestOutput, req: Request, spec: PoolingSpec) -> Po
     return PoolingRequestOutput(output.request_id, output.prompt, output.prompt_token_ids, PoolingOutput(vector),
                                 True, output.num_cached_tokens, error)
 
+
+def _may_speculate(req: Request) -> bool:
+    """Whether proposals can be checked for the request: not a beam (the engine picks its tokens)."""
+    return req.beam is None and req.pooling is None

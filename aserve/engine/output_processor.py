@@ -29,6 +29,7 @@ class SequenceText:
         self.cumulative_logprob: float | None = 0.0 if req.params.logprobs is not None else None
         self._stream = self._new_stream()
         self.sent_text = self.sent_tokens = 0  # what delta outputs have already carried
+        self.num_tokens = 0  # tokens whose text is in `text` (a step may append several: speculative decoding)
         self.sent_finish = False
         self.holdback = max((len(s) for s in req.params.stop), default=1) - 1
 
@@ -40,10 +41,11 @@ class SequenceText:
 
     def append(self, token_id: int, tokenizer) -> str:
         """Add a token's text; return the new text (possibly empty while a character is incomplete)."""
+        self.num_tokens += 1
         if self._stream is not None:
             piece = self._stream.step(self.backend, token_id) or ""
         else:  # a slow tokenizer: decode the whole output again
-            full = tokenizer.decode(self.req.output_token_ids,
+            full = tokenizer.decode(self.req.output_token_ids[:self.num_tokens],
                                     skip_special_tokens=self.req.params.skip_special_tokens)
             piece = full[len(self.text):]
         self.text += piece

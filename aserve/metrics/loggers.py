@@ -91,6 +91,12 @@ class PrometheusStatLogger:
                                   "(json, json_object, regex, choice, grammar).", ["kind"])
         self.beam_requests = counter("beam_search_requests", "Beam-search requests admitted (each runs its beam_width "
                                      "beams as one request).")
+        # speculative decoding, with vLLM's names (under aserve:)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Times a request checked proposals in a step.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens checked.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, "
+                                             "by position in the proposal (0 = the first).", ["position"])
         self.compile_time = histogram("grammar_compile_seconds", "Time to compile a structured-output grammar "
                                       "(cache misses only), on the engine core's compile thread.", COMPILE_BUCKETS)
         self.up = gauge("replica_up", "1 while the replica's engine core is alive, 0 once it has died.")
@@ -122,6 +128,8 @@ class PrometheusStatLogger:
                 self.structured.labels(**labels, kind=kind)
             self.compile_time.labels(**labels)
             self.beam_requests.labels(**labels)
+            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                c.labels(**labels)
             for direction in ("in", "out"):
                 self.swapped_blocks.labels(**labels, direction=direction)
 
@@ -177,6 +185,12 @@ class PrometheusStatLogger:
             self.compile_time.labels(**labels).observe(seconds)
         if stats.beam_requests:
             self.beam_requests.labels(**labels).inc(stats.beam_requests)
+        if stats.spec_drafts:
+            self.spec_drafts.labels(**labels).inc(stats.spec_drafts)
+            self.spec_draft_tokens.labels(**labels).inc(stats.spec_draft_tokens)
+            self.spec_accepted.labels(**labels).inc(stats.spec_accepted_tokens)
+            for position, count in enumerate(stats.spec_accepted_per_pos):
+                self.spec_accepted_per_pos.labels(**labels, position=str(position)).inc(count)
         for f in stats.finished:
             self.success.labels(**labels, finished_reason=f.finish_reason).inc()
             self._latency(self.e2e, labels, f.priority).observe(f.e2e_latency)
@@ -212,10 +226,14 @@ class LoggingStatLogger:
         self.last = time.monotonic()
         self.prompt_tokens = self.generation_tokens = 0
         self.last_queries = self.last_hits = 0
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
 
     def record(self, stats: IterationStats) -> None:
         self.prompt_tokens += stats.prompt_tokens
         self.generation_tokens += stats.generation_tokens
+        self.spec_drafts += stats.spec_drafts
+        self.spec_draft_tokens += stats.spec_draft_tokens
+        self.spec_accepted += stats.spec_accepted_tokens
         now = time.monotonic()
         s = stats.scheduler
         if s is None or now - self.last < self.interval:
@@ -229,7 +247,12 @@ class LoggingStatLogger:
                  self.generation_tokens / elapsed,
                  s.num_running, s.num_waiting, s.num_swapped, 100 * s.kv_cache_usage, 100 * s.host_cache_usage,
                  100 * hits / queries if queries else 0.0)
+        if self.spec_drafts:  # vLLM's: tokens a request gained per checking step, proposals accepted + its own
+            log.info("%sspeculative decoding: mean acceptance length %.2f, accepted %d of %d proposed tokens "
+                     "(%.1f%%)", self.prefix, 1 + self.spec_accepted / self.spec_drafts, self.spec_accepted,
+                     self.spec_draft_tokens, 100 * self.spec_accepted / max(1, self.spec_draft_tokens))
         self.prompt_tokens = self.generation_tokens = 0
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
 
 
 class StatLoggers:

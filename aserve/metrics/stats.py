@@ -48,10 +48,25 @@ class IterationStats:
     structured_requests: list[str] = field(default_factory=list)  # the structured-output kind of each new one
     grammar_compile_seconds: list[float] = field(default_factory=list)
     beam_requests: int = 0  # beam-search requests admitted
+    # speculative decoding: requests that checked proposals, the proposals, those accepted, and how often each
+    # position (0 = the first proposal) was accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.num_steps or self.finished or self.structured_requests or self.grammar_compile_seconds
                     or self.beam_requests)
+
+    def record_proposals(self, proposed: int, accepted: int) -> None:
+        self.spec_drafts += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += accepted
+        if len(self.spec_accepted_per_pos) < accepted:
+            self.spec_accepted_per_pos.extend([0] * (accepted - len(self.spec_accepted_per_pos)))
+        for position in range(accepted):
+            self.spec_accepted_per_pos[position] += 1
 
     def record_token(self, req: Request) -> None:
         """Account for the token a request just sampled (its timestamps are already updated)."""

@@ -16,11 +16,19 @@ import torch
 def apply_grammar_bitmask(logits: torch.Tensor, request_ids: list[str], structured_ids: list[str],
                           bitmask_bytes: bytes) -> None:
     """Set to -inf, in place, every logit a constrained request's grammar does not allow next. `request_ids`
-    name the logits' rows; `structured_ids` the bitmask's, whose int32 words come as bytes."""
+    name the logits' rows; `structured_ids` the bitmask's, whose int32 words come as bytes. An id may name
+    several rows (speculative decoding's positions): they pair up in order."""
     import xgrammar
 
-    rows = {rid: row for row, rid in enumerate(structured_ids)}
-    picked = [(i, rows[rid]) for i, rid in enumerate(request_ids) if rid in rows]
+    rows: dict[str, list[int]] = {}  # a request checking proposals has a row at each position, in order
+    for row, rid in enumerate(structured_ids):
+        rows.setdefault(rid, []).append(row)
+    taken: dict[str, int] = {}
+    picked = []
+    for i, rid in enumerate(request_ids):
+        if rid in rows and taken.get(rid, 0) < len(rows[rid]):
+            picked.append((i, rows[rid][taken.get(rid, 0)]))
+            taken[rid] = taken.get(rid, 0) + 1
     if not picked:
         return
     bitmask = torch.frombuffer(bytearray(bitmask_bytes), dtype=torch.int32).view(len(structured_ids), -1)

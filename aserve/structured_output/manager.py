@@ -112,21 +112,67 @@ class StructuredOutputManager:
 
     # -- each step ---------------------------------------------------------------------------------
 
-    def bitmask(self, scheduled: list[tuple[Request, int]]) -> tuple[list[str], bytes]:
+    def bitmask(self, scheduled: list[tuple[Request, int]],
+                spec_token_ids: dict[str, list[int]] | None = None) -> tuple[list[str], bytes]:
         """The constrained samples that sample this step, and one row of allowed tokens for each, as the
-        plain data a worker in another process can take (the int32 rows' bytes)."""
-        reqs = [req for req, num_new in scheduled
-                if req.grammar is not None and req.num_computed_tokens + num_new >= req.num_tokens]
-        if not reqs:
+        plain data a worker in another process can take (the int32 rows' bytes). A request checking proposals
+        (speculative decoding) samples at each of them: its id comes once a row, each row filled with its matcher
+        walked along the proposals before that position, and the matcher is rolled back after."""
+        spec_token_ids = spec_token_ids or {}
+        plain, walked = [], []
+        for req, num_new in scheduled:
+            if req.grammar is None:
+                continue
+            spec = spec_token_ids.get(req.request_id, ())
+            if req.num_computed_tokens + num_new - len(spec) >= req.num_tokens:
+                (walked if spec else plain).append((req, spec))
+        if not plain and not walked:
             return [], b""
-        mask = torch.full((len(reqs), self.bitmask_width), -1, dtype=torch.int32)
-        if self._batch is None:  # the forward has not started: its threads are free for this
-            self._batch = xgrammar().BatchGrammarMatcher(max(1, torch.get_num_threads()))
-        self._batch.batch_fill_next_token_bitmask([req.grammar.matcher for req in reqs], mask)
+        num_rows = len(plain) + sum(1 + len(spec) for _, spec in walked)
+        mask = torch.full((num_rows, self.bitmask_width), -1, dtype=torch.int32)
+        ids = [req.request_id for req, _ in plain]
+        if plain:
+            if self._batch is None:  # the forward has not started: its threads are free for this
+                self._batch = xgrammar().BatchGrammarMatcher(max(1, torch.get_num_threads()))
+            self._batch.batch_fill_next_token_bitmask([req.grammar.matcher for req, _ in plain], mask[:len(plain)])
+        row = len(plain)
+        for req, spec in walked:
+            ids.extend([req.request_id] * (1 + len(spec)))
+            self._walk(req.grammar.matcher, spec, mask, row)
+            row += 1 + len(spec)
         stuck = (mask == 0).all(dim=1)
         if stuck.any():  # a grammar with a dead end (it allows nothing more): end the request there
             mask[stuck] = self._stop_row
-        return [req.request_id for req in reqs], mask.numpy().tobytes()
+        return ids, mask.numpy().tobytes()
+
+    @staticmethod
+    def _walk(matcher, spec: list[int], mask: torch.Tensor, row: int) -> None:
+        """Rows row..row+len(spec): the tokens allowed after each prefix of the proposals. A proposal the grammar
+        refuses is excluded by the row before it, so the rows after are never used (left allowing all)."""
+        accepted = 0
+        for j in range(len(spec) + 1):
+            matcher.fill_next_token_bitmask(mask, row + j)
+            if j == len(spec) or not matcher.accept_token(spec[j]):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+
+    @staticmethod
+    def check_proposals(req: Request, spec: list[int]) -> list[int]:
+        """The proposals cut before the first one the request's grammar refuses or that would end it (after which
+        nothing may follow)."""
+        matcher, accepted, kept = req.grammar.matcher, 0, 0
+        for token in spec:
+            if not matcher.accept_token(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+            kept = accepted
+        if accepted:
+            matcher.rollback(accepted)
+        return spec[:kept]
 
     @staticmethod
     def advance(req: Request) -> bool:

@@ -18,7 +18,7 @@ from aserve.lora.cache import LoRASlots
 from aserve.models.interface import CausalLM
 from aserve.structured_output.bitmask import apply_grammar_bitmask
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
-from aserve.worker.request_state import RequestState
+from aserve.worker.request_state import ProposalRow, RequestState
 from aserve.worker.sampler import SampleResult, beam_log_normalizers, sample
 
 log = logging.getLogger("aserve")
@@ -164,7 +164,7 @@ class ModelRunner:
             return result
         scheduled = [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens]
         batch = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
-        input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch)
+        input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch, sched.spec_token_ids)
         if self.device.type != "cpu":  # built on the host; the backend moves its own metadata
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
         if self.lora is not None:
@@ -188,9 +188,11 @@ class ModelRunner:
                 normalizers = beam_log_normalizers(logits, sample_reqs)  # before the mask: see the function
                 apply_grammar_bitmask(logits, [r.request_id for r in sample_reqs], sched.structured_request_ids,
                                       sched.grammar_bitmask)
-            for state, sampled in zip(sample_reqs, sample(logits, sample_reqs, normalizers)):
+            rows = sample(logits, sample_reqs, normalizers)
+            for state, sampled in _per_request(sample_reqs, rows, sched.spec_token_ids):
                 if sampled.error is None and state.params.beam is None:  # the engine picks a beam's token
-                    state.append_token(sampled.token_id)
+                    for token_id in sampled.token_ids:
+                        state.append_token(token_id)
                 result.sampled[state.request_id] = sampled
         return result
 
@@ -200,13 +202,14 @@ class ModelRunner:
         self.lora_step.set([slots[req.lora.identity] if req.lora is not None else None for req, _ in batch],
                            [n for _, n in batch])
 
-    def append_sampled(self, tokens: dict[str, int]) -> None:
+    def append_sampled(self, tokens: dict[str, list[int]]) -> None:
         """Tensor parallelism: the tokens rank 0 sampled, appended on a rank that gathered no logits, so its
         requests' tokens stay those of rank 0 (who appends its own as it samples)."""
-        for request_id, token_id in tokens.items():
+        for request_id, token_ids in tokens.items():
             state = self.requests.get(request_id)
             if state is not None and state.params.beam is None:
-                state.append_token(token_id)
+                for token_id in token_ids:
+                    state.append_token(token_id)
 
     def _pool(self, batch: list[tuple[RequestState, int]], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Pooling requests: fold this chunk's hidden states into their pooled state (a mean accumulates over
@@ -264,16 +267,24 @@ class ModelRunner:
             row += n
         return found
 
-    def _prepare(self, batch: list[tuple[RequestState, int]]):
+    def _prepare(self, batch: list[tuple[RequestState, int]], spec_token_ids: dict[str, list[int]]):
+        """The step's flat inputs. A request checking proposals runs its next token and the proposals after it, and
+        samples at each of those positions (a ProposalRow each)."""
         bs = self.block_size
         token_ids: list[int] = []
         starts, counts, sample_rows, sample_reqs = [], [], [], []
         for req, n in batch:
             start = req.num_computed_tokens
-            token_ids.extend(req.all_token_ids[start:start + n])
+            spec = spec_token_ids.get(req.request_id, ())
+            own = n - len(spec)
+            token_ids.extend(req.all_token_ids[start:start + own])
+            token_ids.extend(spec)
             starts.append(start)
             counts.append(n)
-            if start + n == req.num_tokens and req.pooling is None:
+            if spec:
+                sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
+                sample_reqs.extend(ProposalRow(req, list(spec[:j])) for j in range(len(spec) + 1))
+            elif start + n == req.num_tokens and req.pooling is None:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)
         width = max(len(req.block_table) for req, _ in batch)
@@ -290,6 +301,35 @@ class ModelRunner:
         layout = BatchLayout(positions, slot_mapping, tables, starts, counts, num_decode, bs, self.num_physical_blocks)
         meta = self.backend.build_metadata(layout, self.num_kv_heads)
         return torch.tensor(token_ids), positions, meta, torch.tensor(sample_rows, dtype=torch.long), sample_reqs
+
+
+def _per_request(rows: list, results: list[SampleResult], spec_token_ids: dict[str, list[int]]):
+    """The step's sampled rows back to one result per request: a request that checked proposals keeps those its
+    own samples agree with (accept_proposals)."""
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        if isinstance(row, ProposalRow):
+            spec = spec_token_ids[row.request_id]
+            yield row.state, accept_proposals(results[i:i + len(spec) + 1], spec)
+            i += len(spec) + 1
+        else:
+            yield row, results[i]
+            i += 1
+
+
+def accept_proposals(results: list[SampleResult], spec: list[int]) -> SampleResult:
+    """Exact verification of proposals that come without a distribution of their own (n-gram lookup): each
+    position was sampled from the target as if the proposals before it were accepted, and a proposal stands while
+    the target drew it. That accepts proposal d with probability p(d) and, on a rejection, gives a draw from p
+    without d, renormalized: rejection sampling with q = 1 on d. Greedy rows accept while d is the argmax. After
+    the last accepted proposal comes the sample there: the correction, or the bonus token when all stood."""
+    accepted = 0
+    while accepted < len(spec) and results[accepted].error is None and results[accepted].token_id == spec[accepted]:
+        accepted += 1
+    final = results[accepted]
+    final.accepted = results[:accepted]
+    return final
 
 
 def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

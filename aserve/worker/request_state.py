@@ -28,3 +28,35 @@ class RequestState(TokenSequence):
         self.pool_first = None  # CLS pooling: the first position's hidden state
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were already computed (never twice)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+
+
+class ProposalRow:
+    """The sampler's view of one position of a request checking proposals: the request as if the proposals before
+    this position were already its output, so that penalties, min_tokens and logprobs see that history. Its
+    generator is the request's: the rows of a step draw from it in order, so a seed gives the same run again."""
+
+    __slots__ = ("state", "output_token_ids")
+
+    def __init__(self, state: RequestState, proposed: list[int]):
+        self.state = state
+        self.output_token_ids = state.output_token_ids + proposed
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.state.prompt_token_ids
+
+    @property
+    def generator(self):
+        return self.state.generator
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)

@@ -32,6 +32,14 @@ class SampleResult:
     rank: int | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None  # this row's logits were unusable: the engine ends the request with an error
+    # Speculative decoding: the results of the proposals accepted before this token (each sampled as this one was,
+    # so each carries its own logprobs); None without proposals.
+    accepted: list["SampleResult"] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step gave the request: the accepted proposals, then its own."""
+        return [r.token_id for r in self.accepted or ()] + [self.token_id]
 
 
 def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:

@@ -133,7 +133,7 @@ def serve(worker, tp, conn: Connection | None, timeout_s: float) -> None:
             with torch.profiler.record_function("aserve.step"):  # one per step, for the profiler's table
                 out = worker.execute(message.sched)
             if tp.rank == 0:
-                sampled = {rid: r.token_id for rid, r in out.sampled.items() if r.error is None}
+                sampled = {rid: r.token_ids for rid, r in out.sampled.items() if r.error is None}
                 _reply(conn, out)
         elif message.kind is Kind.LIVE_REQUESTS:  # every rank's, so a test can see that they agree
             ids = sorted(worker.runner.requests)
