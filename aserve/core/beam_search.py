@@ -138,9 +138,8 @@ class BeamSearch:
         completes it stops, as a stop token would."""
         kept, kept_stops, grammars = [], [], []
         for candidate, stop in zip(scored, stops):
-            beam = self.beams[candidate[1]]
-            grammar = beam.grammar.fork()
-            if grammar.follow(beam.output_token_ids + [candidate[2]]):
+            grammar = self.beams[candidate[1]].grammar.fork()
+            if grammar.accept(candidate[2]):
                 kept.append(candidate)
                 kept_stops.append(stop or grammar.terminated)
                 grammars.append(grammar)

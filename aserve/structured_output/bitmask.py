@@ -10,6 +10,8 @@ are laid out in the logits' row order on the host and uploaded; the logits never
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -20,15 +22,10 @@ def apply_grammar_bitmask(logits: torch.Tensor, request_ids: list[str], structur
     several rows (speculative decoding's positions): they pair up in order."""
     import xgrammar
 
-    rows: dict[str, list[int]] = {}  # a request checking proposals has a row at each position, in order
+    rows: dict[str, deque[int]] = {}  # a request checking proposals has a row at each position, in order
     for row, rid in enumerate(structured_ids):
-        rows.setdefault(rid, []).append(row)
-    taken: dict[str, int] = {}
-    picked = []
-    for i, rid in enumerate(request_ids):
-        if rid in rows and taken.get(rid, 0) < len(rows[rid]):
-            picked.append((i, rows[rid][taken.get(rid, 0)]))
-            taken[rid] = taken.get(rid, 0) + 1
+        rows.setdefault(rid, deque()).append(row)
+    picked = [(i, rows[rid].popleft()) for i, rid in enumerate(request_ids) if rows.get(rid)]
     if not picked:
         return
     bitmask = torch.frombuffer(bytearray(bitmask_bytes), dtype=torch.int32).view(len(structured_ids), -1)

@@ -156,10 +156,13 @@ class RequestGrammar:
         if len(tokens) < self.num_accepted:
             self.matcher.reset()
             self.num_accepted = 0
-        for token in tokens[self.num_accepted:]:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
-                return False
-            self.num_accepted += 1
+        return all(self.accept(token) for token in tokens[self.num_accepted:])
+
+    def accept(self, token: int) -> bool:
+        """Accept one more token; False if it is not allowed (nothing changes then)."""
+        if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            return False
+        self.num_accepted += 1
         return True
 
     def fork(self) -> "RequestGrammar":

@@ -283,7 +283,7 @@ class ModelRunner:
             counts.append(n)
             if spec:
                 sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
-                sample_reqs.extend(ProposalRow(req, list(spec[:j])) for j in range(len(spec) + 1))
+                sample_reqs.extend(ProposalRow(req, spec[:j]) for j in range(len(spec) + 1))
             elif start + n == req.num_tokens and req.pooling is None:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)

@@ -35,11 +35,15 @@ class ProposalRow:
     this position were already its output, so that penalties, min_tokens and logprobs see that history. Its
     generator is the request's: the rows of a step draw from it in order, so a seed gives the same run again."""
 
-    __slots__ = ("state", "output_token_ids")
+    __slots__ = ("state", "proposed")
 
     def __init__(self, state: RequestState, proposed: list[int]):
         self.state = state
-        self.output_token_ids = state.output_token_ids + proposed
+        self.proposed = proposed
+
+    @property
+    def output_token_ids(self) -> list[int]:  # built only when read (penalties): not every row of every step
+        return self.state.output_token_ids + self.proposed
 
     @property
     def params(self) -> SamplingParams:
@@ -59,4 +63,4 @@ class ProposalRow:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.state.output_token_ids) + len(self.proposed)
