@@ -98,6 +98,28 @@ def test_two_nodes_on_the_loopback(tp_models):
     assert got == tokens(generate(LLM(path, **OPTIONS), GREEDY))
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_tp2_equals_tp1(tp_models, method):
+    """Rank 0 samples, so it alone runs the draft model (its cache a share of every rank's budget, so the ranks
+    agree on their block count); every rank runs the checked proposals. Greedy tokens are those without
+    speculation; seeded samples those of one rank with the same draft after the same requests. The draft is
+    another model with the target's tokenizer and a vocabulary one token shorter."""
+    target = str(tp_models["llama-kv2-untied-bias"])
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if method == "ngram" else
+            {"model": str(tp_models["qwen3-kv1-odd-vocab"]), "num_speculative_tokens": 3})
+    one = LLM(target, speculative_config=spec, **OPTIONS)
+    greedy = tokens(generate(one, GREEDY))  # first, as below: its prefix-cache hits shift when drafts start
+    seeded = tokens(generate(one, SEEDED))
+    two = LLM(target, tensor_parallel_size=2, speculative_config=spec, **OPTIONS)
+    try:
+        assert tokens(generate(two, GREEDY)) == greedy == tokens(generate(LLM(target, **OPTIONS), GREEDY))
+        assert tokens(generate(two, SEEDED)) == seeded
+        assert sum(v for name, _, v in two.get_metrics() if name == "aserve:spec_decode_num_drafts_total") > 0
+        two.engine.check_idle()
+    finally:
+        two.engine.executor.shutdown()
+
+
 def rank_pids(marker: bytes = b"aserve.worker.tp_worker") -> list[int]:
     """This test's tensor-parallel rank processes (descendants of this process) whose command line holds
     `marker`, from /proc."""

@@ -65,6 +65,9 @@ class SchedulerOutput:
     # Speculative decoding: the proposals each request checks this step, scheduled after its own next token (the
     # last of its num_scheduled_tokens are these).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # With a draft model: the requests it follows this step (catching up on their tokens, proposing for those that
+    # sample), set by the engine.
+    draft_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -30,6 +30,7 @@ from aserve.policy import load_policy
 from aserve.request import Request, RequestStatus
 from aserve.sampling_params import BeamSearchParams, SamplingParams
 from aserve.spec_decode.config import SpeculativeConfig
+from aserve.spec_decode.draft import DraftProposals
 from aserve.spec_decode.ngram import NgramProposer
 from aserve.structured_output.manager import StructuredOutputManager
 from aserve.worker.host_memory import memory_diagnostics, rss_bytes
@@ -76,8 +77,12 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = (NgramProposer(self.speculative.num_speculative_tokens, self.speculative.prompt_lookup_min,
-                                       self.speculative.prompt_lookup_max) if self.speculative else None)
+        self.proposer = None
+        if self.speculative and self.speculative.method == "draft_model":
+            self.proposer = DraftProposals()
+        elif self.speculative:
+            self.proposer = NgramProposer(self.speculative.num_speculative_tokens, self.speculative.prompt_lookup_min,
+                                          self.speculative.prompt_lookup_max)
         if self.speculative:
             log.info("speculative decoding: %s", self.speculative.describe())
         self._stats = IterationStats()
@@ -213,7 +218,11 @@ class EngineCore:
             return results
         sched.structured_request_ids, sched.grammar_bitmask = self.structured.bitmask(self.scheduler.scheduled,
                                                                                       sched.spec_token_ids)
+        if isinstance(self.proposer, DraftProposals) and self._speculating():
+            sched.draft_request_ids = [req.request_id for req, _ in self.scheduler.scheduled if _may_speculate(req)]
         ran = self.executor.execute(sched)
+        if isinstance(self.proposer, DraftProposals):
+            self.proposer.take(ran.drafts)
         by_id = {req.request_id: req for req, _ in self.scheduler.scheduled}
         for request_id, entries in ran.prompt_logprobs.items():
             by_id[request_id].prompt_logprobs.extend(entries)
@@ -270,11 +279,11 @@ class EngineCore:
         """Speculative decoding: proposals for the running requests that will sample next step (none once
         disable_by_batch_size requests are running). A request proposes no more tokens than it may still add."""
         running = self.scheduler.running
-        off = self.speculative.disable_by_batch_size
         asks = []
+        speculating = self._speculating()
         for req in running:
             req.spec_token_ids = []
-            if (off and len(running) >= off) or not _may_speculate(req):
+            if not speculating or not _may_speculate(req):
                 continue
             most = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             if most > 0 and req.num_computed_tokens == req.num_tokens - 1:
@@ -288,6 +297,11 @@ class EngineCore:
                 spec = self.structured.check_proposals(req, spec)
             if spec:
                 req.spec_token_ids = spec
+
+    def _speculating(self) -> bool:
+        """Whether this step speculates: not once disable_by_batch_size requests are running."""
+        off = self.speculative.disable_by_batch_size
+        return not off or len(self.scheduler.running) < off
 
     def _on_tokens(self, req: Request, result, before: int, proposed: list[int]) -> str | None:
         """The tokens a request that checked proposals kept, through the output processor one by one (the

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from aserve.hardware import native, resolve_dtype
 from aserve.models import parallel
-from aserve.models.interface import CausalLM
+from aserve.models.interface import CausalLM, ModelShape
 from aserve.models.registry import (BARE_ARCHITECTURES, DECODER_CLASSIFIERS, architecture, model_class, read_config,
                                     read_json)
 from aserve.ops.cpu_gemm import gemm_name, prepack_linears
@@ -103,6 +103,13 @@ def checkpoint_kv_scales(model_dir: str | Path) -> dict[int, tuple[float, float]
     if scales:
         log.info("KV cache scales for %d layers from the checkpoint", len(scales))
     return scales
+
+
+def model_shape(model_dir: str | Path) -> ModelShape:
+    """A folder's model shape from its config.json alone (the model built on the meta device: no weights read)."""
+    config = read_config(Path(model_dir))
+    with torch.device("meta"):
+        return model_class(architecture(config)).from_config(config).shape
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device = torch.device("cpu"),

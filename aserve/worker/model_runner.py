@@ -33,10 +33,11 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
 class ModelRunnerOutput:
     """What one step produced, by request id: a sampled token (or an error) and any new prompt logprobs; for a
     pooling request whose prompt ended this step, its pooled vector (float32, on the host): a classifier's is
-    its labels' logits."""
+    its labels' logits. With a draft model, its proposals for the requests it drafts for."""
     sampled: dict[str, SampleResult] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's proposals, for the next step
 
 
 # A lazily zeroed KV cache (host_memory.lazy_zeros) pays a page fault on the first write to each of its 4 KiB
@@ -101,6 +102,7 @@ class ModelRunner:
         self.pools = False  # the pooling runner (set by the worker): requests pool their prompt, nothing is sampled
         self.lora: LoRASlots | None = None  # multi-LoRA: the adapters' device slots (enable_lora)
         self.lora_step: lora_layers.LoRAStep | None = None  # this step's token -> slot mask, read by every layer
+        self.drafter = None  # speculative decoding's draft model (worker.drafter.Drafter), on the sampling rank
 
     def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
         """Give the model's adaptable linear layers their LoRA deltas, fed by `max_loras` device slots."""
@@ -131,7 +133,11 @@ class ModelRunner:
         """Fold the step's plain data into the persistent per-request states."""
         for request_id in sched.finished_ids:
             self.requests.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
         for new in sched.new_requests:
+            if self.drafter is not None:  # an id used again: nothing of the earlier request's drafts holds
+                self.drafter.forget(new.request_id)
             state = self.requests[new.request_id] = RequestState(
                 new.request_id, new.prompt_token_ids, new.params, new.block_table, new.num_computed_tokens, new.lora,
                 new.pooling)
@@ -194,6 +200,9 @@ class ModelRunner:
                     for token_id in sampled.token_ids:
                         state.append_token(token_id)
                 result.sampled[state.request_id] = sampled
+        if self.drafter is not None and sched.draft_request_ids:
+            drafting = set(sched.draft_request_ids)
+            result.drafts = self.drafter.propose([x for x in batch if x[0].request_id in drafting], result.sampled)
         return result
 
     def _map_adapters(self, batch: list[tuple[RequestState, int]]) -> None:
@@ -270,7 +279,6 @@ class ModelRunner:
     def _prepare(self, batch: list[tuple[RequestState, int]], spec_token_ids: dict[str, list[int]]):
         """The step's flat inputs. A request checking proposals runs its next token and the proposals after it, and
         samples at each of those positions (a ProposalRow each)."""
-        bs = self.block_size
         token_ids: list[int] = []
         starts, counts, sample_rows, sample_reqs = [], [], [], []
         for req, n in batch:
@@ -283,24 +291,31 @@ class ModelRunner:
             counts.append(n)
             if spec:
                 sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
-                sample_reqs.extend(ProposalRow(req, spec[:j]) for j in range(len(spec) + 1))
+                q = self.drafter.distributions(req.request_id, spec) if self.drafter is not None else None
+                sample_reqs.extend(ProposalRow(req, spec[:j], q[j] if q is not None and j < len(spec) else None,
+                                               spec[j] if j < len(spec) else None) for j in range(len(spec) + 1))
             elif start + n == req.num_tokens and req.pooling is None:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)
-        width = max(len(req.block_table) for req, _ in batch)
+        positions, meta = self.flat_batch([req.block_table for req, _ in batch], starts, counts)
+        return torch.tensor(token_ids), positions, meta, torch.tensor(sample_rows, dtype=torch.long), sample_reqs
+
+    def flat_batch(self, block_tables: list[list[int]], starts: list[int], counts: list[int]):
+        """Positions and attention metadata of a flat batch: row i runs counts[i] tokens from position starts[i]
+        through block_tables[i]; rows of one token (decodes) come first."""
+        bs = self.block_size
+        width = max(map(len, block_tables))
         null = [self.null_block]
-        tables = torch.tensor([req.block_table + null * (width - len(req.block_table)) for req, _ in batch],
-                              dtype=torch.long)
+        tables = torch.tensor([table + null * (width - len(table)) for table in block_tables], dtype=torch.long)
         starts_t = torch.tensor(starts)
         counts_t = torch.tensor(counts)
-        row_of_token = torch.repeat_interleave(torch.arange(len(batch)), counts_t)
+        row_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
         first_token = torch.cumsum(counts_t, 0) - counts_t
-        positions = starts_t[row_of_token] + torch.arange(len(token_ids)) - first_token[row_of_token]
+        positions = starts_t[row_of_token] + torch.arange(int(counts_t.sum())) - first_token[row_of_token]
         slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
-        num_decode = sum(1 for _, n in batch if n == 1)
+        num_decode = sum(1 for n in counts if n == 1)
         layout = BatchLayout(positions, slot_mapping, tables, starts, counts, num_decode, bs, self.num_physical_blocks)
-        meta = self.backend.build_metadata(layout, self.num_kv_heads)
-        return torch.tensor(token_ids), positions, meta, torch.tensor(sample_rows, dtype=torch.long), sample_reqs
+        return positions, self.backend.build_metadata(layout, self.num_kv_heads)
 
 
 def _per_request(rows: list, results: list[SampleResult], spec_token_ids: dict[str, list[int]]):

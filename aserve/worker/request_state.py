@@ -29,17 +29,23 @@ class RequestState(TokenSequence):
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were already computed (never twice)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
 
+    draft_q = None  # a row checking a draft model's proposal: the draft's distribution (see ProposalRow)
+
 
 class ProposalRow:
     """The sampler's view of one position of a request checking proposals: the request as if the proposals before
     this position were already its output, so that penalties, min_tokens and logprobs see that history. Its
-    generator is the request's: the rows of a step draw from it in order, so a seed gives the same run again."""
+    generator is the request's: the rows of a step draw from it in order, so a seed gives the same run again.
+    A row checking a draft model's proposal carries it (`draft_token`) and the distribution the draft drew it
+    from (`draft_q`, None for a greedy request or an n-gram proposal), for the sampler's rejection sampling."""
 
-    __slots__ = ("state", "proposed")
+    __slots__ = ("state", "proposed", "draft_q", "draft_token")
 
-    def __init__(self, state: RequestState, proposed: list[int]):
+    def __init__(self, state: RequestState, proposed: list[int], draft_q=None, draft_token: int | None = None):
         self.state = state
         self.proposed = proposed
+        self.draft_q = draft_q
+        self.draft_token = draft_token
 
     @property
     def output_token_ids(self) -> list[int]:  # built only when read (penalties): not every row of every step

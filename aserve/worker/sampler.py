@@ -160,18 +160,8 @@ def beam_candidates(logits: torch.Tensor, reqs: list[RequestState], rows: list[i
             for j, r in enumerate(reqs)]
 
 
-def sample(logits: torch.Tensor, reqs: list[RequestState],
-           beam_normalizers: torch.Tensor | None = None) -> list[SampleResult]:
-    """One token per row (or, for a beam-search row, its candidates). `beam_normalizers`: see beam_candidates."""
-    n, device = len(reqs), logits.device
-    bad_rows = unusable_rows(logits)
-    if logits.dtype != torch.float32 and (bad_rows or not all(map(reads_logits_as_they_are, reqs))):
-        logits = logits.float()  # what follows writes to the logits or needs fp32 arithmetic
-    if bad_rows:  # sample the rest as usual; these rows get an error instead of a token
-        logits[bad_rows] = 0.0
-    want_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-    raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
-
+def steer(logits: torch.Tensor, reqs: list[RequestState]) -> None:
+    """min_tokens (stop ids banned before it) and the penalties, in place, on writable fp32 logits."""
     held_back = {}  # row -> the stop ids min_tokens bans there
     for i, r in enumerate(reqs):
         p = r.params
@@ -188,6 +178,80 @@ def sample(logits: torch.Tensor, reqs: list[RequestState],
         with keeping_a_candidate(logits, penalized):
             apply_penalties(logits, reqs, penalized)
 
+
+def scale(x: torch.Tensor, sub: list[RequestState]) -> torch.Tensor:
+    """Sampled rows' logits divided by their temperature, then top-k, top-p and min-p."""
+    temperatures = [r.params.temperature for r in sub]
+    if any(t != 1.0 for t in temperatures):
+        x = x / torch.tensor(temperatures, device=x.device).clamp_(MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
+    if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
+        x = _filter(x, sub)
+    return x
+
+
+def uniforms(sub: list[RequestState]) -> torch.Tensor:
+    """One uniform draw per row, on the host (the generators' device): a seeded request's from its own generator."""
+    uniform = torch.rand(len(sub))
+    for j, r in enumerate(sub):
+        if r.generator is not None:
+            uniform[j] = torch.rand(1, generator=r.generator)
+    return uniform
+
+
+def rejection_sample(x: torch.Tensor, q: torch.Tensor, proposed: torch.Tensor, accept_u: torch.Tensor,
+                     residual_u: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for rows checking a draft model's proposal
+    d, drawn from the draft's distribution q: keep d with probability min(1, p(d) / q(d)), else draw from
+    max(p - q, 0) normalized. The token that comes out follows p = softmax(x) exactly, whatever q is. A rejected
+    row's token is never d (there p(d) < q(d), so its residual is 0), which is how the caller tells them apart."""
+    p = x.float().softmax(dim=-1)
+    p_d = p.gather(1, proposed.unsqueeze(1)).squeeze(1)
+    q_d = q.gather(1, proposed.unsqueeze(1)).squeeze(1)
+    keep = accept_u * q_d < p_d
+    residual = (p - q).clamp_(min=0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)  # p == q: never rejected
+    cdf = residual.cumsum_(dim=-1)
+    picked = torch.searchsorted(cdf, residual_u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    return torch.where(keep, proposed, picked.clamp_(max=x.shape[-1] - 1))
+
+
+def draw_proposals(logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list[int | None], list]:
+    """A draft model's next tokens, one per row: a greedy request's is the draft's argmax; a sampled one's is drawn
+    from the draft's distribution q, shaped as the target's will be (min_tokens, penalties, temperature, top-k,
+    top-p, min-p), and q comes back with it for the target's rejection sampling (None for greedy rows). A row
+    whose logits are unusable proposes nothing (None)."""
+    bad = set(unusable_rows(logits))
+    logits = logits.float()
+    if bad:
+        logits[list(bad)] = 0.0
+    steer(logits, reqs)
+    tokens = logits.argmax(dim=-1)
+    q: list = [None] * len(reqs)
+    random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if random_rows:
+        sub = [reqs[i] for i in random_rows]
+        index = torch.tensor(random_rows, device=logits.device)
+        x = scale(logits[index], sub)
+        tokens[index] = draw(x, uniforms(sub).to(logits.device))
+        for i, row in zip(random_rows, x.softmax(dim=-1)):
+            q[i] = row
+    return [None if i in bad else t for i, t in enumerate(tokens.tolist())], q
+
+
+def sample(logits: torch.Tensor, reqs: list[RequestState],
+           beam_normalizers: torch.Tensor | None = None) -> list[SampleResult]:
+    """One token per row (or, for a beam-search row, its candidates). `beam_normalizers`: see beam_candidates."""
+    n, device = len(reqs), logits.device
+    bad_rows = unusable_rows(logits)
+    if logits.dtype != torch.float32 and (bad_rows or not all(map(reads_logits_as_they_are, reqs))):
+        logits = logits.float()  # what follows writes to the logits or needs fp32 arithmetic
+    if bad_rows:  # sample the rest as usual; these rows get an error instead of a token
+        logits[bad_rows] = 0.0
+    want_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+
+    steer(logits, reqs)
+
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if len(random_rows) < n:
         tokens = logits.argmax(dim=-1)
@@ -196,17 +260,16 @@ def sample(logits: torch.Tensor, reqs: list[RequestState],
     if random_rows:
         sub = [reqs[i] for i in random_rows]
         index = torch.tensor(random_rows, device=device)
-        x = logits if len(random_rows) == n else logits[index]
-        temperatures = [r.params.temperature for r in sub]
-        if any(t != 1.0 for t in temperatures):
-            x = x / torch.tensor(temperatures, device=device).clamp_(MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
-        if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
-            x = _filter(x, sub)
-        uniform = torch.rand(len(sub))  # on the host (the generators' device); .to() is free on the CPU
-        for j, r in enumerate(sub):
-            if r.generator is not None:
-                uniform[j] = torch.rand(1, generator=r.generator)
+        x = scale(logits if len(random_rows) == n else logits[index], sub)
+        uniform = uniforms(sub)
         tokens[index] = draw(x, uniform.to(device))
+        drafted = [j for j, r in enumerate(sub) if r.draft_q is not None]
+        if drafted:  # rows checking a draft model's proposal: rejection sampling against its distribution
+            rows = torch.tensor(drafted, device=device)
+            tokens[index[rows]] = rejection_sample(
+                x[rows], torch.stack([sub[j].draft_q for j in drafted]),
+                torch.tensor([sub[j].draft_token for j in drafted], device=device), uniform[drafted].to(device),
+                uniforms([sub[j] for j in drafted]).to(device))
 
     token_list = tokens.tolist()  # what every step brings to the host
     results = [SampleResult(t) for t in token_list]

@@ -14,6 +14,8 @@ from aserve.core.scheduler import SchedulerOutput
 from aserve.hardware import resolve_device
 from aserve.models.loader import checkpoint_kv_scales, load_model
 from aserve.models.parallel import TensorParallel
+from aserve.spec_decode.config import SpeculativeConfig
+from aserve.worker.drafter import Drafter, split_memory
 from aserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 
@@ -47,12 +49,20 @@ class Worker:
         loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len,
                             quantization=config.quantization, quantize_lm_head=config.quantize_lm_head, tp=tp)
         scales = checkpoint_kv_scales(config.model) if config.kv_cache_dtype != "auto" else None
-        self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, config.kv_cache_memory,
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        drafts = spec is not None and spec.method == "draft_model"
+        kv_memory, draft_memory = (split_memory(config.kv_cache_memory, loaded.model.shape, spec.model, loaded.dtype)
+                                   if drafts else (config.kv_cache_memory, 0))
+        self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, kv_memory,
                                   config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,
                                   config.calculate_kv_scales, config.kv_cache_prefault_tokens)
         self.runner.pools = config.resolved_runner == "pooling"
         if config.enable_lora:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        if drafts and (tp is None or tp.rank == 0):  # the rank that samples drafts; the others only verify
+            max_model_len = config.max_model_len or loaded.model.shape.max_position_embeddings
+            self.runner.drafter = Drafter(spec, self.runner, draft_memory, max_model_len,
+                                          config.token_budget(device), config.tokenizer or config.model)
         shape = loaded.model.shape
         self.info = WorkerInfo(type(loaded.model).__name__, loaded.config, str(loaded.dtype).replace("torch.", ""),
                                loaded.dtype_reason, shape.vocab_size, shape.max_position_embeddings,
