@@ -102,6 +102,10 @@ def validate_request(facts: EngineFacts, prompt_token_ids: list[int], params: "S
     if bad is not None:
         raise InvalidRequestError(f"prompt token id {bad!r} is out of range: the vocabulary has {facts.vocab_size} "
                                   f"tokens (ids 0..{facts.vocab_size - 1})", "prompt")
+    bad = next((t for t in params.logit_bias or () if t >= facts.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"logit_bias token id {bad} is out of range: the vocabulary has {facts.vocab_size} "
+                                  f"tokens (ids 0..{facts.vocab_size - 1})", "logit_bias")
     if num_prompt >= facts.max_model_len:
         raise InvalidRequestError(f"the prompt has {num_prompt} tokens, but max_model_len is {facts.max_model_len}: "
                                   f"it must be shorter, to leave room for at least one output token", "prompt")

@@ -32,6 +32,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # log-probabilities of the prompt's own tokens (+ top k); no prefix cache
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar to match
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits, each in [-100, 100]
     # Filled in by the engine: the model's eos ids, which end a request unless ignore_eos.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
     # Set by BeamSearchParams.sampling_params(): the request runs as a beam search (see core/beam_search.py);
@@ -43,6 +44,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
         self._validate()
@@ -77,6 +79,10 @@ class SamplingParams:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a non-empty string or a list of them")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "a list of non-negative token ids")
+        need(self.logit_bias is None or all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+            and not isinstance(b, bool) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+            "logit_bias", "a map of token ids to biases in [-100, 100]")
         need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "None or a StructuredOutputsParams")
 

@@ -4,7 +4,12 @@ with random bf16 weights and a small byte-level BPE tokenizer; with --bert, the 
 instead: a BERT-base-shaped encoder (hidden 768, 12 layers, 12 heads, vocab 30522) with a WordPiece tokenizer,
 saved as a sentence-transformers folder (mean pooling, normalized), as most BERT-based embedders ship.
 
+With --draft-from DIR: a draft model for speculative decoding instead: DIR's model cut to its first --layers layers
+(default 3), with DIR's tokenizer and final norm: an early-exit copy that agrees with DIR where its first layers
+already decide the next token.
+
 Usage: python benchmarks/make_bench_model.py OUT_DIR [--bert] [--layers N] [--seed S] [--corpus-bytes B]
+       python benchmarks/make_bench_model.py OUT_DIR --draft-from BENCH_MODEL_DIR [--layers N]
 
 Random weights measure speed as well as trained ones do: run them with ignore_eos and fixed lengths, as vLLM's own
 benchmarks do. The tokenizer is trained on this Python's standard library sources, so nothing is downloaded.
@@ -82,6 +87,33 @@ def write_bert(args) -> None:
     print(f"wrote {out}: a BERT-base-shaped sentence-transformers embedder")
 
 
+def write_draft(args) -> None:
+    """The first --layers layers of --draft-from's model, everything else as it is there."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, out, keep = pathlib.Path(args.draft_from), pathlib.Path(args.out), args.layers or 3
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(f).items():
+            layer = re.search(r"\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < keep:
+                weights[name] = tensor
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    for index in out.glob("*.safetensors.index.json"):
+        index.unlink()
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = keep
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    print(f"wrote {out}: the first {keep} layers of {src}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the folder to write (Hugging Face format)")
@@ -90,9 +122,12 @@ def main() -> None:
                     help="layers (default 30, SmolLM2-135M's; with --bert 12, BERT-base's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000, help="how much stdlib source trains the tokenizer")
+    ap.add_argument("--draft-from", default=None, help="write a draft model: this folder's model, first --layers kept")
     args = ap.parse_args()
     if args.bert:
         return write_bert(args)
+    if args.draft_from:
+        return write_draft(args)
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.errors import InvalidRequestError
 from aserve.request import RequestStatus
 from aserve.worker.request_state import RequestState
 from aserve.worker.sampler import apply_penalties
@@ -140,6 +141,30 @@ def test_repetition_penalty_matches_transformers(llm, model_dirs):
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
                              eos_token_id=0)
         assert got == ref[0, len(prompt):].tolist()
+
+
+def test_logit_bias_matches_transformers(llm, model_dirs):
+    """OpenAI's logit_bias as transformers' sequence_bias on single tokens: greedy outputs agree token for token;
+    +100 on a token makes it the only one drawn, and an id outside the vocabulary is refused by name."""
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    first = [o.outputs[0].token_ids for o in llm.generate(token_prompts(PROMPTS[:3]), plain, use_tqdm=False)]
+    bias = {first[0][0]: -100.0, first[1][1]: -5.0, 17: 6.0, 1234: 3.5}
+    ours = [o.outputs[0].token_ids for o in llm.generate(token_prompts(PROMPTS[:3]), plain.clone(logit_bias=bias),
+                                                        use_tqdm=False)]
+    assert ours != first
+    model = load_reference(model_dirs["llama-gqa-tied"])
+    for prompt, got in zip(PROMPTS[:3], ours):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             sequence_bias={(t,): b for t, b in bias.items()},
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
+                             eos_token_id=0)
+        assert got == ref[0, len(prompt):].tolist()
+    forced = SamplingParams(temperature=1.0, max_tokens=8, logit_bias={42: 100.0}, seed=3)
+    assert llm.generate(token_prompts(PROMPTS[:1]), forced, use_tqdm=False)[0].outputs[0].token_ids == [42] * 8
+    with pytest.raises(InvalidRequestError, match="logit_bias token id 99999 is out of range"):
+        llm.generate(token_prompts(PROMPTS[:1]), plain.clone(logit_bias={99999: 1.0}), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="logit_bias must be a map of token ids to biases in"):
+        SamplingParams(logit_bias={5: 101.0})
 
 
 def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], repetition: float,

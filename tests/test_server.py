@@ -154,6 +154,12 @@ def test_stop_max_tokens_logprobs_and_token_prompts(client):
     for t in content:
         assert [x.token for x in t.top_logprobs][0] == t.token and t.top_logprobs[0].logprob == t.logprob
         assert len(t.top_logprobs) == 2 and t.top_logprobs[1].logprob <= t.logprob
+    biased = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4, logit_bias={"42": 100},
+                                       logprobs=0)
+    chat_biased = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=3, logit_bias={"42": 100}, logprobs=True)
+    assert biased.choices[0].logprobs.tokens == [biased.choices[0].logprobs.tokens[0]] * 4
+    assert [t.token for t in chat_biased.choices[0].logprobs.content] == [biased.choices[0].logprobs.tokens[0]] * 3
     echo = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0, echo=True)
     no_echo = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0)
     assert echo.choices[0].text == "abc" + no_echo.choices[0].text
@@ -179,6 +185,10 @@ def test_wrong_api_key_is_rejected(server):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 12}, 400, "max_tokens"),
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
     ({"model": MODEL}, 400, None),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "use_beam_search": True, "logit_bias": {"5": 1}}, 400, "logit_bias"),
 ])
 def test_bad_requests_get_clear_errors(server, client, body, status, param):
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})

@@ -105,13 +105,13 @@ def test_greedy_equals_decoding_without_and_transformers(pair, model_dirs):
     spec.engine.check_idle()
 
 
-def test_logprobs_penalties_min_tokens_and_stop_strings_hold(pair):
+def test_logprobs_penalties_min_tokens_logit_bias_and_stop_strings_hold(pair):
     """Each checked position is sampled with the history its proposals give it: penalties, min_tokens and
     logprobs come out as without speculation; a stop string inside an accepted run cuts the rest off."""
     plain, spec = pair
     prompts = looping_prompts(6, seed=5)
     for options in (dict(logprobs=3), dict(repetition_penalty=1.3, frequency_penalty=0.2),
-                    dict(min_tokens=30, stop_token_ids=[7, 9, 11])):
+                    dict(min_tokens=30, stop_token_ids=[7, 9, 11]), dict(logit_bias={7: 2.0, 9: -3.0, 300: 4.0})):
         want, got = greedy(plain, prompts, **options), greedy(spec, prompts, **options)
         assert [o.token_ids for o in got] == [o.token_ids for o in want], options
         if "logprobs" in options:

@@ -133,11 +133,11 @@ def test_a_draft_equal_to_the_target_is_always_accepted_when_sampling(engines):
     assert_draft_idle(llm)
 
 
-def test_logprobs_penalties_min_tokens_and_stop_strings_hold(engines):
+def test_logprobs_penalties_min_tokens_logit_bias_and_stop_strings_hold(engines):
     plain, spec = engines["plain"], engines["other"]
     prompts = looping_prompts(6, seed=5)
     for options in (dict(logprobs=3), dict(repetition_penalty=1.3, frequency_penalty=0.2),
-                    dict(min_tokens=30, stop_token_ids=[7, 9, 11])):
+                    dict(min_tokens=30, stop_token_ids=[7, 9, 11]), dict(logit_bias={7: 2.0, 9: -3.0, 300: 4.0})):
         want, got = greedy(plain, prompts, **options), greedy(spec, prompts, **options)
         assert [o.token_ids for o in got] == [o.token_ids for o in want], options
         if "logprobs" in options:

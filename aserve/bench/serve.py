@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    parser.add_argument("--prompt-repeats", type=int, default=1, metavar="N",
+                        help="each prompt a random passage of input-len / N tokens given N times (a prompt that "
+                             "quotes itself: where speculative decoding pays)")
     parser.add_argument("--api-key", default=os.environ.get("ASERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
@@ -108,16 +112,18 @@ async def run(args: argparse.Namespace) -> dict:
         card = (await client.get("/v1/models")).json()["data"][0]
         print(await describe_server(client), flush=True)
         model = args.model or card["id"]
-        prompts = random_prompts(args.num_prompts, args.input_len, card.get("vocab_size", 1000), {0}, args.seed)
+        prompts = random_prompts(args.num_prompts, args.input_len, card.get("vocab_size", 1000), {0}, args.seed,
+                                 args.prompt_repeats)
         rng = random.Random(args.seed)
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
 
         async def send(prompt):
             async with gate:
                 body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
-                        "temperature": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+                        "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
                 return await _one(client, "/v1/completions", body, {})
 
+        drafts_before = await _spec_counters(client)
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
@@ -126,7 +132,26 @@ async def run(args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration)
+        drafts_after = await _spec_counters(client)
+    summary = summarize(results, duration)
+    if drafts_before and drafts_after and drafts_after["num_drafts"] > drafts_before["num_drafts"]:
+        summary["speculative"] = {name: drafts_after[name] - drafts_before[name] for name in drafts_after}
+    return summary
+
+
+async def _spec_counters(client) -> dict[str, float] | None:
+    """The server's speculative-decoding counters (its /metrics), so the report can say how much was accepted
+    during the run; None where the server has none (no speculation, or not an aserve server)."""
+    try:
+        text = (await client.get("/metrics")).text
+    except Exception:  # noqa: BLE001 - not every server has them
+        return None
+    found = {}
+    for line in text.splitlines():
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if line.startswith(f"aserve:spec_decode_{name}_total"):
+                found[name] = float(line.rsplit(" ", 1)[1])
+    return found if len(found) == 3 else None
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -165,6 +190,13 @@ def print_report(s: dict) -> None:
         print("{s:{c}^50}".format(s=title, c="-"))
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             line(f"{name} {short} (ms):", s[key][stat])
+    spec = s.get("speculative")
+    if spec:
+        print("{s:{c}^50}".format(s="Speculative Decoding", c="-"))
+        line("Drafts:", int(spec["num_drafts"]))
+        line("Draft tokens:", int(spec["num_draft_tokens"]))
+        line("Acceptance rate (%):", 100 * spec["num_accepted_tokens"] / max(1, spec["num_draft_tokens"]))
+        line("Mean acceptance length:", 1 + spec["num_accepted_tokens"] / max(1, spec["num_drafts"]))
     print("=" * 50)
     for error in s["errors"]:
         print(f"error: {error}")

@@ -66,6 +66,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     seed: Seed | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None  # token id (as a string) -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -104,8 +105,19 @@ class SamplingFields(msgspec.Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs)
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=structured_outputs,
+            logit_bias=self._logit_bias())
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias has token ids as JSON keys, so strings: each must be a whole number."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def beam_search_params(self, max_tokens: int | None, logprobs: int | None, structured_outputs) -> BeamSearchParams:
         """use_beam_search: the request as a beam search of n beams; a field it cannot honour is refused by name."""
@@ -116,7 +128,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                        "min_p": self.min_p != 0, "seed": self.seed is not None, "min_tokens": self.min_tokens != 0,
                        "presence_penalty": self.presence_penalty != 0,
                        "frequency_penalty": self.frequency_penalty != 0,
-                       "repetition_penalty": self.repetition_penalty != 1, "logprobs": logprobs is not None}
+                       "repetition_penalty": self.repetition_penalty != 1, "logprobs": logprobs is not None,
+                       "logit_bias": bool(self.logit_bias)}
         for name, given in unsupported.items():
             if given:
                 raise InvalidRequestError(f"{name} cannot be used with use_beam_search: beam search keeps the "

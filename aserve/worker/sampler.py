@@ -123,6 +123,7 @@ def reads_logits_as_they_are(r: RequestState) -> bool:
     temperature 1): argmax and the draw then read 16-bit logits directly, as exact as from an fp32 copy."""
     p = r.params
     return (p.logprobs is None and p.beam is None and r.num_output_tokens >= p.min_tokens and not p.needs_penalties
+            and not p.logit_bias
             and (p.greedy or (p.temperature == 1.0 and not p.top_k and p.top_p >= 1 and p.min_p <= 0)))
 
 
@@ -161,7 +162,8 @@ def beam_candidates(logits: torch.Tensor, reqs: list[RequestState], rows: list[i
 
 
 def steer(logits: torch.Tensor, reqs: list[RequestState]) -> None:
-    """min_tokens (stop ids banned before it) and the penalties, in place, on writable fp32 logits."""
+    """min_tokens (stop ids banned before it), logit_bias and the penalties, in that order (vLLM's), in place, on
+    writable fp32 logits."""
     held_back = {}  # row -> the stop ids min_tokens bans there
     for i, r in enumerate(reqs):
         p = r.params
@@ -173,6 +175,10 @@ def steer(logits: torch.Tensor, reqs: list[RequestState]) -> None:
         with keeping_a_candidate(logits, list(held_back)):
             for i, banned in held_back.items():
                 logits[i, banned] = float("-inf")
+    for i, r in enumerate(reqs):
+        if r.params.logit_bias:
+            bias = r.params.logit_bias
+            logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
     penalized = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
     if penalized:
         with keeping_a_candidate(logits, penalized):
