@@ -8,7 +8,13 @@ With --draft-from DIR: a draft model for speculative decoding instead: DIR's mod
 (default 3), with DIR's tokenizer and final norm: an early-exit copy that agrees with DIR where its first layers
 already decide the next token.
 
+With --damp-after N: the bench model with the output projections (o_proj, down_proj) of its layers from N on
+scaled by --damp-factor (default 0.3): the same shape and cost, but its first N layers already decide most tokens,
+so that a draft of those N layers (--draft-from) agrees with it as a good draft agrees with its target: a pair to
+measure speculative decoding's machinery at a realistic acceptance rate (random weights have no real draft).
+
 Usage: python benchmarks/make_bench_model.py OUT_DIR [--bert] [--layers N] [--seed S] [--corpus-bytes B]
+                                             [--damp-after N [--damp-factor F]]
        python benchmarks/make_bench_model.py OUT_DIR --draft-from BENCH_MODEL_DIR [--layers N]
 
 Random weights measure speed as well as trained ones do: run them with ignore_eos and fixed lengths, as vLLM's own
@@ -122,6 +128,8 @@ def main() -> None:
                     help="layers (default 30, SmolLM2-135M's; with --bert 12, BERT-base's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000, help="how much stdlib source trains the tokenizer")
+    ap.add_argument("--damp-after", type=int, default=None, help="scale the output projections of layers from here on")
+    ap.add_argument("--damp-factor", type=float, default=0.3)
     ap.add_argument("--draft-from", default=None, help="write a draft model: this folder's model, first --layers kept")
     args = ap.parse_args()
     if args.bert:
@@ -138,6 +146,11 @@ def main() -> None:
                          max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if args.damp_after is not None:
+        with torch.no_grad():
+            for layer in model.model.layers[args.damp_after:]:
+                layer.self_attn.o_proj.weight.mul_(args.damp_factor)
+                layer.mlp.down_proj.weight.mul_(args.damp_factor)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
 

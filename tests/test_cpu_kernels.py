@@ -439,3 +439,41 @@ def test_backend_kernels_match_the_torch_path(monkeypatch, dtype, block_size, wi
                                             (kv[0, 0], kv[0, 1]), meta).float()
     tol = TOL[dtype]
     torch.testing.assert_close(outs[True], outs[False], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("window", [None, 7])
+def test_short_chunks_run_as_decode_rows_with_the_same_result(monkeypatch, dtype, kernels, window):
+    """Short chunks after a cached context (speculative decoding's checked proposals), placed after the decodes as
+    the runner orders them, run as one decode row per token; the output is what the prefill path gives them."""
+    from types import SimpleNamespace
+
+    from aserve.attention import backend as attention_backend, torch_backend
+    from conftest import make_layout
+
+    requests = [(3, 1), (40, 1), (21, 6), (30, 5), (17, 8), (0, 9), (5, 19)]
+    assert [attention_backend.batch_order(n, start) for start, n in requests] == [0, 0, 1, 1, 1, 2, 2]
+    gen = torch.Generator().manual_seed(5)
+    layout = make_layout(requests, 16, gen)
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    layer = SimpleNamespace(scale=head_dim ** -0.5, sliding_window=window, logit_softcap=None, k_scale=1.0,
+                            v_scale=1.0, causal=True)
+    tokens = len(layout.positions)
+    query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    key, value = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    backend = torch_backend.TorchAttentionBackend()
+    shape = backend.kv_cache_shape(1, layout.num_physical_blocks, 16, num_kv_heads, head_dim)
+    cache = torch.randn(shape, generator=gen).to(dtype)
+    monkeypatch.setattr(cpu_kernels, "usable", (lambda *t: True) if kernels else (lambda *t: False))
+    outs = {}
+    for short in (True, False):
+        if not short:
+            monkeypatch.setattr(torch_backend, "batch_order", lambda n, start: 0 if n == 1 else 2)
+        meta = backend.build_metadata(layout, num_kv_heads)
+        assert (meta.num_decode_tokens, len(meta.prefills)) == ((2 + 6 + 5 + 8, 2) if short else (2, 5))
+        kv = cache.clone()
+        with torch.inference_mode():
+            outs[short] = backend.forward(layer, query, key, value, (kv[0, 0], kv[0, 1]), meta).float()
+    tol = TOL[dtype]
+    torch.testing.assert_close(outs[True], outs[False], atol=tol, rtol=tol)

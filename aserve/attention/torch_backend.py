@@ -1,7 +1,8 @@
 """The torch backend: the CPU path, and the reference every other backend is tested against.
 
 On the CPU, two of aserve's kernels (ops.cpu_kernels) read the paged cache in place: decode requests attend in
-one call of the decode kernel, and every prefill chunk in one call of the prefill kernel (FlashAttention's
+one call of the decode kernel (with the tokens of short chunks after a cached context, as rows of their own: see
+backend.SHORT_CHUNK), and every other prefill chunk in one call of the prefill kernel (FlashAttention's
 blocking: each chunk's queries over its cached context, then causally over itself, whose keys are written
 before attention runs). Elsewhere, or without the kernels, decode requests go through a head-major gather of
 their blocks and two batched matmuls, and each prefill chunk through SDPA (causal, after any cached context).
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.attention import kv_quant
-from aserve.attention.backend import BatchLayout
+from aserve.attention.backend import BatchLayout, batch_order
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention
 
@@ -114,16 +115,22 @@ class TorchAttentionBackend:
         meta = TorchAttentionMetadata(self, layout.slot_mapping, num_kv_heads=num_kv_heads,
                                       num_physical_blocks=layout.num_physical_blocks,
                                       null_block=layout.num_physical_blocks - 1)
-        nd = layout.num_decode
-        if nd:
-            context = torch.tensor(layout.starts[:nd]) + 1
-            num_blocks = -(-(max(layout.starts[:nd]) + 1) // bs)
-            meta.num_decode_tokens = nd
-            meta.decode_tables = tables[:nd, :num_blocks].contiguous()
-            meta.decode_context = context
+        nd, starts, counts = layout.num_decode, layout.starts, layout.counts
+        rows, context = list(range(nd)), [start + 1 for start in starts[:nd]]
+        chunk = nd
+        while chunk < len(counts) and batch_order(counts[chunk], starts[chunk]) == 1:  # as decode rows (SHORT_CHUNK)
+            rows += [chunk] * counts[chunk]
+            context += range(starts[chunk] + 1, starts[chunk] + counts[chunk] + 1)
+            chunk += 1
+        if rows:
+            num_blocks = -(-max(context) // bs)
+            meta.num_decode_tokens = len(rows)
+            meta.decode_tables = (tables[:nd, :num_blocks].contiguous() if chunk == nd
+                                  else tables[torch.tensor(rows), :num_blocks])
+            meta.decode_context = torch.tensor(context)
             meta.decode_width = num_blocks * bs
-        row = nd
-        for i in range(nd, len(layout.counts)):
+        row = len(rows)
+        for i in range(chunk, len(counts)):
             start, n = layout.starts[i], layout.counts[i]
             meta.prefills.append(PrefillChunk(row, row + n, start, tables[i:i + 1, :(start + n + bs - 1) // bs]))
             row += n

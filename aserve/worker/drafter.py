@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from aserve.attention.backend import batch_order
 from aserve.models.interface import ModelShape
 from aserve.models.loader import load_model, load_tokenizer, model_shape
 from aserve.spec_decode.config import SpeculativeConfig
@@ -134,7 +135,7 @@ class Drafter:
             rows.append((req, state, start, count, wants))
         if not rows:
             return {}
-        rows.sort(key=lambda row: row[3] != 1)  # decodes first, as the backend wants them
+        rows.sort(key=lambda row: batch_order(row[3], row[2]))  # decodes first, as the backend wants them
         logits = self._run([(state, req.all_token_ids[start:start + count], start)
                             for req, state, start, count, _ in rows], [wants > 0 for *_, wants in rows])
         for req, state, start, count, _ in rows:

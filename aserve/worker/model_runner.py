@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aserve.attention import Attention, AttentionBackend, BatchLayout, kv_quant, select_backend
+from aserve.attention.backend import batch_order
 from aserve.core.scheduler import SchedulerOutput
 from aserve.lora import layers as lora_layers
 from aserve.lora.cache import LoRASlots
@@ -169,7 +170,7 @@ class ModelRunner:
         if not sched.num_scheduled_tokens:
             return result
         scheduled = [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens]
-        batch = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
+        batch = sorted(scheduled, key=lambda x: batch_order(x[1], x[0].num_computed_tokens))
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch, sched.spec_token_ids)
         if self.device.type != "cpu":  # built on the host; the backend moves its own metadata
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
