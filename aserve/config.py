@@ -16,7 +16,7 @@ DEFAULT_MODEL_NAME = "aserve-default"
 log = logging.getLogger("aserve")
 
 # vLLM engine arguments a ported script may pass that mean nothing here (with their harmless values).
-VLLM_ONLY_OPTIONS = {"pipeline_parallel_size": 1, "gpu_memory_utilization": None,
+VLLM_ONLY_OPTIONS = {"gpu_memory_utilization": None,
                      "enforce_eager": None, "trust_remote_code": None,
                      "distributed_executor_backend": None, "disable_custom_all_reduce": None}
 
@@ -115,10 +115,16 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "worker processes (ranks) the weights are split across, one rank each; "
                                           "--kv-cache-memory is per rank, and each rank holds its share of the KV "
                                           "heads")
+    # pipeline parallelism: the layers split into stages, each stage a tensor-parallel group of its own
+    pipeline_parallel_size: int = option(1, "pipeline stages the layers are split into (world = tensor x pipeline "
+                                            "ranks); hidden states pass stage to stage")
+    pp_layer_partition: str | None = option(None, "layers per pipeline stage, e.g. 4,4,5,3 (default: even, the "
+                                                  "remainder to the stages before the last)")
     distributed_init_method: str | None = option(None, "tcp://HOST:PORT where the ranks meet; HOST is node 0 "
                                                        "(default: MASTER_ADDR:MASTER_PORT when set, else a free "
                                                        "loopback port)")
-    nnodes: int = option(1, "machines the tensor-parallel ranks span, tensor_parallel_size / nnodes on each")
+    nnodes: int = option(1, "machines the ranks span, tensor_parallel_size x pipeline_parallel_size / nnodes on "
+                            "each")
     node_rank: int = option(0, "this machine's index among --nnodes: 0 runs the engine, the others `aserve worker`")
     distributed_timeout: int = option(60, "seconds a rank waits in any collective before the engine gives up on "
                                           "the group (a hung or unreachable rank); a dead rank is seen at once")
@@ -149,14 +155,16 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
                              f"got {self.quantization!r}")
-        for name in ("tensor_parallel_size", "nnodes", "distributed_timeout"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes", "distributed_timeout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in 0..{self.nnodes - 1} (nnodes {self.nnodes}), got {self.node_rank}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
-                             f"{self.nnodes} (the same number of ranks on every machine)")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({self.world_size}) must be a multiple "
+                             f"of nnodes {self.nnodes} (the same number of ranks on every machine)")
+        if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ValueError("pp_layer_partition places layers on pipeline stages: it needs pipeline_parallel_size > 1")
         self._check_lora()
         from aserve.spec_decode.config import SpeculativeConfig  # torch-free
 
@@ -164,6 +172,11 @@ class EngineConfig:
         if self.data_parallel_size > 1 and (self.nnodes > 1 or self.distributed_init_method):
             raise ValueError("data_parallel_size > 1 with a multi-node tensor-parallel group is not supported: every "
                              "replica's ranks would meet at the one --distributed-init-method")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the model's group: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -157,6 +157,9 @@ class Scheduler:
         self.blocks_swapped_out = self.blocks_swapped_in = self.recomputed_tokens = 0
         self.finished_since_stats: list[Request] = []  # drained by the engine's stats hand-out
         self.scheduled: list[tuple[Request, int]] = []  # the last step's batch, for update()
+        # Pipeline parallelism: the sequences of batches still in the pipeline. They keep their blocks and are
+        # neither scheduled again nor preempted until their batch's output is back (the engine's batch queue).
+        self.in_flight: set[Request] = set()
         self._finished_ids: list[str] = []  # ended since the last step, for the worker to forget
         self._ended_by_update: set[Request] = set()  # the requests the last update() ended (see finish)
 
@@ -229,16 +232,18 @@ class Scheduler:
         scheduled = StepBatch(self.max_loras)
         budget = self.max_num_batched_tokens
 
+        in_flight = self.in_flight
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING or not scheduled.fits(req):  # a victim earlier in this loop,
-                continue  # or its adapter would be one too many this step (it keeps its blocks and waits a step)
+            if req.status != RequestStatus.RUNNING or not scheduled.fits(req) or req in in_flight:  # a victim
+                continue  # earlier in this loop, or its adapter would be one too many this step (it keeps its
+                # blocks and waits a step), or its last batch is still in the pipeline
             plan = self._plan(req, budget)
             if plan is None:  # beams that cannot all run their last tokens this step
                 continue
             while not self.kv.allocate_all(_entries(plan)):
-                victim = self.policy.select_victim(self.running, req) or req
+                victim = self.policy.select_victim(self._movable(), req) or req
                 budget += plan_tokens(scheduled.pop(victim))
                 self._preempt(victim, out, preempted)
                 if victim is req:
@@ -282,8 +287,8 @@ class Scheduler:
                         self._run(req, plan, scheduled, "admitted")
                         budget -= plan_tokens(plan)
                         continue
-                victim = self.policy.should_preempt_for(req, self.running)
-                if victim is None or victim is req or victim not in self.running:
+                victim = self.policy.should_preempt_for(req, self._movable())
+                if victim is None or victim is req or victim not in self.running or victim in in_flight:
                     break
                 budget += plan_tokens(scheduled.pop(victim))
                 self._preempt(victim, out, preempted)
@@ -295,6 +300,10 @@ class Scheduler:
         out.blocks_to_zero = self.kv.take_fresh()
         self._diff_for_worker(out)
         return out
+
+    def _movable(self) -> list[Request]:
+        """The running requests a policy may preempt: not those whose batch is still in the pipeline."""
+        return [r for r in self.running if r not in self.in_flight] if self.in_flight else self.running
 
     def _room_for(self, req: Request) -> bool:
         """Whether `req` fits within max_num_seqs beside the running requests, counted in sequences: a beam

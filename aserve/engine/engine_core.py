@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 
 import torch
 
@@ -86,6 +87,8 @@ class EngineCore:
         if self.speculative:
             log.info("speculative decoding: %s", self.speculative.describe())
         self._stats = IterationStats()
+        self.pipeline_depth = config.pipeline_parallel_size  # batches in flight at most (step)
+        self._in_flight: deque[tuple[SchedulerOutput, list]] = deque()  # submitted, output not yet collected
         self.requests: dict[str, list[Request]] = {}  # group id -> its samples
         tokens = info.num_blocks * config.block_size
         log.info("dtype %s (%s); %s", info.dtype, info.dtype_reason, cpu_info().describe())
@@ -200,7 +203,7 @@ class EngineCore:
         return finals
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._in_flight)  # a batch of aborted requests still comes back
 
     @property
     def num_unfinished(self) -> int:
@@ -209,21 +212,56 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output, in each request's output kind, for each prompt that advanced."""
+        """Run one batch; return an output, in each request's output kind, for each prompt that advanced.
+
+        With pipeline parallelism the engine keeps up to pipeline_parallel_size batches in flight (vLLM's batch
+        queue): it schedules more, from the requests not in a batch already in the pipeline, until the pipeline
+        is full or nothing else can run, then waits for the oldest batch's output."""
         results = self._admit_constrained() if self.structured.num_awaiting else []
+        if self.pipeline_depth == 1:
+            sched = self._schedule_batch()
+            if not sched:
+                return results
+            return results + self._finish_batch(sched, self.executor.execute(sched), self.scheduler.scheduled)
+        while len(self._in_flight) < self.pipeline_depth:
+            sched = self._schedule_batch()
+            if not sched:
+                break
+            self.executor.submit(sched)
+            self._in_flight.append((sched, self.scheduler.scheduled))
+            self.scheduler.in_flight.update(seq for seq, _ in self.scheduler.scheduled)
+        if not self._in_flight:
+            return results
+        while True:
+            sched, scheduled = self._in_flight[0]
+            ran = self.executor.collect()  # raises once the pipeline is broken, and again at every later step
+            self._in_flight.popleft()
+            self.scheduler.in_flight.difference_update(seq for seq, _ in scheduled)
+            results += self._finish_batch(sched, ran, scheduled)
+            if self.requests or not self._in_flight:  # an idle engine has nothing in the pipeline
+                self._release_finished()
+                return results
+
+    def _schedule_batch(self) -> SchedulerOutput:
+        """The next batch, with its grammar masks and proposals; empty when nothing can run."""
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
         if not sched:
-            return results
+            return sched
         sched.structured_request_ids, sched.grammar_bitmask = self.structured.bitmask(self.scheduler.scheduled,
                                                                                       sched.spec_token_ids)
         if isinstance(self.proposer, DraftProposals) and self._speculating():
             sched.draft_request_ids = [req.request_id for req, _ in self.scheduler.scheduled if _may_speculate(req)]
-        ran = self.executor.execute(sched)
+        return sched
+
+    def _finish_batch(self, sched: SchedulerOutput, ran, scheduled: list) -> list[RequestOutput]:
+        """Fold a batch's output (`ran`) into its requests (`scheduled`): tokens, stops, outputs."""
+        results = []
+        self.scheduler.scheduled = scheduled  # update() reads the batch it advances
         if isinstance(self.proposer, DraftProposals):
             self.proposer.take(ran.drafts)
-        by_id = {req.request_id: req for req, _ in self.scheduler.scheduled}
+        by_id = {req.request_id: req for req, _ in scheduled}
         for request_id, entries in ran.prompt_logprobs.items():
             by_id[request_id].prompt_logprobs.extend(entries)
         sampled = {by_id[request_id]: result for request_id, result in ran.sampled.items()}
@@ -343,7 +381,7 @@ class EngineCore:
     def _release_finished(self) -> None:
         """Once nothing is left to schedule, tell the worker at once which requests it can forget (otherwise
         the next step's batch carries them)."""
-        if not self.scheduler.has_unfinished():
+        if not self.scheduler.has_unfinished() and not self._in_flight:  # else they go with the next batch
             ids = self.scheduler.take_finished_ids()
             if ids:
                 self.executor.execute(SchedulerOutput(finished_ids=ids))

@@ -87,9 +87,9 @@ class FlatForward:
     has anything the loop does not run."""
 
     def __init__(self, model, layers: list[FlatLayer]):
-        self.embed = model.embed_tokens.weight
+        self.embed = model.embed_tokens.weight if model.embed_tokens is not None else None
         self.rope = model.rope
-        self.norm = model.norm
+        self.norm = model.norm  # None on a pipeline stage before the last
         self.layers = layers
 
     @classmethod
@@ -98,9 +98,10 @@ class FlatForward:
         gives each layer's FlatLayer, or None where one is not this block (llama.LlamaForCausalLM)."""
         if os.environ.get("ASERVE_FLAT_FORWARD", "1") == "0" or model.tp.size != 1:
             return None
-        if type(model.embed_tokens) is not nn.Embedding or model.rope is None or not cpu_kernels.available():
+        embed = model.embed_tokens
+        if (embed is not None and type(embed) is not nn.Embedding) or model.rope is None or not cpu_kernels.available():
             return None
-        weight = model.embed_tokens.weight
+        weight = next(model.parameters())
         dtype = weight.dtype
         if weight.device.type != "cpu" or dtype not in cpu_kernels.KERNEL_DTYPES or model.rope.cos.dtype != dtype:
             return None
@@ -115,13 +116,15 @@ class FlatForward:
         return (not torch.is_grad_enabled() and isinstance(backend, TorchAttentionBackend)
                 and backend.kv_format is None)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, intermediate=None):
+        """As the model's forward: `intermediate` from the pipeline stage before, and a stage before the last
+        returns its own (the last layer's output, the running sum) instead of normed hidden states."""
         ops, linear = torch.ops.aserve, packed_linear
         nd = meta.num_decode_tokens
         prefill = meta.prefill_batch() if meta.prefills else None
         slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
-        x = nn.functional.embedding(input_ids, self.embed)
-        T, residual = x.shape[0], None
+        x, residual = (nn.functional.embedding(input_ids, self.embed), None) if intermediate is None else intermediate
+        T = x.shape[0]
         for (norm_in, qkv_weight, qkv_bias, q_size, kv_size, attn, q_norm, k_norm, o_weight, o_bias, norm_post,
              gate_up_weight, gate_up_bias, down_weight, down_bias, loras), (k_cache, v_cache) in zip(self.layers,
                                                                                                    kv_caches):
@@ -157,4 +160,6 @@ class FlatForward:
             act = ops.silu_and_mul(gate_up if loras is None else loras[2].forward(x, gate_up))
             down = linear(act, down_weight, down_bias)
             x = down if loras is None else loras[3].forward(act, down)
+        if self.norm is None:
+            return x, residual
         return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -37,8 +37,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         softcap = config.get("attn_logit_softcapping")
         self.layers = nn.ModuleList(
             Gemma2DecoderLayer(args, window if types[i] == "sliding_attention" else None, scale, softcap)
-            for i in range(n))
-        self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
+            for i in self.layer_range)
+        self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps) if self.stage.last else None
         self.final_softcap = config.get("final_logit_softcapping")
         self.embed_scale = args.hidden_size ** 0.5
 
@@ -48,12 +48,15 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                                      hidden_act=config.get("hidden_activation") or "gelu_pytorch_tanh")
         return cls(args, config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the model's dtype, as the reference does
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, intermediate=None):
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the model's dtype, as the reference
+        else:
+            (x,) = intermediate
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv_cache, meta)
-        return self.norm(x)
+        return self.norm(x) if self.stage.last else (x,)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -7,6 +7,7 @@ weights into them.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -18,6 +19,9 @@ from aserve.models import parallel
 from aserve.models.flat_forward import UNBUILT, FlatForward, FlatLayer
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
+
+
+LAYER_NAME = re.compile(r"layers\.(\d+)\.")
 
 
 @dataclass
@@ -150,19 +154,26 @@ class LlamaForCausalLM(nn.Module):
     stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     supports_tensor_parallel = True  # built from models.parallel's layers (so are the families below it)
+    supports_pipeline_parallel = True  # a stage builds only its layers (parallel.current_stage)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.tp = tp = parallel.current()
-        # a rank's KV cache holds its own KV heads only
+        # a pipeline stage holds its own layers; the first embeds, the last has the norm and the head (and the
+        # embedding too, as its head, when they are tied)
+        self.stage = stage = parallel.current_stage()
+        self.layer_range = stage.layers(args.num_layers)
+        # a rank's KV cache holds its own KV heads only, of its own layers
         num_kv_heads = parallel.head_part(args.num_heads, args.num_kv_heads, tp).num_kv
-        self.shape = ModelShape(args.num_layers, num_kv_heads, args.head_dim, args.vocab_size,
+        self.shape = ModelShape(len(self.layer_range), num_kv_heads, args.head_dim, args.vocab_size,
                                 args.max_position_embeddings)
-        self.embed_tokens = parallel.embedding(args.vocab_size, args.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else parallel.lm_head(args.hidden_size, args.vocab_size, tp)
+        self.embed_tokens = (parallel.embedding(args.vocab_size, args.hidden_size, tp)
+                             if stage.first or (stage.last and args.tie_word_embeddings) else None)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in self.layer_range)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if stage.last else None
+        self.lm_head = (parallel.lm_head(args.hidden_size, args.vocab_size, tp)
+                        if stage.last and not args.tie_word_embeddings else None)
         self.rope: RotaryEmbedding | None = None
         self.packed_head: nn.Module | None = None
         self.flat = UNBUILT  # the straight-line CPU forward (models.flat_forward), built at the first step
@@ -180,14 +191,18 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(a.head_dim, max(max_positions, a.max_position_embeddings), a.rope_theta,
                                     a.rope_scaling, dtype, rotary_dim=int(a.head_dim * a.partial_rotary_factor))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, intermediate=None):
+        """The hidden states after the final norm; a pipeline stage before the last takes `intermediate` from the
+        stage before it (the first: nothing) and returns its own: (the last layer's output, the running sum)."""
         if self.flat is UNBUILT:  # at the first step, once the weights are loaded and packed
             self.flat = FlatForward.build(self)
         if self.flat is not None and FlatForward.takes(meta):  # the ops below, without per-op checks (flat_forward)
-            return self.flat(input_ids, positions, kv_caches, meta)
-        x, residual = self.embed_tokens(input_ids), None
+            return self.flat(input_ids, positions, kv_caches, meta, intermediate)
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        if not self.stage.last:
+            return x, residual
         return self.norm(x, residual)[0]
 
     def flat_layers(self, dtype: torch.dtype) -> list[FlatLayer] | None:
@@ -209,8 +224,10 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] last-token states -> [N, num_labels] logits."""
         return self.score(pooled)
 
-    def output_weight(self) -> torch.Tensor:
-        """The logits projection: the embedding when tied."""
+    def output_weight(self) -> torch.Tensor | None:
+        """The logits projection: the embedding when tied; None on a pipeline stage before the last."""
+        if not self.stage.last:
+            return None
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -237,6 +254,17 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model."):
             name = name[len("model."):]
         if "rotary_emb.inv_freq" in name:
+            return None
+        layer = LAYER_NAME.match(name)
+        if layer is not None:  # a pipeline stage holds its own layers, numbered from 0
+            index = int(layer.group(1))
+            if index not in self.layer_range:
+                return None
+            name = f"layers.{index - self.layer_range.start}.{name[layer.end():]}"
+        elif ((name.startswith("embed_tokens.") and self.embed_tokens is None)
+              or (name.startswith("norm.") and self.norm is None)):
+            return None
+        if name.startswith("lm_head.") and not self.stage.last:
             return None
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: the embedding is the output projection

@@ -114,8 +114,10 @@ def model_shape(model_dir: str | Path) -> ModelShape:
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device = torch.device("cpu"),
                max_model_len: int | None = None, quantization: str | None = None,
-               quantize_lm_head: bool = False, tp: parallel.TensorParallel | None = None) -> LoadedModel:
-    """`tp`: this rank's tensor-parallel group; the model holds (and reads from the files) only its slices."""
+               quantize_lm_head: bool = False, tp: parallel.TensorParallel | None = None,
+               stage: parallel.PipelineStage | None = None) -> LoadedModel:
+    """`tp`: this rank's tensor-parallel group; `stage`: its pipeline stage. The model holds (and reads from the
+    files) only its slices of its stage's layers."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     arch = architecture(config)
@@ -123,7 +125,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     if arch in BARE_ARCHITECTURES or arch in DECODER_CLASSIFIERS:  # no LM head in the files: never asked for logits
         config = {**config, "tie_word_embeddings": True}
     spec = resolve_quantization(config, quantization, quantize_lm_head)
-    tp = tp or parallel.SINGLE
+    tp, stage = tp or parallel.SINGLE, stage or parallel.WHOLE
     parallel.check_model(cls, config, tp.size, spec)
     if spec is not None:
         from aserve.quantization import loading
@@ -131,7 +133,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
         loading.check_device(spec, device)
     torch_dtype, reason = resolve_dtype(dtype, config, device)
     files = checkpoint_files(model_dir)
-    with torch.device("meta"), parallel.building(tp):
+    with torch.device("meta"), parallel.building(tp, stage):
         model = cls.from_config(config)
         if arch in DECODER_CLASSIFIERS:
             model.add_classifier(num_labels(config))
@@ -139,7 +141,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
         if spec is not None:  # before the weights are allocated: a GPTQ/AWQ layer never holds a dense one
             method = loading.attach(model, spec, torch_dtype, checkpoint_names(files))
     model = model.to_empty(device=device)
-    fill_weights(model, files, lazy=tp.size > 1)
+    fill_weights(model, files, lazy=tp.size > 1 or stage.size > 1)
     if spec is not None:
         loading.finish(model, spec, method, torch_dtype)
     with device:  # tables made here (rotary cos/sin) are plain tensors that .to() would not move

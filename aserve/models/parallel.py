@@ -60,7 +60,7 @@ class TensorParallel:
 
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(logits, parts, dst=0, group=self.group)
+        dist.gather(logits, parts, group_dst=0, group=self.group)  # the group's first rank (a stage's own group)
         return torch.cat(parts, dim=-1)[..., :vocab_size] if self.rank == 0 else None
 
 
@@ -68,18 +68,78 @@ SINGLE = TensorParallel()
 _building: list[TensorParallel] = [SINGLE]
 
 
+@dataclass(frozen=True)
+class PipelineStage:
+    """A pipeline stage's share of a model: its place among `size` stages and the layers it holds (`start` up to
+    `end`; end None: to the last). Only the first stage embeds; only the last has the final norm and the head."""
+    index: int = 0
+    size: int = 1
+    start: int = 0
+    end: int | None = None
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        return range(self.start, num_layers if self.end is None else self.end)
+
+
+WHOLE = PipelineStage()
+_stages: list[PipelineStage] = [WHOLE]
+
+
 def current() -> TensorParallel:
     """The group the model being built is for (one rank unless inside `building`)."""
     return _building[-1]
 
 
+def current_stage() -> PipelineStage:
+    """The pipeline stage the model being built is (the whole model unless inside `building`)."""
+    return _stages[-1]
+
+
 @contextlib.contextmanager
-def building(tp: TensorParallel | None) -> Iterator[None]:
+def building(tp: TensorParallel | None, stage: PipelineStage | None = None) -> Iterator[None]:
     _building.append(tp or SINGLE)
+    _stages.append(stage or WHOLE)
     try:
         yield
     finally:
         _building.pop()
+        _stages.pop()
+
+
+def layer_partition(num_layers: int, num_stages: int, explicit: str | Sequence[int] | None = None) -> list[int]:
+    """How many layers each pipeline stage holds: `explicit` ("4,4,5,3" or a list), checked, or an even split
+    with the remainder going to the stages before the last, from the second-to-last backwards (vLLM's rule: the
+    last stage also runs the head, the first the embedding)."""
+    if explicit is not None and explicit != "":
+        try:
+            parts = [int(x) for x in (explicit.split(",") if isinstance(explicit, str) else explicit)]
+        except ValueError:
+            raise ValueError(f"pp_layer_partition must be layer counts like 4,4,5,3, got {explicit!r}") from None
+        if len(parts) != num_stages or sum(parts) != num_layers or min(parts) < 1:
+            raise ValueError(f"pp_layer_partition {','.join(map(str, parts))}: needs {num_stages} counts of at least 1 "
+                             f"layer adding up to the model's {num_layers} layers")
+        return parts
+    if num_stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size {num_stages} is more than the model's {num_layers} layers")
+    parts = [num_layers // num_stages] * num_stages
+    for i in range(2, num_layers % num_stages + 2):
+        parts[-i] += 1
+    return parts
+
+
+def pipeline_stages(num_layers: int, num_stages: int, explicit: str | Sequence[int] | None = None
+                    ) -> list[PipelineStage]:
+    parts = layer_partition(num_layers, num_stages, explicit)
+    starts = [sum(parts[:i]) for i in range(num_stages)]
+    return [PipelineStage(i, num_stages, starts[i], starts[i] + parts[i]) for i in range(num_stages)]
 
 
 # -- which part of a checkpoint tensor a rank holds ----------------------------------------------------

@@ -76,7 +76,8 @@ def finish(model: nn.Module, spec: QuantSpec, method: LinearMethod, dtype: torch
     dense_bytes = sum(m.in_features * m.out_features for m in layers) * torch.finfo(dtype).bits // 8
     for layer in layers:
         method.process_after_loading(layer)
-    if spec.method == "int8" and spec.quantize_lm_head and getattr(model, "lm_head", 1) is None:
+    if (spec.method == "int8" and spec.quantize_lm_head and getattr(model, "lm_head", 1) is None
+            and model.output_weight() is not None):
         model.packed_head = quantized_copy(model.output_weight(), method)
         layers.append(model.packed_head)
         dense_bytes += model.packed_head.in_features * model.packed_head.out_features * torch.finfo(dtype).bits // 8

@@ -59,10 +59,10 @@ class DistributedPlan:
         """A machine of workers only (`aserve worker`): its node's ranks, or with torchrun's RANK, WORLD_SIZE and
         LOCAL_RANK set, exactly that one rank (a launcher that starts each rank itself)."""
         if "RANK" in env:
-            world = int(env.get("WORLD_SIZE", config.tensor_parallel_size))
-            if world != config.tensor_parallel_size:
-                raise ValueError(f"WORLD_SIZE={world} but tensor_parallel_size is {config.tensor_parallel_size}: "
-                                 "the ranks of one job are its tensor-parallel group")
+            world = int(env.get("WORLD_SIZE", config.world_size))
+            if world != config.world_size:
+                raise ValueError(f"WORLD_SIZE={world} but tensor_parallel_size x pipeline_parallel_size is "
+                                 f"{config.world_size}: the ranks of one job are its model's group")
             rank = int(env["RANK"])
             if not 0 < rank < world:
                 raise ValueError(f"RANK={rank}: a worker-only process holds a rank in 1..{world - 1} (rank 0 is the "
@@ -82,9 +82,9 @@ class DistributedPlan:
 
     @classmethod
     def _plan(cls, config, env: Mapping[str, str], node_rank: int) -> "DistributedPlan":
-        world, nnodes = config.tensor_parallel_size, config.nnodes
+        world, nnodes = config.world_size, config.nnodes
         if world % nnodes:
-            raise ValueError(f"tensor_parallel_size {world} does not split evenly over nnodes {nnodes}")
+            raise ValueError(f"{world} ranks (tensor x pipeline parallel) do not split evenly over nnodes {nnodes}")
         method = config.distributed_init_method
         if method is None and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
             method = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
@@ -135,17 +135,20 @@ def rank_device(option: str, local_rank: int) -> torch.device:
 
 # -- the rendezvous --------------------------------------------------------------------------------------
 
-def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, status: RankStatus) -> None:
+def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, status: RankStatus,
+               pipe: "PipelineLinks | None" = None) -> None:
     """Meet the other ranks and join the process group. Every rank first publishes `status` (its load error,
     or the facts every rank must share: KV blocks, model class, dtype) in the TCPStore, then reads all of them,
     so a rank that could not load, or a node started with other options, fails every rank with one clear
-    message instead of a timeout."""
+    message instead of a timeout. With pipeline stages (`pipe`), each stage's ranks get a tensor-parallel group
+    of their own, and `pipe` the world's groups for its point-to-point traffic."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(plan.host, plan.port, plan.world_size, is_master=tp.rank == 0,
+    rank = pipe.rank if pipe is not None else tp.rank
+    store = dist.TCPStore(plan.host, plan.port, plan.world_size, is_master=rank == 0,
                           timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
     keys = [f"aserve/rank/{r}" for r in range(plan.world_size)]
-    store.set(keys[tp.rank], msgspec.json.encode(status))
+    store.set(keys[rank], msgspec.json.encode(status))
     try:
         store.wait(keys, timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     except Exception:  # noqa: BLE001 - say which ranks are missing
@@ -155,7 +158,7 @@ def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, 
                            "nodes, with the same model and options") from None
     statuses = [msgspec.json.decode(store.get(key), type=RankStatus) for key in keys]
     for r, s in enumerate(statuses):
-        if s.error is not None and r != tp.rank:
+        if s.error is not None and r != rank:
             raise RuntimeError(f"tensor-parallel rank {r} could not load the model: {s.error}")
     if status.error is not None:
         return  # the caller raises its own error
@@ -166,11 +169,114 @@ def rendezvous(plan: DistributedPlan, tp: TensorParallel, device: torch.device, 
                              "(--kv-cache-memory, --block-size, --dtype, ...)")
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=plan.timeout_s)
-    dist.init_process_group(backend, store=store, rank=tp.rank, world_size=plan.world_size, timeout=timeout,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=plan.world_size, timeout=timeout,
                             **({"device_id": device} if backend == "nccl" else {}))
-    tp.group = dist.group.WORLD
-    tp.cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else tp.group
-    log.debug("rank %d of %d joined at %s (%s)", tp.rank, plan.world_size, plan.init_method, backend)
+    world_cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    if pipe is None or pipe.num_stages == 1:
+        tp.group, tp.cpu_group = dist.group.WORLD, world_cpu
+    else:  # every rank makes every stage's groups, in the same order, as new_group requires
+        for stage in range(pipe.num_stages):
+            ranks = list(range(stage * tp.size, (stage + 1) * tp.size))
+            group = dist.new_group(ranks=ranks, timeout=timeout)
+            cpu_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if backend == "nccl" else group
+            if stage == pipe.stage:
+                tp.group, tp.cpu_group = group, cpu_group
+    if pipe is not None:
+        pipe.group, pipe.cpu_group, pipe.device = dist.group.WORLD, world_cpu, device
+        if pipe.num_stages > 1:  # the outputs' way back to rank 0, used by a thread of its own there
+            pipe.results_group = dist.new_group(backend="gloo", timeout=timeout)
+    log.debug("rank %d of %d joined at %s (%s)", rank, plan.world_size, plan.init_method, backend)
+
+
+class PipelineLinks:
+    """A rank's place in the pipeline and its point-to-point traffic: the step's bytes and the hidden states from
+    the same tensor-parallel rank of the stage before, to that of the stage after; the last stage's sampling
+    rank sends the step's output back to rank 0, which answers the engine. (Set up by `rendezvous`.)"""
+
+    def __init__(self, rank: int, tp_size: int, num_stages: int):
+        self.rank, self.tp_size, self.num_stages = rank, tp_size, num_stages
+        self.stage, self.tp_rank = divmod(rank, tp_size)
+        self.group = self.cpu_group = self.results_group = None
+        self.device = torch.device("cpu")
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def samples(self) -> bool:
+        """The rank that samples: tensor-parallel rank 0 of the last stage."""
+        return self.last and self.tp_rank == 0
+
+    @property
+    def sampler_rank(self) -> int:
+        return (self.num_stages - 1) * self.tp_size
+
+    def send_bytes(self, parts: list[bytes], dst: int) -> None:
+        import torch.distributed as dist
+
+        dist.send(torch.tensor([len(p) for p in parts], dtype=torch.int64), dst, group=self.cpu_group)
+        dist.send(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), dst, group=self.cpu_group)
+
+    def recv_bytes(self, count: int, src: int) -> list[bytes]:
+        import torch.distributed as dist
+
+        sizes = torch.empty(count, dtype=torch.int64)
+        dist.recv(sizes, src, group=self.cpu_group)
+        lengths = sizes.tolist()
+        buffer = torch.empty(sum(lengths), dtype=torch.uint8)
+        dist.recv(buffer, src, group=self.cpu_group)
+        data, out, at = buffer.numpy().tobytes(), [], 0
+        for n in lengths:
+            out.append(data[at:at + n])
+            at += n
+        return out
+
+    def send_result(self, data: bytes) -> None:
+        """The sampling rank: a step's pickled output to rank 0."""
+        import torch.distributed as dist
+
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), 0, group=self.results_group)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.results_group)
+
+    def recv_result(self) -> bytes:
+        import torch.distributed as dist
+
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, self.sampler_rank, group=self.results_group)
+        buffer = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(buffer, self.sampler_rank, group=self.results_group)
+        return buffer.numpy().tobytes()
+
+    def send_hidden(self, tensors: tuple) -> None:
+        """To the next stage: how many tensors, their shape and dtype, then each (all of one shape)."""
+        import torch.distributed as dist
+
+        first = tensors[0]
+        header = torch.tensor([len(tensors), *first.shape, DTYPE_CODES.index(first.dtype)], dtype=torch.int64)
+        dist.send(header, self.rank + self.tp_size, group=self.cpu_group)
+        for t in tensors:
+            dist.send(t.contiguous(), self.rank + self.tp_size, group=self.group)
+
+    def recv_hidden(self) -> tuple:
+        import torch.distributed as dist
+
+        header = torch.empty(4, dtype=torch.int64)
+        dist.recv(header, self.rank - self.tp_size, group=self.cpu_group)
+        count, rows, cols, code = header.tolist()
+        out = []
+        for _ in range(count):
+            t = torch.empty(rows, cols, dtype=DTYPE_CODES[code], device=self.device)
+            dist.recv(t, self.rank - self.tp_size, group=self.group)
+            out.append(t)
+        return tuple(out)
+
+
+DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 # -- the step loop's collective ------------------------------------------------------------------------

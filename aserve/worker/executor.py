@@ -39,7 +39,7 @@ class UniprocExecutor:
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.tensor_parallel_size > 1:
+    if config.world_size > 1:
         from aserve.worker.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)

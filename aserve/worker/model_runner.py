@@ -39,6 +39,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's proposals, for the next step
+    # A pipeline stage before the last: what it hands the next stage (its hidden states); never leaves the rank.
+    intermediate: tuple | None = None
 
 
 # A lazily zeroed KV cache (host_memory.lazy_zeros) pays a page fault on the first write to each of its 4 KiB
@@ -52,7 +54,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, dtype: torch.dtype, block_size: int, kv_cache_memory: int,
                  swap_space: int = 0, attention_backend: str | AttentionBackend | None = None,
                  kv_cache_dtype: str = "auto", kv_scales: dict[int, tuple[float, float]] | None = None,
-                 calculate_kv_scales: bool = False, prefault_tokens: int = 0):
+                 calculate_kv_scales: bool = False, prefault_tokens: int = 0, kv_block_layers: int | None = None):
         self.model = model
         self.requests: dict[str, RequestState] = {}  # the worker's own state of every request it has run
         self.device = next(model.parameters()).device
@@ -68,7 +70,11 @@ class ModelRunner:
             kv_quant.set_scales([m for m in model.modules() if isinstance(m, Attention)], kv_scales or {},
                                 calculate_kv_scales)
         self.block_size = block_size
+        # `kv_block_layers`: a pipeline stage counts its blocks as the stage with the most layers does, so that
+        # every stage has as many blocks as the scheduler hands out
         per_block = kv_bytes_per_block(model, block_size, self.kv_dtype)
+        if kv_block_layers:
+            per_block = per_block // model.shape.num_layers * kv_block_layers
         self.num_blocks = kv_cache_memory // per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({kv_cache_memory} bytes) is smaller than one KV block "
@@ -155,7 +161,8 @@ class ModelRunner:
                 state.block_table.extend(diff.new_block_ids)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, intermediate: tuple | None = None) -> ModelRunnerOutput:
+        """One step. A pipeline stage after the first takes `intermediate` from the stage before it."""
         self.update_states(sched)
         # Order matters: save swapped-out blocks before anyone reuses them, then restore, then copy-on-write.
         if sched.swap_out:
@@ -177,11 +184,15 @@ class ModelRunner:
         if self.lora is not None:
             self._map_adapters(batch)
         try:
-            hidden = self.model(input_ids, positions, self.layer_caches, meta)
+            hidden = (self.model(input_ids, positions, self.layer_caches, meta) if intermediate is None
+                      else self.model(input_ids, positions, self.layer_caches, meta, intermediate))
         finally:
             if self.lora is not None:
                 self.lora.release()
                 self.lora_step.clear()
+        if isinstance(hidden, tuple):  # a pipeline stage before the last: the next one takes it from here
+            result.intermediate = hidden
+            return result
         result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if self.pools:  # the pooling runner: generation steps never walk the batch for it
             result.pooled = self._pool(batch, hidden)

@@ -42,6 +42,7 @@ class MultiprocExecutor:
         check_before_spawning(config)
         self.plan = DistributedPlan.for_engine(config)
         self.error: EngineDeadError | None = None
+        self._tokens: dict[str, list[int]] = {}  # sampled since the last Step, for the ranks that did not sample
         level = logging.getLogger("aserve").getEffectiveLevel()
         rank_config = copy.copy(config)  # the ranks never schedule: a policy class from the user's script (which
         rank_config.policy, rank_config.policy_options = "fcfs", None  # they cannot import) stays here
@@ -69,20 +70,37 @@ class MultiprocExecutor:
                              "in-process worker or runner (engine.runner) to inspect")
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call(Step(sched))
+        self.submit(sched)
+        return self.collect()
+
+    def submit(self, sched: SchedulerOutput) -> None:
+        """Start a step without waiting for it (pipeline parallelism keeps several in flight); `collect` gives the
+        outputs back in the order the steps were submitted."""
+        tokens, self._tokens = self._tokens, {}
+        self._send(Step(sched, tokens))
+
+    def collect(self) -> ModelRunnerOutput:
+        out = self._result()
+        self._tokens.update((rid, r.token_ids) for rid, r in out.sampled.items() if r.error is None)
+        return out
 
     def live_request_ids(self) -> list[str]:
         """The requests any rank still holds (each rank's set, merged)."""
-        return sorted(set().union(*self._call(LiveRequests())))
+        self._send(LiveRequests())
+        return sorted(set().union(*self._result()))
 
-    def _call(self, message: Message):
-        """Send rank 0 a message and return the value of its Result; any other word from a rank ends the engine."""
+    def _send(self, message: Message) -> None:
         if self.error is not None:
             raise self.error
         try:
             self.ranks[0][1].send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
-            pass  # rank 0 is gone: the wait below says how
+            pass  # rank 0 is gone: the wait for its answer says how
+
+    def _result(self):
+        """The value of rank 0's next Result; any other word from a rank ends the engine."""
+        if self.error is not None:
+            raise self.error
         while True:
             for rank, answer in self._next_messages():
                 if rank == 0 and answer.kind is Kind.RESULT:
@@ -159,10 +177,21 @@ def _stop(ranks: dict, grace: float = STOP_TIMEOUT_S) -> None:
 
 def check_before_spawning(config: EngineConfig) -> None:
     """Refuse a model the ranks cannot split before starting any process (config.json alone)."""
-    from aserve.models.parallel import check_model
+    from aserve.models.parallel import check_model, pipeline_stages
     from aserve.models.registry import architecture, model_class, read_config
     from aserve.quantization import resolve
 
     model_config = read_config(config.model)
-    check_model(model_class(architecture(model_config)), model_config, config.tensor_parallel_size,
+    cls = model_class(architecture(model_config))
+    check_model(cls, model_config, config.tensor_parallel_size,
                 resolve(model_config, config.quantization, config.quantize_lm_head))
+    stages = config.pipeline_parallel_size
+    if stages > 1:
+        if not getattr(cls, "supports_pipeline_parallel", False):
+            raise ValueError(f"{cls.__name__} does not support pipeline parallelism yet (pipeline_parallel_size "
+                             f"{stages}); the Llama-block families do: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2")
+        pipeline_stages(cls.args_from_config(model_config).num_layers, stages, config.pp_layer_partition)
+        for on, what in ((config.enable_lora, "LoRA adapters"), (config.speculative_config, "speculative decoding"),
+                         (config.resolved_runner == "pooling", "the pooling runner")):
+            if on:
+                raise ValueError(f"pipeline_parallel_size > 1 with {what} is not supported yet")

@@ -51,9 +51,11 @@ class RankStart(Message):
 
 
 class Step(Message):
-    """Run one step; rank 0 answers with a Result holding the ModelRunnerOutput."""
+    """Run one step; rank 0 answers with a Result holding the ModelRunnerOutput. `tokens`: what the sampling rank
+    sampled in the steps answered since the last Step (request id -> tokens), for every other rank to append."""
     kind: ClassVar[Kind] = Kind.STEP
     sched: Any  # core.scheduler.SchedulerOutput
+    tokens: dict = {}
 
 
 class LiveRequests(Message):

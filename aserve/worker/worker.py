@@ -13,7 +13,7 @@ from aserve.config import EngineConfig
 from aserve.core.scheduler import SchedulerOutput
 from aserve.hardware import resolve_device
 from aserve.models.loader import checkpoint_kv_scales, load_model
-from aserve.models.parallel import TensorParallel
+from aserve.models.parallel import PipelineStage, TensorParallel
 from aserve.spec_decode.config import SpeculativeConfig
 from aserve.worker.drafter import Drafter, split_memory
 from aserve.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -42,20 +42,24 @@ class Worker:
     """`tp` and `device`: a tensor-parallel rank's group (its slices of the model and its KV heads) and its own
     device (cuda:LOCAL_RANK), set by worker.tp_worker; one rank on `config.device` otherwise."""
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, device: torch.device | None = None):
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, device: torch.device | None = None,
+                 stage: PipelineStage | None = None, kv_block_layers: int | None = None):
         device = device or resolve_device(config.device)
         if device.type == "cuda":  # Triton launches on the current device, whatever its tensors' device is
             torch.cuda.set_device(device)
         loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len,
-                            quantization=config.quantization, quantize_lm_head=config.quantize_lm_head, tp=tp)
+                            quantization=config.quantization, quantize_lm_head=config.quantize_lm_head, tp=tp,
+                            stage=stage)
         scales = checkpoint_kv_scales(config.model) if config.kv_cache_dtype != "auto" else None
+        if scales and stage is not None:  # by the checkpoint's layer numbers; a stage numbers its own from 0
+            scales = {i - stage.start: v for i, v in scales.items() if i in loaded.model.layer_range}
         spec = SpeculativeConfig.parse(config.speculative_config)
         drafts = spec is not None and spec.method == "draft_model"
         kv_memory, draft_memory = (split_memory(config.kv_cache_memory, loaded.model.shape, spec.model, loaded.dtype)
                                    if drafts else (config.kv_cache_memory, 0))
         self.runner = ModelRunner(loaded.model, loaded.dtype, config.block_size, kv_memory,
                                   config.swap_space, config.attention_backend, config.kv_cache_dtype, scales,
-                                  config.calculate_kv_scales, config.kv_cache_prefault_tokens)
+                                  config.calculate_kv_scales, config.kv_cache_prefault_tokens, kv_block_layers)
         self.runner.pools = config.resolved_runner == "pooling"
         if config.enable_lora:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
@@ -70,5 +74,5 @@ class Worker:
                                self.runner.backend.name, self.runner.kv_cache_dtype, shape.num_layers, shape.causal,
                                self.runner.lora.targets if self.runner.lora is not None else None)
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(sched)
+    def execute(self, sched: SchedulerOutput, intermediate: tuple | None = None) -> ModelRunnerOutput:
+        return self.runner.execute(sched, intermediate)
