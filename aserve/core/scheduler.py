@@ -226,15 +226,18 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, batch_requests: int | None = None) -> SchedulerOutput:
+        """The next batch. `batch_requests`: the most requests in it (pipeline parallelism splits the running
+        requests into as many batches as there are stages, so that they can be in flight together)."""
         out = SchedulerOutput()
         preempted: list[Request] = []
         scheduled = StepBatch(self.max_loras)
         budget = self.max_num_batched_tokens
+        full = batch_requests if batch_requests is not None else float("inf")
 
         in_flight = self.in_flight
         for req in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or len(scheduled) >= full:
                 break
             if req.status != RequestStatus.RUNNING or not scheduled.fits(req) or req in in_flight:  # a victim
                 continue  # earlier in this loop, or its adapter would be one too many this step (it keeps its
@@ -252,7 +255,8 @@ class Scheduler:
                 scheduled[req] = plan
                 budget -= plan_tokens(plan)
 
-        while self.swapped and not preempted and budget > 0 and self._room_for(self.swapped[0]):
+        while (self.swapped and not preempted and budget > 0 and len(scheduled) < full
+               and self._room_for(self.swapped[0])):
             req = self.swapped[0]
             plan = self._plan(req, budget)
             if plan is None or not self.kv.can_swap_in(plan) or not scheduled.fits(req):
@@ -268,7 +272,7 @@ class Scheduler:
 
         if not preempted and not self.swapped:  # swapped requests come back before anyone new
             skipped: list[Request] = []  # their adapter is one too many this step; the others keep their order
-            while len(self.waiting) and budget > 0:
+            while len(self.waiting) and budget > 0 and len(scheduled) < full:
                 req = self.waiting.peek()
                 if not scheduled.fits(req):
                     skipped.append(self.waiting.pop())

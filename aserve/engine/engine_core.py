@@ -224,7 +224,9 @@ class EngineCore:
                 return results
             return results + self._finish_batch(sched, self.executor.execute(sched), self.scheduler.scheduled)
         while len(self._in_flight) < self.pipeline_depth:
-            sched = self._schedule_batch()
+            scheduler = self.scheduler
+            waiting = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.swapped)
+            sched = self._schedule_batch(max(1, -(-waiting // self.pipeline_depth)))  # a share for each stage
             if not sched:
                 break
             self.executor.submit(sched)
@@ -242,11 +244,11 @@ class EngineCore:
                 self._release_finished()
                 return results
 
-    def _schedule_batch(self) -> SchedulerOutput:
+    def _schedule_batch(self, batch_requests: int | None = None) -> SchedulerOutput:
         """The next batch, with its grammar masks and proposals; empty when nothing can run."""
         if self.proposer is not None:
             self._propose()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(batch_requests)
         if not sched:
             return sched
         sched.structured_request_ids, sched.grammar_bitmask = self.structured.bitmask(self.scheduler.scheduled,

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import socket
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -198,6 +199,7 @@ class PipelineLinks:
         self.stage, self.tp_rank = divmod(rank, tp_size)
         self.group = self.cpu_group = self.results_group = None
         self.device = torch.device("cpu")
+        self.pending: deque = deque()  # sends on their way: (work, tensor)
 
     @property
     def first(self) -> bool:
@@ -216,11 +218,25 @@ class PipelineLinks:
     def sampler_rank(self) -> int:
         return (self.num_stages - 1) * self.tp_size
 
-    def send_bytes(self, parts: list[bytes], dst: int) -> None:
+    def _send(self, tensor: torch.Tensor, dst: int, group) -> None:
+        """Send without waiting for the receiver: gloo's send completes only once the other side has posted its
+        receive, and the next stage posts it only when it is done with the batch before, so a blocking send would
+        keep the two stages from ever running at once. The tensor is kept until its send completes (in order:
+        sends to one rank on one group arrive in the order they were made)."""
         import torch.distributed as dist
 
-        dist.send(torch.tensor([len(p) for p in parts], dtype=torch.int64), dst, group=self.cpu_group)
-        dist.send(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), dst, group=self.cpu_group)
+        self.pending.append((dist.isend(tensor, dst, group=group), tensor))
+        while self.pending and (len(self.pending) > MAX_PENDING_SENDS or self.pending[0][0].is_completed()):
+            self.pending.popleft()[0].wait()
+
+    def flush(self) -> None:
+        """Wait for every send still on its way (before the process group goes)."""
+        while self.pending:
+            self.pending.popleft()[0].wait()
+
+    def send_bytes(self, parts: list[bytes], dst: int) -> None:
+        self._send(torch.tensor([len(p) for p in parts], dtype=torch.int64), dst, self.cpu_group)
+        self._send(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), dst, self.cpu_group)
 
     def recv_bytes(self, count: int, src: int) -> list[bytes]:
         import torch.distributed as dist
@@ -238,10 +254,8 @@ class PipelineLinks:
 
     def send_result(self, data: bytes) -> None:
         """The sampling rank: a step's pickled output to rank 0."""
-        import torch.distributed as dist
-
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), 0, group=self.results_group)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.results_group)
+        self._send(torch.tensor([len(data)], dtype=torch.int64), 0, self.results_group)
+        self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, self.results_group)
 
     def recv_result(self) -> bytes:
         import torch.distributed as dist
@@ -258,9 +272,9 @@ class PipelineLinks:
 
         first = tensors[0]
         header = torch.tensor([len(tensors), *first.shape, DTYPE_CODES.index(first.dtype)], dtype=torch.int64)
-        dist.send(header, self.rank + self.tp_size, group=self.cpu_group)
+        self._send(header, self.rank + self.tp_size, self.cpu_group)
         for t in tensors:
-            dist.send(t.contiguous(), self.rank + self.tp_size, group=self.group)
+            self._send(t.contiguous(), self.rank + self.tp_size, self.group)
 
     def recv_hidden(self) -> tuple:
         import torch.distributed as dist
@@ -277,6 +291,7 @@ class PipelineLinks:
 
 
 DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]
+MAX_PENDING_SENDS = 16  # then the oldest is waited for: a stage runs ahead of the next by a few batches at most
 
 
 # -- the step loop's collective ------------------------------------------------------------------------

@@ -158,6 +158,7 @@ def serve(worker, tp, conn: Connection | None, timeout_s: float, pipe: PipelineL
         if message.kind is Kind.NOOP:
             continue
         if message.kind is Kind.SHUTDOWN:
+            pipe.flush()
             return
         if message.kind is Kind.STEP:
             if not pipe.samples:
