@@ -14,7 +14,7 @@ so that a draft of those N layers (--draft-from) agrees with it as a good draft 
 measure speculative decoding's machinery at a realistic acceptance rate (random weights have no real draft).
 
 Usage: python benchmarks/make_bench_model.py OUT_DIR [--bert] [--layers N] [--seed S] [--corpus-bytes B]
-                                             [--damp-after N [--damp-factor F]]
+                                             [--heads H --kv-heads K] [--damp-after N [--damp-factor F]]
        python benchmarks/make_bench_model.py OUT_DIR --draft-from BENCH_MODEL_DIR [--layers N]
 
 Random weights measure speed as well as trained ones do: run them with ignore_eos and fixed lengths, as vLLM's own
@@ -128,6 +128,9 @@ def main() -> None:
                     help="layers (default 30, SmolLM2-135M's; with --bert 12, BERT-base's)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--corpus-bytes", type=int, default=4_000_000, help="how much stdlib source trains the tokenizer")
+    ap.add_argument("--heads", type=int, default=9, help="attention heads (default 9, SmolLM2's); --heads 12 "
+                    "--kv-heads 4 keeps the weights and FLOPs and splits over 2 tensor-parallel ranks")
+    ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--damp-after", type=int, default=None, help="scale the output projections of layers from here on")
     ap.add_argument("--damp-factor", type=float, default=0.3)
     ap.add_argument("--draft-from", default=None, help="write a draft model: this folder's model, first --layers kept")
@@ -142,7 +145,8 @@ def main() -> None:
 
     tokenizer = train_tokenizer(args.corpus_bytes)
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers or 30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=576 // args.heads,
+                         vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
