@@ -18,7 +18,7 @@ log = logging.getLogger("aserve")
 # vLLM engine arguments a ported script may pass that mean nothing here (with their harmless values).
 VLLM_ONLY_OPTIONS = {"gpu_memory_utilization": None,
                      "enforce_eager": None, "trust_remote_code": None,
-                     "distributed_executor_backend": None, "disable_custom_all_reduce": None}
+                     "disable_custom_all_reduce": None}
 
 
 def parse_memory(value: int | float | str) -> int:
@@ -120,6 +120,10 @@ class EngineConfig:
                                             "ranks); hidden states pass stage to stage")
     pp_layer_partition: str | None = option(None, "layers per pipeline stage, e.g. 4,4,5,3 (default: even, the "
                                                   "remainder to the stages before the last)")
+    distributed_executor_backend: str = option("mp", "how the ranks start: mp (a process each on this machine, "
+                                                     "`aserve worker` on others) or ray (placed on the Ray cluster at "
+                                                     "RAY_ADDRESS; pip install 'aserve[ray]')")
+    ray_cpus_per_rank: int = option(1, "with the ray backend: CPUs (and torch threads) each rank reserves")
     distributed_init_method: str | None = option(None, "tcp://HOST:PORT where the ranks meet; HOST is node 0 "
                                                        "(default: MASTER_ADDR:MASTER_PORT when set, else a free "
                                                        "loopback port)")
@@ -163,6 +167,13 @@ class EngineConfig:
         if self.world_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({self.world_size}) must be a multiple "
                              f"of nnodes {self.nnodes} (the same number of ranks on every machine)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and (self.nnodes > 1 or self.distributed_init_method):
+            raise ValueError("with distributed_executor_backend ray, Ray places the ranks and picks where they meet: "
+                             "drop --nnodes and --distributed-init-method")
+        if self.ray_cpus_per_rank < 1:
+            raise ValueError(f"ray_cpus_per_rank must be >= 1, got {self.ray_cpus_per_rank}")
         if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
             raise ValueError("pp_layer_partition places layers on pipeline stages: it needs pipeline_parallel_size > 1")
         self._check_lora()

@@ -39,6 +39,10 @@ class UniprocExecutor:
 
 
 def make_executor(config: EngineConfig) -> Executor:
+    if config.distributed_executor_backend == "ray":
+        from aserve.worker.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     if config.world_size > 1:
         from aserve.worker.multiproc_executor import MultiprocExecutor
 

@@ -40,14 +40,12 @@ STOP_TIMEOUT_S = 300.0 if os.environ.get("ASERVE_TP_PROFILE") else 10.0
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig):
         check_before_spawning(config)
-        self.plan = DistributedPlan.for_engine(config)
         self.error: EngineDeadError | None = None
         self._tokens: dict[str, list[int]] = {}  # sampled since the last Step, for the ranks that did not sample
         level = logging.getLogger("aserve").getEffectiveLevel()
         rank_config = copy.copy(config)  # the ranks never schedule: a policy class from the user's script (which
         rank_config.policy, rank_config.policy_options = "fcfs", None  # they cannot import) stays here
-        self.ranks = {rank: spawn_rank(RankStart(rank_config, self.plan, rank, local, level))
-                      for rank, local in zip(self.plan.ranks, self.plan.local_ranks)}
+        self.ranks = self._start_ranks(rank_config, level)
         self._finalizer = weakref.finalize(self, _stop, dict(self.ranks))
         if self.plan.nnodes > 1:
             log.info("tensor parallel: waiting for the ranks of nodes 1..%d at %s", self.plan.nnodes - 1,
@@ -63,6 +61,12 @@ class MultiprocExecutor:
         self.info: WorkerInfo = infos[0]
         log.info("tensor parallel: %d ranks (%d on this machine) joined at %s", self.plan.world_size,
                  len(self.ranks), self.plan.init_method)
+
+    def _start_ranks(self, config: EngineConfig, log_level: int) -> dict:
+        """This machine's ranks, each a process of its own: {rank: (process, its pipe)}; sets self.plan."""
+        self.plan = DistributedPlan.for_engine(config)
+        return {rank: spawn_rank(RankStart(config, self.plan, rank, local, log_level))
+                for rank, local in zip(self.plan.ranks, self.plan.local_ranks)}
 
     @property
     def worker(self):

@@ -1,0 +1,91 @@
+"""The Ray backend (issue 35): every rank placed on a Ray cluster, here two nodes that Ray's own test utility starts
+on this machine (bound to the loopback), gives the tokens of the multi-process backend; a rank whose actor dies ends
+the engine with a clear error and gives the cluster its CPUs back; a cluster too small is refused at once."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from aserve import LLM, EngineDeadError  # noqa: E402
+from aserve.errors import ConfigError  # noqa: E402
+from test_pipeline_parallel import FAMILIES, GREEDY, OPTIONS, SEEDED, generate  # noqa: E402, F401
+from test_pipeline_parallel import pp_models, reference  # noqa: E402, F401 - the fixtures
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes of two (logical) CPUs each, every address on 127.0.0.1."""
+    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's switch for loopback-only clusters
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes.add_node(num_cpus=2)
+    ray.init(address=nodes.address, log_to_driver=False)
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    else:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
+
+
+def free_cpus() -> float:
+    return ray.available_resources().get("CPU", 0)
+
+
+@pytest.mark.parametrize("shape, cpus, nodes", [
+    (dict(pipeline_parallel_size=2), 2, 2),  # a stage a node (each rank takes a whole node's 2 CPUs)
+    (dict(tensor_parallel_size=2), 1, 1),  # packed onto one node
+    (dict(tensor_parallel_size=2, pipeline_parallel_size=2), 1, 2),
+])
+def test_ray_ranks_equal_one_rank(cluster, pp_models, reference, shape, cpus, nodes):
+    llm = LLM(str(pp_models["qwen3"]), distributed_executor_backend="ray", ray_cpus_per_rank=cpus, **shape,
+              **OPTIONS)
+    try:
+        assert llm.engine.executor.plan.nnodes == nodes
+        assert generate(llm, GREEDY) == reference["qwen3"]["greedy"]
+        assert generate(llm, SEEDED) == reference["qwen3"]["seeded"]
+        llm.engine.check_idle()
+    finally:
+        llm.engine.executor.shutdown()
+    for _ in range(50):  # the placement group, and with it the actors, are gone
+        if free_cpus() == 4:
+            break
+        time.sleep(0.1)
+    assert free_cpus() == 4
+
+
+def test_a_lost_rank_actor_ends_the_engine(cluster, pp_models):
+    from aserve import SamplingParams
+
+    llm = LLM(str(pp_models["llama-gqa-tied"]), distributed_executor_backend="ray", pipeline_parallel_size=2,
+              distributed_timeout=20, **OPTIONS)
+    core = llm.engine
+    core.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    ray.kill(core.executor.ranks[1][0].actor, no_restart=True)
+    killed_at = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        while True:
+            core.step()
+    assert time.monotonic() - killed_at < 10
+    for _ in range(50):
+        if free_cpus() == 4:
+            break
+        time.sleep(0.1)
+    assert free_cpus() == 4
+
+
+def test_a_cluster_too_small_is_refused_at_once(cluster, pp_models):
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="cannot hold 2 ranks of 3 CPU"):
+        LLM(str(pp_models["qwen3"]), distributed_executor_backend="ray", pipeline_parallel_size=2,
+            ray_cpus_per_rank=3, **OPTIONS)
+    assert time.monotonic() - started < 5
