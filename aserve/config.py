@@ -123,7 +123,10 @@ class EngineConfig:
     distributed_executor_backend: str = option("mp", "how the ranks start: mp (a process each on this machine, "
                                                      "`aserve worker` on others) or ray (placed on the Ray cluster at "
                                                      "RAY_ADDRESS; pip install 'aserve[ray]')")
-    ray_cpus_per_rank: int = option(1, "with the ray backend: CPUs (and torch threads) each rank reserves")
+    ray_cpus_per_rank: int = option(1, "with the ray backends: CPUs (and torch threads) each rank, or each "
+                                       "data-parallel replica of one rank, reserves")
+    data_parallel_backend: str = option("mp", "where data-parallel replicas run: mp (processes of this machine) or "
+                                              "ray (each a Ray actor, placed on the cluster at RAY_ADDRESS)")
     distributed_init_method: str | None = option(None, "tcp://HOST:PORT where the ranks meet; HOST is node 0 "
                                                        "(default: MASTER_ADDR:MASTER_PORT when set, else a free "
                                                        "loopback port)")
@@ -172,6 +175,8 @@ class EngineConfig:
         if self.distributed_executor_backend == "ray" and (self.nnodes > 1 or self.distributed_init_method):
             raise ValueError("with distributed_executor_backend ray, Ray places the ranks and picks where they meet: "
                              "drop --nnodes and --distributed-init-method")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be mp or ray, got {self.data_parallel_backend!r}")
         if self.ray_cpus_per_rank < 1:
             raise ValueError(f"ray_cpus_per_rank must be >= 1, got {self.ray_cpus_per_rank}")
         if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:

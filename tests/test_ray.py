@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 from aserve import LLM, EngineDeadError  # noqa: E402
 from aserve.errors import ConfigError  # noqa: E402
-from test_pipeline_parallel import FAMILIES, GREEDY, OPTIONS, SEEDED, generate  # noqa: E402, F401
+from test_pipeline_parallel import GREEDY, OPTIONS, PROMPTS, SEEDED, generate  # noqa: E402
 from test_pipeline_parallel import pp_models, reference  # noqa: E402, F401 - the fixtures
 
 
@@ -89,3 +89,37 @@ def test_a_cluster_too_small_is_refused_at_once(cluster, pp_models):
         LLM(str(pp_models["qwen3"]), distributed_executor_backend="ray", pipeline_parallel_size=2,
             ray_cpus_per_rank=3, **OPTIONS)
     assert time.monotonic() - started < 5
+
+
+def test_data_parallel_replicas_placed_by_ray(cluster, pp_models, reference):
+    """Two replicas, each a Ray actor taking a whole node's CPUs: both serve, the answers are one engine's, and a
+    replica whose actor dies loses only its own requests while the other serves on."""
+    import asyncio
+
+    from aserve import AsyncLLM
+
+    async def main():
+        async with AsyncLLM(str(pp_models["qwen3"]), data_parallel_size=2, data_parallel_backend="ray",
+                            ray_cpus_per_rank=2, **OPTIONS) as engine:
+            actors = [core.proc.actor for core in engine.replicas.replicas]
+            assert len({core.proc.node_id for core in engine.replicas.replicas}) == 2
+            outs = await asyncio.gather(*[engine.infer({"prompt_token_ids": p}, GREEDY) for p in PROMPTS])
+            assert [o.outputs[0].token_ids for o in outs] == reference["qwen3"]["greedy"]
+            done: dict[str, float] = {}
+            for name, lab, v in engine.get_metrics():
+                if name == "aserve:request_success_total":
+                    done[lab["replica"]] = done.get(lab["replica"], 0) + v
+            assert len(done) == 2 and min(done.values()) >= 1  # both replicas served
+            ray.kill(actors[1], no_restart=True)
+            for _ in range(100):
+                if (await engine.state())["num_replicas_alive"] == 1:
+                    break
+                await asyncio.sleep(0.1)
+            outs = await asyncio.gather(*[engine.infer({"prompt_token_ids": p}, GREEDY) for p in PROMPTS[:3]])
+            assert [o.outputs[0].token_ids for o in outs] == reference["qwen3"]["greedy"][:3]
+    asyncio.run(main())
+    for _ in range(50):
+        if free_cpus() == 4:
+            break
+        time.sleep(0.1)
+    assert free_cpus() == 4

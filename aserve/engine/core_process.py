@@ -55,11 +55,16 @@ class CoreProcess:
         self.on_outputs = on_outputs
         self.on_stats = on_stats
         self.on_death = on_death
-        parent_sock, child_sock = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "aserve.engine.core_child", str(child_sock.fileno())],
-                                     pass_fds=[child_sock.fileno()])
-        child_sock.close()
-        self.conn = Connection(parent_sock.detach())
+        if config.data_parallel_backend == "ray":  # a replica placed on the Ray cluster (engine.ray_replica)
+            from aserve.engine.ray_replica import start_core
+
+            self.proc, self.conn = start_core(config)
+        else:
+            parent_sock, child_sock = socket.socketpair()
+            self.proc = subprocess.Popen([sys.executable, "-m", "aserve.engine.core_child",
+                                          str(child_sock.fileno())], pass_fds=[child_sock.fileno()])
+            child_sock.close()
+            self.conn = Connection(parent_sock.detach())
         self._send_lock = threading.Lock()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
@@ -154,9 +159,11 @@ class CoreProcess:
                 pass
         try:
             self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, TimeoutError):  # a process, or a Ray actor (RayRank)
             self.proc.kill()
             self.proc.wait()
+        if not isinstance(self.proc, subprocess.Popen):  # an actor outlives its work: end it, free its CPUs
+            self.proc.kill()
         self.conn.close()
 
 
@@ -220,7 +227,8 @@ def serve_core(conn: Connection) -> None:
     from aserve.engine.engine_core import EngineCore
 
     start: Start = conn.recv()
-    share_cpu_threads(start.config.data_parallel_size)
+    if start.config.data_parallel_backend == "mp":  # a Ray actor has its own CPUs (OMP_NUM_THREADS, set by Ray)
+        share_cpu_threads(start.config.data_parallel_size)
     try:
         core = EngineCore(start.config)
     except Exception as exc:  # noqa: BLE001 - the parent raises it again, by type

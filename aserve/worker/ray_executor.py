@@ -18,6 +18,7 @@ import os
 import pickle
 import secrets
 import socket
+import threading
 import weakref
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
@@ -45,8 +46,8 @@ def import_ray():
 class RayRank:
     """A rank's actor, with the parts of a process the executor uses: wait for its end, kill it, its pid."""
 
-    def __init__(self, actor, run, pid: int):
-        self.actor, self.run, self.pid = actor, run, pid
+    def __init__(self, actor, run, pid: int, node_id: str = ""):
+        self.actor, self.run, self.pid, self.node_id = actor, run, pid, node_id
 
     def wait(self, timeout: float | None = None) -> int:
         ray = import_ray()
@@ -64,6 +65,52 @@ class RayRank:
 
     def kill(self) -> None:
         import_ray().kill(self.actor, no_restart=True)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+
+def init_ray():
+    """Ray, connected to the cluster at RAY_ADDRESS (or one of this machine alone), unless already connected
+    (data-parallel replicas start on threads of their own: one of them connects)."""
+    ray = import_ray()
+    with _INIT_LOCK:
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, logging_level=logging.WARNING)
+    return ray
+
+
+_INIT_LOCK = threading.Lock()
+
+
+class CallbackServer:
+    """Where actors call back to this process: a TCP port on this node, and multiprocessing's challenge with a random
+    key (as its Listener does), so only the actors this process started get in."""
+
+    def __init__(self):
+        ray = import_ray()
+        self.authkey = secrets.token_bytes(32)
+        self.server = socket.create_server((ray.util.get_node_ip_address(), 0))
+        self.server.settimeout(CONNECT_TIMEOUT_S)
+        self.address = self.server.getsockname()[:2]
+
+    def accept(self) -> Connection:
+        """The next actor's connection (OSError after CONNECT_TIMEOUT_S, AuthenticationError for a stranger)."""
+        sock, _ = self.server.accept()
+        sock.settimeout(None)
+        conn = Connection(sock.detach())
+        deliver_challenge(conn, self.authkey)
+        answer_challenge(conn, self.authkey)
+        return conn
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def call_back(address, authkey: bytes) -> Connection:
+    """An actor's side of CallbackServer."""
+    return Client(tuple(address), authkey=authkey)
 
 
 def _remove(remove_placement_group, group) -> None:
@@ -93,7 +140,7 @@ def rank_actor_class():
             from aserve.worker.tp_worker import run_rank
 
             start = pickle.loads(start)
-            conn = Client(address, authkey=authkey)
+            conn = call_back(address, authkey)
             conn.send(start.rank)  # who is calling back
             try:
                 return run_rank(start, conn)
@@ -107,9 +154,7 @@ class RayExecutor(MultiprocExecutor):
     """Ranks placed by Ray; everything after the start is the multi-process executor's."""
 
     def _start_ranks(self, config: EngineConfig, log_level: int) -> dict:
-        ray = import_ray()
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, logging_level=logging.WARNING)
+        ray = init_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -136,21 +181,15 @@ class RayExecutor(MultiprocExecutor):
         host, port = where[0][0], ray.get(actors[0].free_port.remote())  # rank 0's node hosts the rendezvous
         self.plan = DistributedPlan(world, len(nodes), 0, host, port, float(config.distributed_timeout),
                                     tuple(range(world)), tuple(local), max(local) + 1)
-        authkey = secrets.token_bytes(32)
-        server = socket.create_server((ray.util.get_node_ip_address(), 0))
-        server.settimeout(CONNECT_TIMEOUT_S)
+        server = CallbackServer()
         runs = [actor.run.remote(pickle.dumps(RankStart(config, self.plan, rank, local[rank], log_level, cpus)),
-                                 server.getsockname()[:2], authkey) for rank, actor in enumerate(actors)]
+                                 server.address, server.authkey) for rank, actor in enumerate(actors)]
         ranks = {}
         try:
             while len(ranks) < world:
-                sock, _ = server.accept()
-                sock.settimeout(None)
-                conn = Connection(sock.detach())
-                deliver_challenge(conn, authkey)  # as multiprocessing's Listener does: only our ranks get in
-                answer_challenge(conn, authkey)
+                conn = server.accept()
                 rank = conn.recv()
-                ranks[rank] = (RayRank(actors[rank], runs[rank], where[rank][2]), conn)
+                ranks[rank] = (RayRank(actors[rank], runs[rank], where[rank][2], where[rank][1]), conn)
         except (OSError, AuthenticationError) as exc:
             self._placement()  # and with it the actors
             raise ConfigError(f"Ray ranks did not call back within {CONNECT_TIMEOUT_S:.0f} s: {exc}") from None
