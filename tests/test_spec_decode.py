@@ -106,9 +106,14 @@ def test_greedy_equals_decoding_without_and_transformers(pair, model_dirs):
 
 
 def test_logprobs_penalties_min_tokens_logit_bias_and_stop_strings_hold(pair):
-    """Each checked position is sampled with the history its proposals give it: penalties, min_tokens and
-    logprobs come out as without speculation; a stop string inside an accepted run cuts the rest off."""
-    plain, spec = pair
+    """Each checked position is sampled with the history its proposals give it: penalties, min_tokens, logit_bias
+    and logprobs come out as without speculation; a stop string inside an accepted run cuts the rest off."""
+    options_hold(*pair)
+
+
+def options_hold(plain, spec) -> None:
+    """Greedy outputs of `spec` (speculating) equal those of `plain` under each sampling option, and with a stop
+    string; no request is left behind. (Shared with the draft-model tests.)"""
     prompts = looping_prompts(6, seed=5)
     for options in (dict(logprobs=3), dict(repetition_penalty=1.3, frequency_penalty=0.2),
                     dict(min_tokens=30, stop_token_ids=[7, 9, 11]), dict(logit_bias={7: 2.0, 9: -3.0, 300: 4.0})):
