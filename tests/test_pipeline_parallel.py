@@ -152,6 +152,35 @@ def test_a_stage_holds_its_own_layers_only(pp_models):
     assert not any(n.startswith("layers.3") for n, _ in first.named_parameters())
 
 
+def test_a_stage_reads_nothing_of_the_other_stages_layers(pp_models, monkeypatch):
+    """The loader hands safetensors slices to a stage; only its own layers (and the embedding it needs) are read."""
+    from aserve.models import loader
+
+    read: set[str] = set()
+    real = loader.checkpoint_tensors
+
+    class Recorded:
+        def __init__(self, name, part):
+            self.name, self.part = name, part
+
+        def __getitem__(self, index):
+            read.add(self.name)
+            return self.part[index]
+
+        def get_shape(self):
+            return self.part.get_shape()
+
+    def recorded(files, lazy=False):
+        assert lazy  # a stage reads slices, not whole tensors
+        for file_name, name, part in real(files, lazy):
+            yield file_name, name, Recorded(name, part)
+    monkeypatch.setattr(loader, "checkpoint_tensors", recorded)
+    first = pipeline_stages(5, 2)[0]
+    load_model(pp_models["llama-gqa-tied"], "float32", stage=first)
+    assert read and all(name.startswith(("model.layers.0.", "model.layers.1.", "model.layers.2.",
+                                         "model.embed_tokens.")) for name in read), sorted(read)
+
+
 def test_what_pipelines_do_not_run_is_refused_before_any_process_starts(pp_models, tmp_path):
     path = str(pp_models["llama-gqa-tied"])
     with pytest.raises(ValueError, match="does not support pipeline parallelism"):
