@@ -17,10 +17,20 @@ from test_pipeline_parallel import pp_models, reference  # noqa: E402, F401 - th
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Two Ray nodes of two (logical) CPUs each, every address on 127.0.0.1."""
+def loopback():
+    """Every Ray address on 127.0.0.1 (Ray's switch for loopback-only clusters), for this module's tests."""
     saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's switch for loopback-only clusters
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    yield
+    if saved is None:
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    else:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
+
+
+@pytest.fixture(scope="module")
+def cluster(loopback):
+    """Two Ray nodes of two (logical) CPUs each."""
     from ray.cluster_utils import Cluster
 
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
@@ -29,10 +39,6 @@ def cluster():
     yield nodes
     ray.shutdown()
     nodes.shutdown()
-    if saved is None:
-        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    else:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
 
 
 def free_cpus() -> float:
@@ -123,3 +129,35 @@ def test_data_parallel_replicas_placed_by_ray(cluster, pp_models, reference):
             break
         time.sleep(0.1)
     assert free_cpus() == 4
+
+
+def test_a_lost_node_ends_the_engine(loopback, pp_models):
+    """A cluster of its own (the node is gone for good): the worker node, holding one stage, is removed; the engine
+    ends with an error naming the rank."""
+    from ray.cluster_utils import Cluster
+
+    from aserve import SamplingParams
+
+    ray.shutdown()  # from the module's cluster (the tests before this one are done with it)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    worker = nodes.add_node(num_cpus=2)
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        llm = LLM(str(pp_models["llama-gqa-tied"]), distributed_executor_backend="ray", pipeline_parallel_size=2,
+                  ray_cpus_per_rank=2, distributed_timeout=20, **OPTIONS)
+        core = llm.engine
+        on_worker = [rank for rank, (proc, _) in core.executor.ranks.items() if proc.node_id == worker.node_id]
+        assert len(on_worker) == 1
+        core.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        for _ in range(3):
+            core.step()
+        nodes.remove_node(worker)
+        lost_at = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank"):
+            while True:
+                core.step()
+        assert time.monotonic() - lost_at < 25
+        core.executor.shutdown()
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
