@@ -58,8 +58,8 @@ def test_an_encoder_runs_prompts_whole_and_keeps_no_cache(tmp_path):
     steps = []
     schedule = llm.engine.scheduler.schedule
 
-    def spy():
-        out = schedule()
+    def spy(*args):
+        out = schedule(*args)
         steps.append(dict(out.num_scheduled_tokens))
         return out
     llm.engine.scheduler.schedule = spy

@@ -95,8 +95,8 @@ def test_one_slot_serves_two_adapters_in_turn(model_dirs, adapters):
     steps = []
     original = llm.engine.scheduler.schedule
 
-    def watched():
-        out = original()
+    def watched(*args):
+        out = original(*args)
         steps.append({r.lora.identity for r, _ in llm.engine.scheduler.scheduled if r.lora is not None})
         return out
 

@@ -69,8 +69,8 @@ def test_fcfs_swap_really_swaps_and_restores_the_same_bytes(model_dirs, unpressu
     resumed = []
     real_schedule = scheduler.schedule
 
-    def schedule():
-        out = real_schedule()
+    def schedule(*args):
+        out = real_schedule(*args)
         if out.swap_in:
             swapped_back = {r for r, _ in scheduler.scheduled if r.num_output_tokens > 0 and r.num_preemptions}
             resumed.extend(n for r, n in scheduler.scheduled if r in swapped_back)

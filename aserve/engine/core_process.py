@@ -58,7 +58,7 @@ class CoreProcess:
         if config.data_parallel_backend == "ray":  # a replica placed on the Ray cluster (engine.ray_replica)
             from aserve.engine.ray_replica import start_core
 
-            self.proc, self.conn = start_core(config)
+            self.proc, self.conn = start_core(config, serve_core)
         else:
             parent_sock, child_sock = socket.socketpair()
             self.proc = subprocess.Popen([sys.executable, "-m", "aserve.engine.core_child",

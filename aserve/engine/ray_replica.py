@@ -19,12 +19,10 @@ def core_actor_class():
         def where(self) -> tuple[int, str]:
             return os.getpid(), ray.get_runtime_context().get_node_id()
 
-        def run(self, address, authkey: bytes) -> int:
-            from aserve.engine.core_process import serve_core
-
+        def run(self, serve, address, authkey: bytes) -> int:
             conn = call_back(address, authkey)
             try:
-                serve_core(conn)
+                serve(conn)
             finally:
                 conn.close()
             return 0
@@ -32,15 +30,16 @@ def core_actor_class():
     return CoreActor
 
 
-def start_core(config):
-    """(the actor as a process-like RayRank, the connection to its engine core)."""
+def start_core(config, serve):
+    """(the actor as a process-like RayRank, the connection to its engine core). `serve`: the core's loop
+    (core_process.serve_core, passed by reference: this module stands below the one that calls it)."""
     ray = init_ray()
     cpus = config.ray_cpus_per_rank * config.world_size
     actor = core_actor_class().options(num_cpus=cpus).remote()
     server = CallbackServer()
     try:
         pid, node = ray.get(actor.where.remote(), timeout=PLACEMENT_TIMEOUT_S)  # first: run() keeps it busy
-        run = actor.run.remote(server.address, server.authkey)
+        run = actor.run.remote(serve, server.address, server.authkey)
         conn = server.accept()
     except (OSError, ray.exceptions.GetTimeoutError) as exc:
         ray.kill(actor, no_restart=True)
