@@ -41,8 +41,13 @@ def cluster(loopback):
     nodes.shutdown()
 
 
-def free_cpus() -> float:
-    return ray.available_resources().get("CPU", 0)
+def assert_cpus_given_back() -> None:
+    """Within 5 s the cluster has all 4 CPUs free again: the engine's actors (and placement group) are gone."""
+    for _ in range(50):
+        if ray.available_resources().get("CPU", 0) == 4:
+            return
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 4
 
 
 @pytest.mark.parametrize("shape, cpus, nodes", [
@@ -60,11 +65,7 @@ def test_ray_ranks_equal_one_rank(cluster, pp_models, reference, shape, cpus, no
         llm.engine.check_idle()
     finally:
         llm.engine.executor.shutdown()
-    for _ in range(50):  # the placement group, and with it the actors, are gone
-        if free_cpus() == 4:
-            break
-        time.sleep(0.1)
-    assert free_cpus() == 4
+    assert_cpus_given_back()
 
 
 def test_a_lost_rank_actor_ends_the_engine(cluster, pp_models):
@@ -82,11 +83,7 @@ def test_a_lost_rank_actor_ends_the_engine(cluster, pp_models):
         while True:
             core.step()
     assert time.monotonic() - killed_at < 10
-    for _ in range(50):
-        if free_cpus() == 4:
-            break
-        time.sleep(0.1)
-    assert free_cpus() == 4
+    assert_cpus_given_back()
 
 
 def test_a_cluster_too_small_is_refused_at_once(cluster, pp_models):
@@ -124,11 +121,7 @@ def test_data_parallel_replicas_placed_by_ray(cluster, pp_models, reference):
             outs = await asyncio.gather(*[engine.infer({"prompt_token_ids": p}, GREEDY) for p in PROMPTS[:3]])
             assert [o.outputs[0].token_ids for o in outs] == reference["qwen3"]["greedy"][:3]
     asyncio.run(main())
-    for _ in range(50):
-        if free_cpus() == 4:
-            break
-        time.sleep(0.1)
-    assert free_cpus() == 4
+    assert_cpus_given_back()
 
 
 def test_a_lost_node_ends_the_engine(loopback, pp_models):

@@ -165,21 +165,24 @@ def steer(logits: torch.Tensor, reqs: list[RequestState]) -> None:
     """min_tokens (stop ids banned before it), logit_bias and the penalties, in that order (vLLM's), in place, on
     writable fp32 logits."""
     held_back = {}  # row -> the stop ids min_tokens bans there
+    biased, penalized = [], []  # one walk of the rows finds all three kinds
     for i, r in enumerate(reqs):
         p = r.params
         if r.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
                 held_back[i] = banned
+        if p.logit_bias:
+            biased.append(i)
+        if p.needs_penalties:
+            penalized.append(i)
     if held_back:
         with keeping_a_candidate(logits, list(held_back)):
             for i, banned in held_back.items():
                 logits[i, banned] = float("-inf")
-    for i, r in enumerate(reqs):
-        if r.params.logit_bias:
-            bias = r.params.logit_bias
-            logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-    penalized = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+    for i in biased:
+        bias = reqs[i].params.logit_bias
+        logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
     if penalized:
         with keeping_a_candidate(logits, penalized):
             apply_penalties(logits, reqs, penalized)
@@ -223,8 +226,8 @@ def rejection_sample(x: torch.Tensor, q: torch.Tensor, proposed: torch.Tensor, a
 
 def draw_proposals(logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list[int | None], list]:
     """A draft model's next tokens, one per row: a greedy request's is the draft's argmax; a sampled one's is drawn
-    from the draft's distribution q, shaped as the target's will be (min_tokens, penalties, temperature, top-k,
-    top-p, min-p), and q comes back with it for the target's rejection sampling (None for greedy rows). A row
+    from the draft's distribution q, shaped as the target's will be (min_tokens, logit_bias, penalties,
+    temperature, top-k, top-p, min-p), and q comes back with it for the target's rejection sampling (None for greedy rows). A row
     whose logits are unusable proposes nothing (None)."""
     bad = set(unusable_rows(logits))
     logits = logits.float()
