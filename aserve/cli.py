@@ -1,6 +1,6 @@
 """The `aserve` command. Alone (or as `aserve serve ...`) it serves the OpenAI-compatible API on
 127.0.0.1:8000, by default on the embedded model; `aserve generate` runs an offline generation;
-`aserve bench throughput|serve|policies|quality ...` measure."""
+`aserve bench throughput|serve|policies|quality|embed|roofline ...` measure."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,8 @@ from aserve.errors import AserveError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aserve.bench import embed as bench_embed, policies as bench_policies, quality, serve as bench_serve, throughput
+    from aserve.bench import (embed as bench_embed, policies as bench_policies, quality, roofline, serve as bench_serve,
+                              throughput)
     from aserve.server import launch
 
     common = argparse.ArgumentParser(add_help=False)
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_arguments(bench_sub.add_parser("quality", parents=[common],
                                                help="perplexity, KL and greedy agreement of a lossy option "
                                                     "(--quantization) against the fp32 model"))
+    roofline.add_arguments(bench_sub.add_parser("roofline", parents=[common],
+                                                help="the machine's peak GEMM rate and memory bandwidth, how close "
+                                                     "a workload comes to them, and where its time goes"))
     return parser
 
 
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
             from aserve.bench import embed as bench_embed
 
             bench_embed.main(args)
+        elif args.command == "bench" and args.bench_command == "roofline":
+            from aserve.bench import roofline
+
+            roofline.main(args)
         elif args.command == "bench" and args.bench_command == "quality":
             from aserve.bench import quality
 

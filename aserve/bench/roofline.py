@@ -1,0 +1,318 @@
+"""`aserve bench roofline`: how close a workload runs to this machine's limits, and where the rest of the time goes.
+
+First it measures the machine, with aserve's own kernels: the peak rate of the GEMM that multiplies the model's
+weights (in the run's dtype, on shapes large enough to be compute-bound) and the memory bandwidth (`stream_read`,
+csrc/memory_stream.cpp: every byte of a buffer far larger than the caches read once, on all threads). Then it runs the
+workload (`bench throughput`'s: random prompts, fixed lengths, ignore_eos) and counts, step by step from what the
+scheduler hands the worker, the work the model did: GEMM FLOPs (2 per weight per token through the layers, and per
+sampled row through the head), attention FLOPs (4 * head_dim per query head, layer, query token and context token)
+and bytes read (every weight once a step, as stored: int8 and int4 read fewer; each query's K/V context). Each step's
+least possible time is the larger of its FLOPs at the peak rate and its bytes at the bandwidth; their sum over the
+steps is the roofline time, and roofline time / wall time is how close the run came (1.0 = at the machine's limit).
+
+Last, the same workload runs again under torch.profiler and its wall time is split into GEMM (every linear layer's
+kernel, quantized ones included), attention (its kernels and the KV cache writes), other ops (norms, rotary,
+activation, sampling, copies) and Python and scheduling (the wall time no op accounts for). The profiler's own cost
+makes that run somewhat slower; the split is its shares.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from aserve.config import add_engine_arguments, engine_options
+
+PEAK_SHAPES = ((256, 2048, 2048), (512, 1024, 4096), (1024, 2048, 2048))  # (rows, in, out): compute-bound
+GROUPS = (  # (label, substrings of profiler op names), first match wins; the rest is "other ops"
+    ("GEMM", ("gemm_packed", "int8_linear", "int8_untile", "_linear_pointwise", "_weight_int8pack_mm",
+              "_weight_int4pack_mm", "lora_delta", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul")),
+    ("attention", ("paged_decode_attention", "paged_prefill_attention", "write_kv", "scaled_dot_product_attention",
+                   "aten::bmm", "index_copy", "_softmax")),
+)
+CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024,
+                        help="size of the buffer streamed to measure memory bandwidth (far larger than the caches)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled run and its time split")
+    add_engine_arguments(parser)
+
+
+# -- the machine ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Peaks:
+    gemm_gflops: float  # the packed GEMM's best rate, run dtype
+    gemm_shape: tuple[int, int, int]
+    bandwidth_gbs: float  # stream_read's best rate
+
+
+def peak_gemm(dtype: torch.dtype, shapes=PEAK_SHAPES, repeats: int = 3) -> tuple[float, tuple[int, int, int]]:
+    """The best GFLOP/s of the GEMM the engine multiplies `dtype` weights with (ops.cpu_gemm: aserve's or oneDNN's,
+    prepacked; torch's linear where neither packs this dtype) over `shapes`."""
+    from aserve.ops import cpu_gemm
+
+    best, best_shape = 0.0, shapes[0]
+    with torch.inference_mode():
+        for rows, inp, out in shapes:
+            x, w = torch.randn(rows, inp, dtype=dtype), torch.randn(out, inp, dtype=dtype)
+            if cpu_gemm.can_pack(dtype):
+                packed = cpu_gemm.pack_weight(w)
+                run = lambda: cpu_gemm.packed_linear(x, packed, None)  # noqa: E731
+            else:
+                run = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+            run()
+            calls = max(1, int(2e9 / (2 * rows * inp * out)))  # ~2 GFLOP a timing
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run()
+                rate = 2 * rows * inp * out * calls / (time.perf_counter() - start) / 1e9
+                if rate > best:
+                    best, best_shape = rate, (rows, inp, out)
+    return best, best_shape
+
+
+def bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+    """The best GB/s of reading a `mib` MiB buffer once (torch.ops.aserve.stream_read), pages touched first."""
+    from aserve.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        raise RuntimeError("measuring memory bandwidth needs aserve's CPU kernels (ASERVE_CPU_KERNELS is off, or no "
+                           "compiler was found)")
+    buffer = torch.ones(mib * 2**20 // 8, dtype=torch.int64)
+    torch.ops.aserve.stream_read(buffer)
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.ops.aserve.stream_read(buffer)
+        best = max(best, buffer.numel() * 8 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags that decide the kernels' speed, from /proc/cpuinfo (for the report's header)."""
+    from aserve.ops.cpu_kernels import _cpu_flags
+
+    have = set(_cpu_flags().split())
+    return " ".join(flag for flag in CPU_FLAGS_SHOWN if flag in have) or "none of " + " ".join(CPU_FLAGS_SHOWN)
+
+
+# -- the model's work -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelCost:
+    """What one token costs the model, read off its modules."""
+    layer_params: int  # weights every token multiplies by (the decoder layers' linear layers)
+    head_params: int  # weights each sampled row multiplies by (the logits projection)
+    weight_bytes: int  # every linear weight and the head, as stored (int8 and int4 codes, their scales)
+    attention_flops: int  # per (query token, context token): 4 * head_dim * query heads, summed over layers
+    kv_bytes: int  # one token's K and V in the cache, all layers
+    formats: str  # the decoder layers' weight formats ("unquantized", "int8", ...)
+    head_format: str
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, kv_cache: torch.Tensor) -> "ModelCost":
+        from aserve.attention import Attention
+        from aserve.models.layers import Linear
+        from aserve.ops.cpu_gemm import PackedLinear
+
+        def size(module) -> tuple[int, int]:
+            params = module.in_features * module.out_features
+            if isinstance(module, Linear):
+                return params, module.method.weight_bytes(module)
+            return params, module.weight.numel() * module.weight.element_size()
+
+        head = getattr(model, "packed_head", None) or getattr(model, "lm_head", None)
+        layer_params = layer_bytes = 0
+        formats = sorted({m.method.name for m in model.modules() if isinstance(m, Linear) and m is not head
+                          and m is not getattr(model, "lm_head", None)}) or ["unquantized"]
+        for module in model.modules():
+            if isinstance(module, (Linear, PackedLinear)) and module is not head and module is not getattr(
+                    model, "lm_head", None):
+                params, stored = size(module)
+                layer_params, layer_bytes = layer_params + params, layer_bytes + stored
+        head_format = head.method.name if isinstance(head, Linear) else "unquantized"
+        if head is not None:
+            head_params, head_bytes = size(head)
+        else:  # a tied head read straight from the embedding
+            weight = model.output_weight()
+            head_params, head_bytes = weight.numel(), weight.numel() * weight.element_size()
+        attention = sum(4 * m.head_dim * m.num_heads for m in model.modules() if isinstance(m, Attention))
+        shape = model.shape
+        kv_bytes = shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * kv_cache.element_size()
+        return cls(layer_params, head_params, layer_bytes + head_bytes, attention, kv_bytes, " + ".join(formats),
+                   head_format)
+
+
+@dataclass
+class Work:
+    """What the run asked of the machine, summed over its steps, and its least possible time at `peaks`."""
+    steps: int = 0
+    tokens: int = 0  # tokens through the layers
+    sampled_rows: int = 0  # rows through the head
+    gemm_flops: float = 0.0
+    attention_flops: float = 0.0
+    bytes_read: float = 0.0
+    roofline_seconds: float = 0.0
+    compute_bound_steps: int = 0
+
+    def add_step(self, chunks: list[tuple[int, int, bool]], cost: ModelCost, peaks: Peaks | None) -> None:
+        """One step: (context before, new tokens, samples) per request."""
+        tokens = sum(n for _, n, _ in chunks)
+        rows = sum(samples for _, _, samples in chunks)
+        context_pairs = sum(n * c + n * (n + 1) // 2 for c, n, _ in chunks)  # query x key pairs, causal
+        gemm = 2.0 * (cost.layer_params * tokens + cost.head_params * rows)
+        attention = float(cost.attention_flops * context_pairs)
+        read = float(cost.weight_bytes + cost.kv_bytes * sum(c + n for c, n, _ in chunks))
+        self.steps += 1
+        self.tokens += tokens
+        self.sampled_rows += rows
+        self.gemm_flops += gemm
+        self.attention_flops += attention
+        self.bytes_read += read
+        if peaks is not None:
+            compute, memory = (gemm + attention) / (peaks.gemm_gflops * 1e9), read / (peaks.bandwidth_gbs * 1e9)
+            self.roofline_seconds += max(compute, memory)
+            self.compute_bound_steps += compute >= memory
+
+
+@dataclass
+class Run:
+    wall: float
+    output_tokens: int
+    work: Work
+    split: dict[str, float] = field(default_factory=dict)  # seconds per GROUPS label, "other ops", "Python ..."
+    profiled_wall: float = 0.0
+
+
+@contextlib.contextmanager
+def counting_work(engine, cost: ModelCost, peaks: Peaks | None):
+    """Count every step the engine's executor runs inside the block into the Work it yields."""
+    work = Work()
+    executor = engine.executor
+    execute = executor.execute
+
+    def counted(sched, *args, **kwargs):
+        ids = {request_id for request_id, _ in sched.num_scheduled_tokens}  # none: a step that only frees requests
+        chunks = [(req.num_computed_tokens, n, req.num_computed_tokens + n >= req.num_tokens)
+                  for req, n in engine.scheduler.scheduled if req.request_id in ids]
+        if chunks:
+            work.add_step(chunks, cost, peaks)
+        return execute(sched, *args, **kwargs)
+
+    executor.execute = counted  # an instance attribute over the class's method, deleted after
+    try:
+        yield work
+    finally:
+        del executor.execute
+
+
+def split_by_profile(llm, requests, params) -> tuple[float, dict[str, float]]:
+    """Run the workload under torch.profiler; its wall time and seconds per GROUPS label, other ops, and Python and
+    scheduling (wall minus every op's self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate(requests, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    split = {label: 0.0 for label, _ in GROUPS} | {"other ops": 0.0}
+    for event in prof.key_averages():
+        name = event.key.lower()
+        label = next((label for label, keys in GROUPS if any(k in name for k in keys)), "other ops")
+        split[label] += event.self_cpu_time_total / 1e6
+    split["Python and scheduling"] = max(0.0, wall - sum(split.values()))
+    return wall, split
+
+
+def measure(llm, prompts: list[list[int]], params, peaks: Peaks | None,
+            profiled_prompts: list[list[int]] | None = None) -> Run:
+    """The workload timed with its work counted, then, given `profiled_prompts` (others than `prompts`, so that the
+    prefix cache holds none of them), that one under the profiler. The first prompt's first tokens, reversed, warm up."""
+    engine = llm.engine
+    runner = engine.executor.worker.runner
+    cost = ModelCost.of(runner.model, runner.kv_cache)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate([{"prompt_token_ids": prompts[0][:16][::-1]}], params.clone(max_tokens=4), use_tqdm=False)
+    with counting_work(engine, cost, peaks) as work:
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    run = Run(wall, sum(len(o.token_ids) for out in outputs for o in out.outputs), work)
+    if profiled_prompts:
+        run.profiled_wall, run.split = split_by_profile(llm, [{"prompt_token_ids": p} for p in profiled_prompts],
+                                                        params)
+    return run
+
+
+# -- the report -------------------------------------------------------------------------------------------------
+
+
+def report(run: Run, peaks: Peaks) -> None:
+    w = run.work
+    gemm_rate = w.gemm_flops / run.wall / 1e9
+    read_rate = w.bytes_read / run.wall / 1e9
+    print(f"{run.output_tokens} output tokens in {run.wall:.2f} s: {run.output_tokens / run.wall:.2f} output tokens/s, "
+          f"{w.steps} steps, {w.tokens} tokens through the layers, {w.sampled_rows} rows through the head")
+    print(f"GEMM: {w.gemm_flops / 1e9:.1f} GFLOP, {gemm_rate:.0f} GFLOP/s over the whole run = "
+          f"{gemm_rate / peaks.gemm_gflops:.0%} of the peak; attention {w.attention_flops / 1e9:.1f} GFLOP")
+    print(f"memory: {w.bytes_read / 1e9:.2f} GB read (weights once a step, K/V per query), {read_rate:.1f} GB/s = "
+          f"{read_rate / peaks.bandwidth_gbs:.0%} of the bandwidth")
+    print(f"roofline: at least {w.roofline_seconds:.2f} s at these peaks ({w.compute_bound_steps} of {w.steps} steps "
+          f"compute-bound): this run reached {w.roofline_seconds / run.wall:.0%} of the machine's limit")
+    if run.split:
+        print(f"where the time went (the same workload under torch.profiler, {run.profiled_wall:.2f} s):")
+        print("| where | s | share |\n| --- | ---: | ---: |")
+        for label, seconds in run.split.items():
+            print(f"| {label} | {seconds:.2f} | {seconds / run.profiled_wall:.0%} |")
+        gemm = run.split.get("GEMM", 0.0)
+        if gemm:
+            inside = w.gemm_flops / gemm / 1e9
+            print(f"inside the GEMMs: {inside:.0f} GFLOP/s = {inside / peaks.gemm_gflops:.0%} of the peak")
+
+
+def main(args: argparse.Namespace) -> None:
+    from aserve import LLM, SamplingParams
+    from aserve.bench.throughput import random_prompts, report as throughput_line
+    from aserve.hardware import cpu_info
+
+    options = engine_options(args)
+    if options.get("tensor_parallel_size", 1) > 1 or options.get("pipeline_parallel_size", 1) > 1 \
+            or options.get("data_parallel_size", 1) > 1:
+        raise SystemExit("aserve bench roofline: measures one process (no tensor, pipeline or data parallelism)")
+    if options.get("speculative_config"):
+        raise SystemExit("aserve bench roofline: counts plain decoding (no speculative_config)")
+    llm = LLM(**options)
+    engine = llm.engine
+    dtype = engine.dtype
+    runner = engine.executor.worker.runner
+    cost = ModelCost.of(runner.model, runner.kv_cache)
+    print(f"aserve bench roofline: {cpu_info().describe()} (flags: {cpu_flags()}), dtype "
+          f"{str(dtype).replace('torch.', '')}, weights {cost.formats}, head {cost.head_format} ({cost.weight_bytes / 1e6:.1f} MB read a "
+          f"step), KV cache {runner.kv_cache_dtype}", flush=True)
+    gflops, shape = peak_gemm(dtype)
+    peaks = Peaks(gflops, shape, bandwidth(args.bandwidth_mib))
+    print(f"peak GEMM: {peaks.gemm_gflops:.0f} GFLOP/s ({str(dtype).replace('torch.', '')}, best of "
+          f"{' '.join('x'.join(map(str, s)) for s in PEAK_SHAPES)} rows x in x out)", flush=True)
+    print(f"memory bandwidth: {peaks.bandwidth_gbs:.1f} GB/s (a {args.bandwidth_mib} MiB buffer read once, best of 5)",
+          flush=True)
+    avoid = set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids)
+    prompts, profiled = (random_prompts(args.num_prompts, args.input_len, engine.vocab_size, avoid, seed)
+                         for seed in (args.seed, args.seed + 1))
+    params = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    run = measure(llm, prompts, params, peaks, None if args.no_profile else profiled)
+    print(f"workload: {args.num_prompts} prompts x {args.input_len} in / {args.output_len} out")
+    report(run, peaks)
+    throughput_line("", len(prompts), sum(map(len, prompts)) + run.output_tokens, run.output_tokens, run.wall)

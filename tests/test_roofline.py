@@ -1,0 +1,92 @@
+"""`aserve bench roofline`: the bandwidth kernel reads what it is given, the work it counts is the work the model did,
+and the report prints every figure it promises. No timing is asserted (figures depend on the machine)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.bench import roofline
+from aserve.models.layers import Linear
+from aserve.ops import cpu_kernels
+from conftest import random_prompts
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+
+
+def test_stream_read_reads_every_word():
+    """The xor of every 64-bit word, over sizes that end mid-chunk; a strided view or a ragged size is refused."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(0)
+    for words in (1, 7, (1 << 14) + 3, 5 * (1 << 14)):
+        buffer = torch.randint(-2**62, 2**62, (words,), dtype=torch.int64, generator=gen)
+        assert torch.ops.aserve.stream_read(buffer) == int(np.bitwise_xor.reduce(buffer.numpy()))
+        assert torch.ops.aserve.stream_read(buffer.view(torch.uint8)) == torch.ops.aserve.stream_read(buffer)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.aserve.stream_read(torch.zeros(8, 2, dtype=torch.int64).t())
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.aserve.stream_read(torch.zeros(5, dtype=torch.uint8))
+
+
+def test_work_counted_is_the_work_done(model_dirs):
+    """Prompts of 20 tokens, 5 tokens out, prefix caching off: every prompt token and every output token but the
+    last goes through the layers once, every output token through the head once; FLOPs and bytes follow from the
+    model's sizes. The profiled run's split covers its wall time."""
+    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB",
+              enable_prefix_caching=False)
+    runner = llm.engine.runner
+    cost = roofline.ModelCost.of(runner.model, runner.kv_cache)
+    model = runner.model
+    layers = sum(m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, Linear))
+    assert cost.formats == "unquantized" and cost.layer_params == layers
+    assert cost.head_params == model.embed_tokens.weight.numel()  # tied: the head is the embedding
+    assert cost.weight_bytes == 4 * (cost.layer_params + cost.head_params)
+    prompts = random_prompts(3, lengths=(20, 20), seed=2)
+    peaks = roofline.Peaks(100.0, (1, 1, 1), 10.0)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=5)
+    run = roofline.measure(llm, prompts, params, peaks, random_prompts(3, lengths=(20, 20), seed=3))
+    work = run.work
+    assert run.output_tokens == 15 and work.steps == 5
+    assert work.tokens == 3 * 20 + 3 * 4 and work.sampled_rows == 15
+    assert work.gemm_flops == 2.0 * (cost.layer_params * work.tokens + cost.head_params * work.sampled_rows)
+    pairs = 3 * (20 * 21 // 2 + sum(range(21, 25)))  # causal prefill, then one query over 21..24 keys
+    assert work.attention_flops == cost.attention_flops * pairs
+    assert work.bytes_read == 5 * cost.weight_bytes + cost.kv_bytes * 3 * (20 + sum(range(21, 25)))
+    assert 0 < work.roofline_seconds and work.compute_bound_steps <= work.steps
+    assert set(run.split) == {"GEMM", "attention", "other ops", "Python and scheduling"}
+    assert all(seconds >= 0 for seconds in run.split.values()) and run.split["GEMM"] > 0
+    assert sum(run.split.values()) == pytest.approx(run.profiled_wall, rel=0.05)
+    assert not hasattr(llm.engine.executor, "execute") or "execute" not in vars(llm.engine.executor)
+
+
+def test_int8_weights_count_a_quarter_of_fp32_bytes(model_dirs):
+    dense, int8 = (roofline.ModelCost.of(llm.engine.runner.model, llm.engine.runner.kv_cache) for llm in (
+        LLM(str(model_dirs["llama-untied"]), dtype="float32", kv_cache_memory="16MiB", quantization=q)
+        for q in (None, "int8")))
+    assert (int8.formats, int8.head_format, dense.formats) == ("int8", "unquantized", "unquantized")
+    assert int8.layer_params == dense.layer_params
+    head = 4 * int8.head_params  # the untied head stays dense unless --quantize-lm-head
+    assert (dense.weight_bytes - head) / 4 <= int8.weight_bytes - head < (dense.weight_bytes - head) / 3
+
+
+def test_roofline_command_prints_every_figure(model_dirs, capsys):
+    from aserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "roofline", "--model", str(model_dirs["llama-gqa-tied"]),
+                                      "--num-prompts", "2", "--input-len", "12", "--output-len", "3",
+                                      "--bandwidth-mib", "32", "--kv-cache-memory", "16MiB"])
+    roofline.main(args)
+    out = capsys.readouterr().out
+    for pattern in (r"flags: [a-z0-9_ ]+\)", r"peak GEMM: \d+ GFLOP/s", r"memory bandwidth: [\d.]+ GB/s",
+                    r"GEMM: [\d.]+ GFLOP, \d+ GFLOP/s over the whole run = \d+% of the peak",
+                    r"= \d+% of the bandwidth", r"reached \d+% of the machine's limit", r"\| GEMM \| [\d.]+ \| \d+% \|",
+                    r"\| Python and scheduling \|", r"inside the GEMMs: \d+ GFLOP/s"):
+        assert re.search(pattern, out), (pattern, out)
+    assert re.search(r"Throughput: [0-9.]+ requests/s", out.splitlines()[-1])
+    with pytest.raises(SystemExit, match="one process"):
+        roofline.main(build_parser().parse_args(["bench", "roofline", "--tensor-parallel-size", "2"]))
