@@ -312,14 +312,15 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_int8_linear_matches_the_dequantized_product(dtype, rows):
-    """The tiled int8 kernel: output widths that end mid-tile (33) or on one (48), an odd input width (37)."""
+    """The tiled int8 kernel: output widths that end mid-tile (33) or on one (48), an odd input width (37), and
+    enough tiles (13) for whole groups of tiles at once (prefetching the next) and a remainder."""
     from aserve.quantization.int8 import codes, quantize_per_channel, tile
 
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(rows)
-    for out_features, in_features in ((33, 37), (48, 64)):
+    for out_features, in_features in ((33, 37), (48, 64), (200, 37)):
         q, scale = quantize_per_channel(torch.randn(out_features, in_features, generator=gen), dtype)
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         tiled = tile(q)

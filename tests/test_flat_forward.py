@@ -65,9 +65,32 @@ def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, family, dty
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
 
 
+@pytest.mark.parametrize("weights", ["int8", "gptq"])
+def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, tmp_path, weights):
+    """int8 weights (aserve's tiled kernel for decode rows, the untiled GEMM for prefill chunks) and GPTQ int4
+    (torch's int4 kernel in bf16; dequantized dense weights in fp32) run each projection through their method, in
+    the loop as through the modules."""
+    from aserve.bench.quantize_rtn import write_rtn_checkpoint
+
+    path, options = model_dirs["llama-untied"], {}
+    if weights == "int8":
+        options["quantization"] = "int8"
+    else:
+        path = tmp_path / "gptq"
+        write_rtn_checkpoint(model_dirs["llama-untied"], path, "gptq")
+    dtype = "bfloat16" if cpu_gemm.can_pack(torch.bfloat16) else "float32"
+    tokens, hidden, used, model = run(path, dtype, flat=True, **options)
+    assert isinstance(model.flat, FlatForward) and used == len(hidden) > 0
+    assert model.layers[0].mlp.down_proj.method.name.startswith(weights)
+    ref_tokens, ref_hidden, ref_used, _ = run(path, dtype, flat=False, **options)
+    assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+
+
 def test_flat_forward_stays_out_of_what_it_does_not_run(model_dirs, monkeypatch):
-    """Another layer type (Gemma 2), an FP8 cache, a gradient being recorded, unpacked weights and
-    ASERVE_FLAT_FORWARD=0 all leave the modules' forward in charge."""
+    """Another layer type (Gemma 2), an FP8 cache, a gradient being recorded, a projection that is not one of
+    aserve's linear layers and ASERVE_FLAT_FORWARD=0 all leave the modules' forward in charge; an unpacked dense
+    weight (as with ASERVE_PREPACK=0) runs in the loop through its method."""
     *_, used, model = run(model_dirs["gemma2"], "float32", flat=True)
     assert not isinstance(model.flat, FlatForward) and used == 0  # its own forward never builds one
     *_, used, model = run(model_dirs["llama-gqa-tied"], "float32", flat=True, kv_cache_dtype="fp8")
@@ -81,6 +104,9 @@ def test_flat_forward_stays_out_of_what_it_does_not_run(model_dirs, monkeypatch)
     with torch.inference_mode():
         assert FlatForward.build(plain_model) is not None
     plain_model.layers[0].mlp.down_proj.packed = None  # as with ASERVE_PREPACK=0
+    assert FlatForward.build(plain_model) is not None
+    down = plain_model.layers[0].mlp.down_proj
+    plain_model.layers[0].mlp.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
     assert FlatForward.build(plain_model) is None
     monkeypatch.setenv("ASERVE_FLAT_FORWARD", "0")
     *_, used, model = run(model_dirs["llama-gqa-tied"], "float32", flat=True)

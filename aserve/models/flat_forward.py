@@ -3,9 +3,9 @@
 Through the modules (llama.DecoderLayer and what it calls), every op of every layer first asks which path it
 takes: the device, the dtype, the cache format, whether the kernels are built, whether the weight is packed;
 then nn.Module's call machinery runs around it. On the CPU that Python is a fixed few milliseconds a step. Where
-every answer is the same for the whole model (the CPU kernels built, every linear dense and prepacked, a cache
-in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a step whose attention
-the kernels take (decode rows and prefill chunks, over a cache in the model's dtype) is the same ops in the
+every answer is the same for the whole model (the CPU kernels built, every linear layer one of aserve's, dense
+or quantized, a cache in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a
+step whose attention the kernels take (decode rows and prefill chunks, over a cache in the model's dtype) is the same ops in the
 same order with nothing between them: bit for bit the modules' output (tests/test_flat_forward.py). Anything
 else (an FP8 cache, another layer type) goes through the modules as before. The model says what its layers are:
 it builds one `FlatLayer` per layer (llama.LlamaForCausalLM.flat_layers), all the loop reads of them.
@@ -18,7 +18,7 @@ alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -27,38 +27,34 @@ from aserve.attention import Attention
 from aserve.attention.torch_backend import TorchAttentionBackend
 from aserve.models.layers import RMSNorm
 from aserve.ops import cpu_kernels
-from aserve.ops.cpu_gemm import PackedWeight, packed_linear
-from aserve.quantization.base import UnquantizedLinearMethod
+from aserve.quantization.base import LinearMethod
 
 UNBUILT = object()  # a model's `flat` before its first step
 
 
-def _packed(linear) -> tuple[PackedWeight, torch.Tensor | None] | None:
-    """(packed weight, bias) of a dense prepacked aserve Linear; None for anything else."""
-    if isinstance(getattr(linear, "method", None), UnquantizedLinearMethod) and linear.packed is not None:
-        return linear.packed, linear.bias
-    return None
+def projection(linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x -> x W^T + b of an aserve Linear, without nn.Module's call machinery: what its method makes of it (the packed
+    GEMM of a dense prepacked layer, int8's tiled kernel, torch's int4 one, ...), so that quantized models take the
+    loop too. None for anything else (a plain nn.Linear)."""
+    method = getattr(linear, "method", None)
+    return method.projection(linear) if isinstance(method, LinearMethod) else None
 
 
 class FlatLayer(NamedTuple):
     """One pre-norm decoder layer as the loop runs it: x + attn(norm_in(x)), then + the SwiGLU MLP of
     norm_post(.). The model that owns the layers builds it (`of`, from its parts); the loop unpacks it in this order
-    every step, as fast as a plain tuple."""
+    every step, as fast as a plain tuple. Each projection is a function of x alone (see `projection`)."""
     norm_in: RMSNorm
-    qkv_weight: PackedWeight  # q | k | v fused
-    qkv_bias: torch.Tensor | None
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # q | k | v fused
     q_size: int  # this layer's query features, then kv_size of keys and of values, in qkv's output
     kv_size: int
     attn: Attention  # heads, scale, sliding window and KV scales
     q_norm: RMSNorm | None  # Qwen3: RMSNorm over each head's queries and keys; None elsewhere
     k_norm: RMSNorm | None
-    o_weight: PackedWeight
-    o_bias: torch.Tensor | None
+    o: Callable[[torch.Tensor], torch.Tensor]
     norm_post: RMSNorm
-    gate_up_weight: PackedWeight  # gate | up fused
-    gate_up_bias: torch.Tensor | None
-    down_weight: PackedWeight
-    down_bias: torch.Tensor | None
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # gate | up fused
+    down: Callable[[torch.Tensor], torch.Tensor]
     loras: tuple | None  # with LoRA on: the LoRA deltas (lora.layers.LoRALinear) of qkv, o, gate_up and down
 
     @classmethod
@@ -66,20 +62,19 @@ class FlatLayer(NamedTuple):
            q_norm: nn.Module | None, k_norm: nn.Module | None, o_proj: nn.Module, norm_post: nn.Module,
            gate_up_proj: nn.Module, down_proj: nn.Module, dtype: torch.dtype) -> "FlatLayer | None":
         """The record of a layer whose parts the loop runs as they are; None where one is not: a linear layer
-        that is not dense and prepacked, a norm of another kind or dtype, soft-capped attention logits."""
-        linears = [_packed(x) for x in (qkv_proj, o_proj, gate_up_proj, down_proj)]
+        with no `projection`, a norm of another kind or dtype, soft-capped attention logits."""
+        linears = [projection(x) for x in (qkv_proj, o_proj, gate_up_proj, down_proj)]
         norms = [norm_in, norm_post] + ([q_norm, k_norm] if q_norm is not None else [])
         if (any(x is None for x in linears) or attn.logit_softcap
                 or any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms)):
             return None
-        (qkv_w, qkv_b), (o_w, o_b), (gate_up_w, gate_up_b), (down_w, down_b) = linears
+        qkv, o, gate_up, down = linears
         loras = tuple(getattr(x, "lora", None) for x in (qkv_proj, o_proj, gate_up_proj, down_proj))
         if any(lora is None for lora in loras):
             if any(lora is not None for lora in loras):  # LoRA on some of the four only: not this loop's shape
                 return None
             loras = None
-        return cls(norm_in, qkv_w, qkv_b, q_size, kv_size, attn, q_norm, k_norm, o_w, o_b, norm_post,
-                   gate_up_w, gate_up_b, down_w, down_b, loras)
+        return cls(norm_in, qkv, q_size, kv_size, attn, q_norm, k_norm, o, norm_post, gate_up, down, loras)
 
 
 class FlatForward:
@@ -119,22 +114,21 @@ class FlatForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, intermediate=None):
         """As the model's forward: `intermediate` from the pipeline stage before, and a stage before the last
         returns its own (the last layer's output, the running sum) instead of normed hidden states."""
-        ops, linear = torch.ops.aserve, packed_linear
+        ops = torch.ops.aserve
         nd = meta.num_decode_tokens
         prefill = meta.prefill_batch() if meta.prefills else None
         slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
         x, residual = (nn.functional.embedding(input_ids, self.embed), None) if intermediate is None else intermediate
         T = x.shape[0]
-        for (norm_in, qkv_weight, qkv_bias, q_size, kv_size, attn, q_norm, k_norm, o_weight, o_bias, norm_post,
-             gate_up_weight, gate_up_bias, down_weight, down_bias, loras), (k_cache, v_cache) in zip(self.layers,
-                                                                                                   kv_caches):
+        for (norm_in, qkv_proj, q_size, kv_size, attn, q_norm, k_norm, o_proj, norm_post, gate_up_proj, down_proj,
+             loras), (k_cache, v_cache) in zip(self.layers, kv_caches):
             if loras is not None and loras[0].step.token_slot is None:  # no adapter in this step
                 loras = None
             if residual is None:
                 residual, x = x, ops.rms_norm(x, norm_in.weight, norm_in.eps)
             else:
                 x = ops.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
-            qkv = linear(x, qkv_weight, qkv_bias)
+            qkv = qkv_proj(x)
             if loras is not None:
                 qkv = loras[0].forward(x, qkv)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -153,12 +147,12 @@ class FlatForward:
                 ops.paged_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, *prefill, attn.scale, window, 0.0,
                                             attn.k_scale, attn.v_scale, 0)
             out = out.view(T, H * D)
-            o = linear(out, o_weight, o_bias)
+            o = o_proj(out)
             x = ops.add_rms_norm(o if loras is None else loras[1].forward(out, o), residual, norm_post.weight,
                                  norm_post.eps)
-            gate_up = linear(x, gate_up_weight, gate_up_bias)
+            gate_up = gate_up_proj(x)
             act = ops.silu_and_mul(gate_up if loras is None else loras[2].forward(x, gate_up))
-            down = linear(act, down_weight, down_bias)
+            down = down_proj(act)
             x = down if loras is None else loras[3].forward(act, down)
         if self.norm is None:
             return x, residual

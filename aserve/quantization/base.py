@@ -13,6 +13,7 @@ packed eight to an int32): a `ParamLayout` in `layer.param_layouts`, read by `as
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +72,12 @@ class LinearMethod:
         """Reorder the weight for the CPU's GEMM (ops.cpu_gemm) if this format can; whether it did."""
         return False
 
+    def projection(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x [rows, in_features] -> `apply(layer, x)` for the flat forward (models.flat_forward), which calls it on
+        the CPU with the kernels built, in the layer's dtype, no gradient recorded. A format may return a leaner
+        function for those calls (its tensors bound once, no nn.Module attribute lookups), same result bit for bit."""
+        return functools.partial(self.apply, layer)
+
     def weight_bytes(self, layer: nn.Module) -> int:
         """What the layer's weights occupy once processed (for the start-up log)."""
         return sum(t.numel() * t.element_size() for name, t in layer.named_buffers(recurse=False)
@@ -98,6 +105,11 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.packed is not None:
             return cpu_gemm.packed_linear(x, layer.packed, layer.bias)
         return nn.functional.linear(x, layer.weight, layer.bias)
+
+    def projection(self, layer):
+        if layer.packed is not None:
+            return functools.partial(cpu_gemm.packed_linear, packed=layer.packed, bias=layer.bias)
+        return super().projection(layer)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

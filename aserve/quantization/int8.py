@@ -6,10 +6,10 @@ in, 16], one byte a weight: for each input feature, sixteen output channels side
 multiplies a whole vector of them by one broadcast activation, with no horizontal sums (the layout of torch's
 int4 kernel, without the nibbles). Up to KERNEL_MAX_ROWS rows (decode batches) run on it; larger batches
 convert the tiles back to a dense weight in the activations' dtype (`int8_untile`) and run the GEMM library.
-Measured against oneDNN's prepacked bf16 GEMM on the bench model's shapes (30 layers, so the weights do not sit
-in cache), AMD EPYC avx512_bf16, 1 thread: 1.82x at 1 row, 1.72x at 2, 1.31x at 4, where torch's
-`_weight_int8pack_mm` gave 1.21x, 1.11x and 1.00x (it walks each weight row and reduces; it is also bf16-only
-and ran 10x slower than dense in fp32, where these kernels read a quarter of dense fp32's bytes).
+Measured against aserve's prepacked bf16 GEMM on the bench model's shapes (30 layers of q|k|v, o, gate|up and down,
+so the weights do not sit in cache), AMD EPYC Zen 5 avx512_bf16, 2 threads: 2.21x at 1 row (2.10 against 4.65 ms,
+50 GB/s of int8 weights), 1.87x at 2, 1.59x at 4, 1.17x at 8 (where it is compute-bound: an fp32 FMA per weight and
+row, against the bf16 GEMM's dot products of pairs).
 
 Without the kernels (no compiler, ASERVE_CPU_KERNELS=0, CUDA) the codes stay [out, in]: torch's kernel for a few
 bf16 rows, convert-then-GEMM otherwise.
@@ -26,7 +26,7 @@ from torch import nn
 from aserve.ops import cpu_kernels
 from aserve.quantization.base import LinearMethod, add_checkpoint_param, replace_params
 
-KERNEL_MAX_ROWS = 4  # aserve's int8_linear up to here; above, the dense GEMM on the untiled weight wins
+KERNEL_MAX_ROWS = 8  # aserve's int8_linear up to here; above, the dense GEMM on the untiled weight wins
 TORCH_KERNEL_DTYPES = (torch.bfloat16,)  # without aserve's kernels: torch's _weight_int8pack_mm
 TORCH_KERNEL_MAX_ROWS = 8
 TILE = 16  # output channels per tile (int8_linear's layout)
@@ -86,3 +86,15 @@ class Int8LinearMethod(LinearMethod):
         if layer.bias is not None:
             out = out + layer.bias
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def projection(self, layer):
+        if not layer.int8_tiled:
+            return super().projection(layer)
+        qweight, scales, out_features, bias = layer.qweight, layer.scales, layer.out_features, layer.bias
+        kernel, untile, linear = torch.ops.aserve.int8_linear, torch.ops.aserve.int8_untile, nn.functional.linear
+
+        def project(x: torch.Tensor) -> torch.Tensor:  # apply's tiled path, for 2-D rows on the CPU in the kernels' dtypes
+            out = (kernel(x.contiguous(), qweight, scales, out_features) if x.shape[0] <= KERNEL_MAX_ROWS
+                   else linear(x, untile(qweight, out_features, x)) * scales)
+            return out if bias is None else out + bias
+        return project
