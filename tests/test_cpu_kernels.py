@@ -336,6 +336,29 @@ def test_int8_linear_matches_the_dequantized_product(dtype, rows):
         assert torch.equal(codes(holder), q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_int8_matches_the_dequantized_product(dtype):
+    """The int8 GEMM of large batches: output widths that end mid-tile and mid-panel (33, 200), odd input widths, a
+    batch over one row block (300 rows of 3001 inputs), inputs past the fp32 GEMM's k chunk (2101), with and
+    without a bias (added after the scale)."""
+    from aserve.quantization.int8 import gemm_dtypes, quantize_per_channel, tile
+
+    if dtype not in gemm_dtypes():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(5)
+    for out_features, in_features, rows in ((33, 37, 9), (200, 64, 70), (48, 2101, 20), (100, 3001, 300), (64, 3, 13)):
+        q, scale = quantize_per_channel(torch.randn(out_features, in_features, generator=gen), dtype)
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        for bias in (None, torch.randn(out_features, generator=gen).to(dtype)):
+            got = torch.ops.aserve.gemm_int8(x, tile(q), scale, bias, out_features)
+            expected = (x.float() @ q.float().t()) * scale.float() + (0 if bias is None else bias.float())
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            bound = float(expected.abs().max()) * (1e-5 if dtype == torch.float32 else 4e-3)
+            assert (got.float() - expected).abs().max() <= bound, (out_features, in_features, rows)
+    with pytest.raises(RuntimeError, match="int8 tiles"):
+        torch.ops.aserve.gemm_int8(x, tile(q)[:, :-1], scale, None, out_features)
+
+
 def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():
     """The fused draw picks the token the torch path picks for the same uniforms (away from the rounding edges
     between two tokens), masked (-inf) entries never, and a draw at the very top lands on the last live token."""

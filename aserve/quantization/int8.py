@@ -20,6 +20,8 @@ layout is opaque (no way back to a dense weight for large batches) and needs gro
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -31,6 +33,15 @@ TORCH_KERNEL_DTYPES = (torch.bfloat16,)  # without aserve's kernels: torch's _we
 TORCH_KERNEL_MAX_ROWS = 8
 TILE = 16  # output channels per tile (int8_linear's layout)
 TILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def gemm_dtypes() -> tuple[torch.dtype, ...]:
+    """The activation dtypes aserve's int8 GEMM (gemm_int8, csrc/cpu_gemm.cpp) takes here: fp32 wherever the kernels
+    are built, bf16 with AVX512-BF16 (it widens int8 panels to bf16 for vdpbf16ps)."""
+    if not cpu_kernels.available() or not hasattr(torch.ops.aserve, "gemm_int8"):
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.aserve.gemm_packs_bf16() else (torch.float32,)
 
 
 def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +87,9 @@ class Int8LinearMethod(LinearMethod):
         if layer.int8_tiled:
             if rows <= KERNEL_MAX_ROWS and cpu_kernels.usable(x2):
                 out = torch.ops.aserve.int8_linear(x2.contiguous(), layer.qweight, layer.scales, layer.out_features)
+            elif x2.dtype in gemm_dtypes() and cpu_kernels.usable(x2):
+                return torch.ops.aserve.gemm_int8(x2, layer.qweight, layer.scales, layer.bias,
+                                                  layer.out_features).view(*x.shape[:-1], layer.out_features)
             else:
                 dense = torch.ops.aserve.int8_untile(layer.qweight, layer.out_features, x2)
                 out = nn.functional.linear(x2, dense) * layer.scales
@@ -93,8 +107,18 @@ class Int8LinearMethod(LinearMethod):
         qweight, scales, out_features, bias = layer.qweight, layer.scales, layer.out_features, layer.bias
         kernel, untile, linear = torch.ops.aserve.int8_linear, torch.ops.aserve.int8_untile, nn.functional.linear
 
-        def project(x: torch.Tensor) -> torch.Tensor:  # apply's tiled path, for 2-D rows on the CPU in the kernels' dtypes
+        if layer.scales.dtype in gemm_dtypes():
+            gemm = torch.ops.aserve.gemm_int8
+
+            def project(x: torch.Tensor) -> torch.Tensor:  # apply's tiled paths, for 2-D rows in the kernels' dtypes
+                if x.shape[0] <= KERNEL_MAX_ROWS:
+                    out = kernel(x.contiguous(), qweight, scales, out_features)
+                    return out if bias is None else out + bias
+                return gemm(x, qweight, scales, bias, out_features)
+            return project
+
+        def project_untiled(x: torch.Tensor) -> torch.Tensor:
             out = (kernel(x.contiguous(), qweight, scales, out_features) if x.shape[0] <= KERNEL_MAX_ROWS
                    else linear(x, untile(qweight, out_features, x)) * scales)
             return out if bias is None else out + bias
-        return project
+        return project_untiled

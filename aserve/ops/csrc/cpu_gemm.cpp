@@ -60,7 +60,7 @@ struct PacedPrefetch {
 // `lines` 64-byte lines from `pf` into L1 at an even pace meanwhile. The sums run in a local copy: __m256 may
 // alias float, so sums kept in the caller's array would be stored back on every step (half the speed).
 template <int MR>
-inline void micro_kernel(const float* a, const float* b, int64_t kc, __m256 (&acc)[kMR][2], const float* pf,
+inline void micro_kernel(const float* a, const float* b, int64_t kc, __m256 (&acc)[kMR][2], const char* pf,
                          int64_t lines) {
   __m256 r[MR][2];
 #pragma GCC unroll 6
@@ -85,7 +85,7 @@ inline void micro_kernel(const float* a, const float* b, int64_t kc, __m256 (&ac
 // `cols` < 16 only in the last panel, whose padding columns are computed but not stored.
 template <int MR>
 void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int cols, const float* bias,
-          bool first, const float* pf, int64_t lines) {
+          bool first, const char* pf, int64_t lines) {
   __m256 acc[kMR][2];
   alignas(32) float edge[kNR];
   for (int i = 0; i < MR; ++i) {
@@ -115,7 +115,7 @@ void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int
   }
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int, const float*, bool, const float*,
+using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int, const float*, bool, const char*,
                        int64_t);
 constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
@@ -132,9 +132,20 @@ void pack_rows(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0, 
   }
 }
 
+// Where gemm_panels finds a panel's k rows [k0, k0 + kc) as [kc][16] fp32, and what to prefetch for it: the packed
+// weight itself (DensePanels), or int8 tiles widened into a scratch panel (Int8Panels, below).
+struct DensePanels {
+  const float* w;
+  int64_t K;
+  static constexpr int64_t kBytesPerK = kNR * 4;  // of the stored panel: what a k step streams from memory
+  const float* get(int64_t p, int64_t k0, int64_t kc) const { return w + (p * K + k0) * kNR; }
+  const char* stored(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(w + (p * K + k0) * kNR); }
+};
+
 // Panels [p0, p1) of out for all M rows.
-void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const float* bias, float* out,
-                 int64_t N, int64_t p0, int64_t p1) {
+template <class Panels>
+void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const float* bias,
+                 float* out, int64_t N, int64_t p0, int64_t p1) {
   const int64_t chunks = (K + kKC - 1) / kKC, kc_max = (K + chunks - 1) / chunks;
   const int64_t row_block = std::max<int64_t>(kMR, kBlockBytes / (kc_max * 4) / kMR * kMR);
   thread_local std::vector<float> packed;
@@ -142,19 +153,21 @@ void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const float*
   for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
     const int64_t kc = std::min(kc_max, K - k0);
     const bool first = k0 == 0;
+    const int64_t total_lines = (kc * Panels::kBytesPerK + 63) / 64;  // of the next panel, shared out to the blocks
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
       pack_rows(x, ldx, m0, mc, k0, kc, packed.data());
       for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = w + (p * K + k0) * kNR;
-        const float* next = p + 1 < p1 ? w + ((p + 1) * K + k0) * kNR : nullptr;
+        const float* panel = panels.get(p, k0, kc);
+        const char* next = p + 1 < p1 ? panels.stored(p + 1, k0) : nullptr;
         const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
         const float* b = bias != nullptr ? bias + p * kNR : nullptr;
         for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
-          const int64_t from = r * kc / blocks, lines = next != nullptr ? (r + 1) * kc / blocks - from : 0;
+          const int64_t from = r * total_lines / blocks;
+          const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
           const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
           kTiles[rows](packed.data() + r * kMR * kc, panel, kc, out + (m0 + r * kMR) * N + p * kNR, N, cols, b,
-                       first, next != nullptr ? next + from * kNR : nullptr, lines);
+                       first, next != nullptr ? next + from * 64 : nullptr, lines);
         }
       }
     }
@@ -188,15 +201,9 @@ struct GemmArgs {
   int64_t M, K, N;
 };
 
-GemmArgs gemm_args(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                   int64_t out_features, int64_t panel_k, int64_t nr, const char* layout) {
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == packed.scalar_type(),
-              "gemm_packed: x must be [..., in_features] in the packed weight's dtype");
+GemmArgs gemm_args(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t out_features) {
   GemmArgs a;
   a.K = x.size(-1), a.N = out_features;
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == panel_k && packed.size(2) == nr &&
-                  packed.size(0) == (a.N + nr - 1) / nr,
-              "gemm_packed: weight must be pack_gemm_weight's ", layout, " for x's in_features and out");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == a.N && bias->is_contiguous() &&
                     bias->scalar_type() == x.scalar_type(),
@@ -213,6 +220,16 @@ GemmArgs gemm_args(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   return a;
 }
 
+GemmArgs gemm_args(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                   int64_t out_features, int64_t panel_k, int64_t nr, const char* layout) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == packed.scalar_type(),
+              "gemm_packed: x must be [..., in_features] in the packed weight's dtype");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == panel_k && packed.size(2) == nr &&
+                  packed.size(0) == (out_features + nr - 1) / nr,
+              "gemm_packed: weight must be pack_gemm_weight's ", layout, " for x's in_features and out");
+  return gemm_args(x, bias, out_features);
+}
+
 at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                      int64_t out_features) {
   GemmArgs args = gemm_args(x, packed, bias, out_features, x.size(-1), kNR, "[ceil(out/16), in, 16]");
@@ -224,7 +241,7 @@ at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::o
   const float* w = packed.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, rows.stride(0), M, K, w, b, o, N, begin, end);
+    gemm_panels(xp, rows.stride(0), M, K, DensePanels{w, K}, b, o, N, begin, end);
   });
   return out;
 }
@@ -270,10 +287,11 @@ inline __m512 widen(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// One MR x 32 tile of out (bf16), from the bias or zero. `cols` < 32 only in the last panel.
+// One MR x 32 tile of out (bf16), from the bias or zero; with `scale` (32 fp32 column scales: int8 weights), the sums
+// are scaled and then the bias added, in fp32, before the one rounding. `cols` < 32 only in the last panel.
 template <int MR>
 void tile(const uint32_t* a, const uint16_t* b, int64_t kp, uint16_t* c, int64_t ldc, int cols, const uint16_t* bias,
-          const char* pf, int64_t lines) {
+          const float* scale, const char* pf, int64_t lines) {
   __m512 acc[kMR][2];
   alignas(64) uint16_t edge[kNR] = {};
   const uint16_t* init = bias;
@@ -281,11 +299,21 @@ void tile(const uint32_t* a, const uint16_t* b, int64_t kp, uint16_t* c, int64_t
     std::memcpy(edge, bias, cols * sizeof(uint16_t));
     init = edge;
   }
+  const bool bias_first = init != nullptr && scale == nullptr;
   for (int i = 0; i < MR; ++i) {
-    acc[i][0] = init != nullptr ? widen(init) : _mm512_setzero_ps();
-    acc[i][1] = init != nullptr ? widen(init + 16) : _mm512_setzero_ps();
+    acc[i][0] = bias_first ? widen(init) : _mm512_setzero_ps();
+    acc[i][1] = bias_first ? widen(init + 16) : _mm512_setzero_ps();
   }
   micro_kernel<MR>(a, b, kp, acc, pf, lines);
+  if (scale != nullptr) {
+    const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+    const __m512 b0 = init != nullptr ? widen(init) : _mm512_setzero_ps();
+    const __m512 b1 = init != nullptr ? widen(init + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      acc[i][0] = _mm512_fmadd_ps(acc[i][0], s0, b0);
+      acc[i][1] = _mm512_fmadd_ps(acc[i][1], s1, b1);
+    }
+  }
   for (int i = 0; i < MR; ++i) {
     const __m256i lo = reinterpret_cast<const __m256i&>(static_cast<const __m256bh&>(_mm512_cvtneps_pbh(acc[i][0])));
     const __m256i hi = reinterpret_cast<const __m256i&>(static_cast<const __m256bh&>(_mm512_cvtneps_pbh(acc[i][1])));
@@ -301,7 +329,7 @@ void tile(const uint32_t* a, const uint16_t* b, int64_t kp, uint16_t* c, int64_t
 }
 
 using TileFn = void (*)(const uint32_t*, const uint16_t*, int64_t, uint16_t*, int64_t, int, const uint16_t*,
-                       const char*, int64_t);
+                       const float*, const char*, int64_t);
 constexpr TileFn kTiles[kMR + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,  tile<5>, tile<6>,
                                     tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
 
@@ -325,26 +353,39 @@ void pack_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t mc, int64_t K
   }
 }
 
-void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias,
-                 uint16_t* out, int64_t N, int64_t p0, int64_t p1) {
-  const int64_t kp = (K + 1) / 2, panel = kp * 2 * kNR;  // a panel's bf16 values
+// Where gemm_panels finds panel p ([kp][32][2] bf16), and what to prefetch for it: the packed weight itself
+// (DensePanels), or two int8 tiles widened into a scratch panel (Int8Panels, below).
+struct DensePanels {
+  const uint16_t* w;
+  int64_t kp;
+  int64_t bytes() const { return kp * 2 * kNR * 2; }  // a stored panel's
+  const uint16_t* get(int64_t p) const { return w + p * kp * 2 * kNR; }
+  const char* stored(int64_t p) const { return reinterpret_cast<const char*>(get(p)); }
+};
+
+// `scale`: with int8 weights, every output column's scale in fp32 (zero-padded to whole panels); else null.
+template <class Panels>
+void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
+                 const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1) {
+  const int64_t kp = (K + 1) / 2;
   const int64_t row_block = std::max<int64_t>(kMR, kBlockBytes / (kp * 4) / kMR * kMR);
+  const int64_t total_lines = (panels.bytes() + 63) / 64;
   thread_local std::vector<uint32_t> packed;
   packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
     const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
     pack_rows(x, ldx, m0, mc, K, packed.data());
     for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* b = w + p * panel;
-      const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(b + panel) : nullptr;
-      const int64_t total_lines = panel * 2 / 64;
+      const uint16_t* b = panels.get(p);
+      const char* next = p + 1 < p1 ? panels.stored(p + 1) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
+      const float* ps = scale != nullptr ? scale + p * kNR : nullptr;
       for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
         const int64_t from = r * total_lines / blocks;
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
         const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
-        kTiles[rows](packed.data() + r * kMR * kp, b, kp, out + (m0 + r * kMR) * N + p * kNR, N, cols, pb,
+        kTiles[rows](packed.data() + r * kMR * kp, b, kp, out + (m0 + r * kMR) * N + p * kNR, N, cols, pb, ps,
                      next != nullptr ? next + from * 64 : nullptr, lines);
       }
     }
@@ -380,14 +421,127 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* b = static_cast<const uint16_t*>(args.bias);
   auto* o = reinterpret_cast<uint16_t*>(args.out.data_ptr());
+  const DensePanels panels{w, (args.K + 1) / 2};
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, args.rows.stride(0), args.M, args.K, w, b, o, args.N, begin, end);
+    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, b, nullptr, o, args.N, begin, end);
   });
   return args.out;
 }
 
+// int8 tiles ([ceil(N/16)][K][16], quantization.int8's layout) two at a time as a bf16 panel, widened into the
+// thread's scratch when the panel comes up: once per panel and row block, for all the block's rows (int8 codes are
+// exact in bf16). A panel's row kk holds, for each of its 32 outputs, the weights of k = 2kk and 2kk + 1: a tile's two
+// 16-byte rows are widened to fp32, narrowed to bf16 together and interleaved.
+// Measured and not taken: widening the next panel a row every few k steps inside the micro-kernels running this one
+// (to overlap the conversions with the dot products) ran 1.2-1.6x slower than this separate pass (Zen 5).
+const __m512i kPairOrder = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // [even 0..15, odd 0..15] -> pairs
+
+struct Int8Panels {
+  const int8_t* tiles;
+  int64_t K, num_tiles;
+  int64_t bytes() const { return 2 * K * 16; }  // two stored tiles
+  const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * K * 16); }
+  const uint16_t* get(int64_t p) const {
+    thread_local std::vector<__m512i> scratch;  // [kp][2] vectors: the panel's rows
+    const int64_t kp = (K + 1) / 2, whole = K / 2;  // pairs with both rows; an odd K's last has a zero odd row
+    scratch.resize(kp * 2);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = 2 * p + h;
+      if (t >= num_tiles) {
+        for (int64_t kk = 0; kk < kp; ++kk) scratch[kk * 2 + h] = _mm512_setzero_si512();
+        continue;
+      }
+      const int8_t* src = tiles + t * K * 16;
+      for (int64_t kk = 0; kk < kp; ++kk) {
+        const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * kk * 16))));
+        const __m512 odd = kk < whole ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * kk + 1) * 16))))
+                                      : _mm512_setzero_ps();
+        const __m512i words = reinterpret_cast<const __m512i&>(static_cast<const __m512bh&>(_mm512_cvtne2ps_pbh(odd, even)));
+        scratch[kk * 2 + h] = _mm512_permutexvar_epi16(kPairOrder, words);
+      }
+    }
+    return reinterpret_cast<const uint16_t*>(scratch.data());
+  }
+};
+
+void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale, at::Tensor& out) {
+  const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const Int8Panels panels{tiled.data_ptr<int8_t>(), args.K, tiled.size(0)};
+  at::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
+    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), scale, o,
+                args.N, begin, end);
+  });
+}
+
 }  // namespace bf16
 #endif  // __AVX512BF16__ && __AVX512BW__
+
+// int8 tiles as fp32 panels: the tile layout is the fp32 panel's ([ceil(N/16)][K][16]), so a panel's k rows are its
+// tile's, widened into the thread's scratch once per (k chunk, row block) and multiplied by all the block's rows.
+struct alignas(64) Line { float v[kNR]; };
+struct Int8Panels {
+  const int8_t* tiles;
+  int64_t K;
+  static constexpr int64_t kBytesPerK = kNR;
+  const char* stored(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(tiles + (p * K + k0) * kNR); }
+  const float* get(int64_t p, int64_t k0, int64_t kc) const {
+    thread_local std::vector<Line> scratch;
+    scratch.resize(kc);
+    const int8_t* src = tiles + (p * K + k0) * kNR;
+    for (int64_t k = 0; k < kc; ++k) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kNR));
+      _mm256_store_ps(scratch[k].v, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+      _mm256_store_ps(scratch[k].v + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+    }
+    return scratch[0].v;
+  }
+};
+
+// torch.ops.aserve.gemm_int8: x @ (q * scale)^T + bias for int8 weights in int8_linear's tiles, as a GEMM: for the
+// batches too large for int8_linear (which widens every weight once per call and multiplies it by each row in fp32),
+// each panel is widened once per row block into the dense GEMM's layout and run by its micro-kernel (bf16 dot
+// products with AVX512-BF16). Sums are scaled per output column in fp32, then the bias added.
+at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() >= 1, "gemm_int8: x must be [..., in_features]");
+  TORCH_CHECK(tiled.dim() == 3 && tiled.is_contiguous() && tiled.scalar_type() == at::kChar &&
+                  tiled.size(1) == x.size(-1) && tiled.size(2) == kNR &&
+                  tiled.size(0) == (out_features + kNR - 1) / kNR,
+              "gemm_int8: weight must be contiguous int8 tiles [ceil(out/16), in, 16] matching x");
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.size(0) == out_features &&
+                  scales.scalar_type() == x.scalar_type(),
+              "gemm_int8: scales must be a contiguous [out] vector of x's dtype");
+  GemmArgs args = gemm_args(x, bias, out_features);
+  const int64_t M = args.M, K = args.K, N = args.N;
+  at::Tensor out = args.out;
+  if (M == 0 || N == 0 || K == 0) return out;
+  std::vector<float> scale(((N + 31) / 32) * 32, 0.f);  // whole panels of either GEMM
+  at::Tensor scale_f = scales.to(at::kFloat);
+  std::memcpy(scale.data(), scale_f.data_ptr<float>(), N * sizeof(float));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x.scalar_type() == at::kBFloat16) {
+    bf16::gemm_int8(args, tiled, scale.data(), out);
+    return out;
+  }
+#endif
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm_int8: x must be fp32, or bf16 on a CPU with AVX512-BF16; got ",
+              x.scalar_type());
+  const float* xp = args.rows.data_ptr<float>();
+  const float* b = static_cast<const float*>(args.bias);
+  float* o = out.data_ptr<float>();
+  const Int8Panels panels{tiled.data_ptr<int8_t>(), K};
+  at::parallel_for(0, tiled.size(0), 1, [&](int64_t begin, int64_t end) {
+    gemm_panels(xp, args.rows.stride(0), M, K, panels, nullptr, o, N, begin, end);
+    const int64_t n0 = begin * kNR, n1 = std::min(N, end * kNR);  // this thread's columns: scaled, then the bias
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = n0; n < n1; ++n) o[m * N + n] = o[m * N + n] * scale[n] + (b != nullptr ? b[n] : 0.f);
+  });
+  return out;
+}
 
 // The ops take either dtype: fp32 everywhere this file builds, bf16 where the CPU has AVX512-BF16.
 at::Tensor pack_gemm_weight(const at::Tensor& weight) {
@@ -422,11 +576,13 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("gemm_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("gemm_packs_bf16() -> bool", &gemm_packs_bf16);  // no tensor to dispatch on: one kernel for all
+  m.def("gemm_int8(Tensor x, Tensor tiled, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("pack_gemm_weight", &pack_gemm_weight);
   m.impl("gemm_packed", &gemm_packed);
+  m.impl("gemm_int8", &gemm_int8);
 }
 
 #endif  // __AVX2__ && __FMA__
