@@ -74,6 +74,17 @@ class Int4KernelMethod(LinearMethod):
             out = out + layer.bias
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def projection(self, layer):
+        perm, qweight, group, scales_and_zeros, bias = (layer.perm, layer.qweight, layer.kernel_group_size,
+                                                        layer.scales_and_zeros, layer.bias)
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+        def project(x: torch.Tensor) -> torch.Tensor:  # apply, for 2-D rows, its tensors bound once
+            out = kernel((x if perm is None else x.index_select(1, perm)).contiguous(), qweight, group,
+                         scales_and_zeros)
+            return out if bias is None else out + bias
+        return project
+
 
 class PackedInt4Method(LinearMethod):
     """What GPTQ and AWQ share: their spec, the model's dtype, and `finish` on the codes each unpacks its own way."""

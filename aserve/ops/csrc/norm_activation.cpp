@@ -142,29 +142,43 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // ---- rotary embedding (rotate-half convention), in place ---------------------------------------------------
 // x[t, h, :rotary_dim] = x * cos + rotate_half(x) * sin with cos/sin rows [max_pos, rotary_dim] taken at
 // positions[t]; features past rotary_dim (partial rotary) are left as they are.
+// One head's row, rotated in place: cos/sin already fp32 (c, s); v and out are scratch rows.
 template <typename T>
-void rotary_impl(at::Tensor& x, const int64_t* positions, const at::Tensor& cos, const at::Tensor& sin,
+inline void rotate_row(T* x, const float* c, const float* s, float* v, float* out, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  load_row(x, v, rotary_dim);
+  int64_t i = 0;
+  for (; i + fVec::size() <= half; i += fVec::size()) {
+    const fVec x1 = fVec::loadu(v + i), x2 = fVec::loadu(v + i + half);
+    (x1 * fVec::loadu(c + i) - x2 * fVec::loadu(s + i)).store(out + i);
+    (x2 * fVec::loadu(c + i + half) + x1 * fVec::loadu(s + i + half)).store(out + i + half);
+  }
+  for (; i < half; ++i) {
+    out[i] = v[i] * c[i] - v[i + half] * s[i];
+    out[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+  }
+  store_row(out, x, rotary_dim);
+}
+
+// q and k in one pass over the tokens (one parallel region, each token's cos/sin rows widened once for both).
+template <typename T>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const int64_t* positions, const at::Tensor& cos, const at::Tensor& sin,
                  int64_t rotary_dim) {
-  const int64_t tokens = x.size(0), heads = x.size(1), half = rotary_dim / 2;
-  const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  T* x_ptr = x.data_ptr<T>();
+  const int64_t tokens = q.size(0);
+  T* const ptrs[2] = {q.data_ptr<T>(), k.data_ptr<T>()};
+  const int64_t heads[2] = {q.size(1), k.size(1)}, s0[2] = {q.stride(0), k.stride(0)}, s1[2] = {q.stride(1), k.stride(1)};
   const T* c_ptr = cos.data_ptr<T>();
   const T* s_ptr = sin.data_ptr<T>();
   const int64_t cs = cos.stride(0);
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(rotary_dim), s(rotary_dim), v(rotary_dim), out(rotary_dim);
+    std::vector<float> scratch(4 * rotary_dim);
+    float *c = scratch.data(), *s = c + rotary_dim, *v = s + rotary_dim, *out = v + rotary_dim;
     for (int64_t t = begin; t < end; ++t) {
-      load_row(c_ptr + positions[t] * cs, c.data(), rotary_dim);
-      load_row(s_ptr + positions[t] * cs, s.data(), rotary_dim);
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x = x_ptr + t * s0 + h * s1;
-        load_row(x, v.data(), rotary_dim);
-        for (int64_t i = 0; i < half; ++i) {
-          out[i] = v[i] * c[i] - v[i + half] * s[i];
-          out[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
-        }
-        store_row(out.data(), x, rotary_dim);
-      }
+      load_row(c_ptr + positions[t] * cs, c, rotary_dim);
+      load_row(s_ptr + positions[t] * cs, s, rotary_dim);
+      for (int which = 0; which < 2; ++which)
+        for (int64_t h = 0; h < heads[which]; ++h)
+          rotate_row(ptrs[which] + t * s0[which] + h * s1[which], c, s, v, out, rotary_dim);
     }
   });
 }
@@ -181,9 +195,9 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor q, at::Tensor k, c
               "q, k, cos and sin must share a dtype");
   const int64_t* pos = positions.data_ptr<int64_t>();
   switch (q.scalar_type()) {
-    case at::kFloat: rotary_impl<float>(q, pos, cos, sin, rotary_dim); rotary_impl<float>(k, pos, cos, sin, rotary_dim); break;
-    case at::kBFloat16: rotary_impl<c10::BFloat16>(q, pos, cos, sin, rotary_dim); rotary_impl<c10::BFloat16>(k, pos, cos, sin, rotary_dim); break;
-    case at::kHalf: rotary_impl<c10::Half>(q, pos, cos, sin, rotary_dim); rotary_impl<c10::Half>(k, pos, cos, sin, rotary_dim); break;
+    case at::kFloat: rotary_impl<float>(q, k, pos, cos, sin, rotary_dim); break;
+    case at::kBFloat16: rotary_impl<c10::BFloat16>(q, k, pos, cos, sin, rotary_dim); break;
+    case at::kHalf: rotary_impl<c10::Half>(q, k, pos, cos, sin, rotary_dim); break;
     default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", q.scalar_type());
   }
 }
