@@ -6,9 +6,11 @@ csrc/memory_stream.cpp: every byte of a buffer far larger than the caches read o
 workload (`bench throughput`'s: random prompts, fixed lengths, ignore_eos) and counts, step by step from what the
 scheduler hands the worker, the work the model did: GEMM FLOPs (2 per weight per token through the layers, and per
 sampled row through the head), attention FLOPs (4 * head_dim per query head, layer, query token and context token)
-and bytes read (every weight once a step, as stored: int8 and int4 read fewer; each query's K/V context). Each step's
-least possible time is the larger of its FLOPs at the peak rate and its bytes at the bandwidth; their sum over the
-steps is the roofline time, and roofline time / wall time is how close the run came (1.0 = at the machine's limit).
+and bytes read (every weight once a step, as stored: int8 and int4 read fewer; each query's K/V context). A step's
+least possible time is that of its linear layers, the larger of their FLOPs at the peak rate and their weights at
+the bandwidth, plus that of its attention, the same for its FLOPs and its K/V (the two run one after the other);
+their sum over the steps is the roofline time, and roofline time / wall time is how close the run came (1.0 = at
+the machine's limit).
 
 Last, the same workload runs again under torch.profiler and its wall time is split into GEMM (every linear layer's
 kernel, quantized ones included), attention (its kernels and the KV cache writes), other ops (norms, rotary,
@@ -175,17 +177,19 @@ class Work:
         context_pairs = sum(n * c + n * (n + 1) // 2 for c, n, _ in chunks)  # query x key pairs, causal
         gemm = 2.0 * (cost.layer_params * tokens + cost.head_params * rows)
         attention = float(cost.attention_flops * context_pairs)
-        read = float(cost.weight_bytes + cost.kv_bytes * sum(c + n for c, n, _ in chunks))
+        kv = float(cost.kv_bytes * sum(c + n for c, n, _ in chunks))
+        read = cost.weight_bytes + kv
         self.steps += 1
         self.tokens += tokens
         self.sampled_rows += rows
         self.gemm_flops += gemm
         self.attention_flops += attention
         self.bytes_read += read
-        if peaks is not None:
-            compute, memory = (gemm + attention) / (peaks.gemm_gflops * 1e9), read / (peaks.bandwidth_gbs * 1e9)
-            self.roofline_seconds += max(compute, memory)
-            self.compute_bound_steps += compute >= memory
+        if peaks is not None:  # the linear layers, then attention: one after the other, each bound on its own
+            flops, bandwidth = peaks.gemm_gflops * 1e9, peaks.bandwidth_gbs * 1e9
+            linear_compute, linear_memory = gemm / flops, cost.weight_bytes / bandwidth
+            self.roofline_seconds += max(linear_compute, linear_memory) + max(attention / flops, kv / bandwidth)
+            self.compute_bound_steps += linear_compute >= linear_memory
 
 
 @dataclass
@@ -270,8 +274,8 @@ def report(run: Run, peaks: Peaks) -> None:
           f"{gemm_rate / peaks.gemm_gflops:.0%} of the peak; attention {w.attention_flops / 1e9:.1f} GFLOP")
     print(f"memory: {w.bytes_read / 1e9:.2f} GB read (weights once a step, K/V per query), {read_rate:.1f} GB/s = "
           f"{read_rate / peaks.bandwidth_gbs:.0%} of the bandwidth")
-    print(f"roofline: at least {w.roofline_seconds:.2f} s at these peaks ({w.compute_bound_steps} of {w.steps} steps "
-          f"compute-bound): this run reached {w.roofline_seconds / run.wall:.0%} of the machine's limit")
+    print(f"roofline: at least {w.roofline_seconds:.2f} s at these peaks ({w.compute_bound_steps} of {w.steps} steps' "
+          f"linear layers compute-bound): this run reached {w.roofline_seconds / run.wall:.0%} of the machine's limit")
     if run.split:
         print(f"where the time went (the same workload under torch.profiler, {run.profiled_wall:.2f} s):")
         print("| where | s | share |\n| --- | ---: | ---: |")
