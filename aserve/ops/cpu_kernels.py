@@ -2,9 +2,10 @@
 
 Fused decode and prefill attention over the paged cache, KV cache writes, RMSNorm, rotary embedding, SiLU-and-mul,
 the int8 linear and sampling, each one pass instead of a chain of small torch ops (a csrc/*.cpp file per family:
-attention_decode, attention_prefill, kv_write, norm_activation, int8_linear, sampling; their shared helpers in
-csrc/vec_helpers.h), and aserve's GEMMs for packed fp32 weights and, on CPUs with AVX512-BF16, bf16 ones
-(csrc/cpu_gemm.cpp, see ops.cpu_gemm). All are one extension, compiled with -march=native, so the build is cached
+attention_decode, attention_prefill, kv_write, norm_activation, int8_linear, sampling, lora; their shared helpers in
+csrc/vec_helpers.h), aserve's GEMMs for packed fp32 weights and, on CPUs with AVX512-BF16, bf16 ones, and for int8
+weights in int8_linear's tiles (csrc/cpu_gemm.cpp, see ops.cpu_gemm), and the bandwidth probe of `aserve bench
+roofline` (csrc/memory_stream.cpp). All are one extension, compiled with -march=native, so the build is cached
 per CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
 The first use on a machine compiles it (about a minute of compiler time, spread over the cores); later start-ups
 load the cached library. Where no compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and
