@@ -82,7 +82,8 @@ def test_roofline_command_prints_every_figure(model_dirs, capsys):
                                       "--bandwidth-mib", "32", "--kv-cache-memory", "16MiB"])
     roofline.main(args)
     out = capsys.readouterr().out
-    for pattern in (r"flags: [a-z0-9_ ]+\)", r"peak GEMM: \d+ GFLOP/s", r"memory bandwidth: [\d.]+ GB/s .*the slowest [\d.]+\)",
+    for pattern in (r"flags: [a-z0-9_ ]+\)", r"peak GEMM: \d+ GFLOP/s",
+                    r"memory bandwidth: [\d.]+ GB/s .*the slowest [\d.]+\)",
                     r"GEMM: [\d.]+ GFLOP, \d+ GFLOP/s over the whole run = \d+% of the peak",
                     r"= \d+% of the bandwidth", r"reached \d+% of the machine's limit", r"\| GEMM \| [\d.]+ \| \d+% \|",
                     r"\| Python and scheduling \|", r"inside the GEMMs: \d+ GFLOP/s"):

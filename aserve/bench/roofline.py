@@ -138,15 +138,15 @@ class ModelCost:
                 return params, module.method.weight_bytes(module)
             return params, module.weight.numel() * module.weight.element_size()
 
-        head = getattr(model, "packed_head", None) or getattr(model, "lm_head", None)
+        lm_head = getattr(model, "lm_head", None)
+        head = getattr(model, "packed_head", None) or lm_head  # a tied head's own copy runs in place of lm_head
+        layers = [m for m in model.modules() if isinstance(m, (Linear, PackedLinear)) and m is not head
+                  and m is not lm_head]
+        formats = sorted({m.method.name for m in layers if isinstance(m, Linear)}) or ["unquantized"]
         layer_params = layer_bytes = 0
-        formats = sorted({m.method.name for m in model.modules() if isinstance(m, Linear) and m is not head
-                          and m is not getattr(model, "lm_head", None)}) or ["unquantized"]
-        for module in model.modules():
-            if isinstance(module, (Linear, PackedLinear)) and module is not head and module is not getattr(
-                    model, "lm_head", None):
-                params, stored = size(module)
-                layer_params, layer_bytes = layer_params + params, layer_bytes + stored
+        for module in layers:
+            params, stored = size(module)
+            layer_params, layer_bytes = layer_params + params, layer_bytes + stored
         head_format = head.method.name if isinstance(head, Linear) else "unquantized"
         if head is not None:
             head_params, head_bytes = size(head)
@@ -246,7 +246,8 @@ def split_by_profile(llm, requests, params) -> tuple[float, dict[str, float]]:
 def measure(llm, prompts: list[list[int]], params, peaks: Peaks | None,
             profiled_prompts: list[list[int]] | None = None) -> Run:
     """The workload timed with its work counted, then, given `profiled_prompts` (others than `prompts`, so that the
-    prefix cache holds none of them), that one under the profiler. The first prompt's first tokens, reversed, warm up."""
+    prefix cache holds none of them), that one under the profiler. The first prompt's first tokens, reversed, warm
+    the engine up."""
     engine = llm.engine
     runner = engine.executor.worker.runner
     cost = ModelCost.of(runner.model, runner.kv_cache)
@@ -306,8 +307,8 @@ def main(args: argparse.Namespace) -> None:
     runner = engine.executor.worker.runner
     cost = ModelCost.of(runner.model, runner.kv_cache)
     print(f"aserve bench roofline: {cpu_info().describe()} (flags: {cpu_flags()}), dtype "
-          f"{str(dtype).replace('torch.', '')}, weights {cost.formats}, head {cost.head_format} ({cost.weight_bytes / 1e6:.1f} MB read a "
-          f"step), KV cache {runner.kv_cache_dtype}", flush=True)
+          f"{str(dtype).replace('torch.', '')}, weights {cost.formats}, head {cost.head_format} "
+          f"({cost.weight_bytes / 1e6:.1f} MB read a step), KV cache {runner.kv_cache_dtype}", flush=True)
     gflops, shape = peak_gemm(dtype)
     peaks = Peaks(gflops, shape, *bandwidth(args.bandwidth_mib))
     print(f"peak GEMM: {peaks.gemm_gflops:.0f} GFLOP/s ({str(dtype).replace('torch.', '')}, best of "

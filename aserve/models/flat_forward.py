@@ -5,10 +5,10 @@ takes: the device, the dtype, the cache format, whether the kernels are built, w
 then nn.Module's call machinery runs around it. On the CPU that Python is a fixed few milliseconds a step. Where
 every answer is the same for the whole model (the CPU kernels built, every linear layer one of aserve's, dense
 or quantized, a cache in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a
-step whose attention the kernels take (decode rows and prefill chunks, over a cache in the model's dtype) is the same ops in the
-same order with nothing between them: bit for bit the modules' output (tests/test_flat_forward.py). Anything
-else (an FP8 cache, another layer type) goes through the modules as before. The model says what its layers are:
-it builds one `FlatLayer` per layer (llama.LlamaForCausalLM.flat_layers), all the loop reads of them.
+step whose attention the kernels take (decode rows and prefill chunks, over a cache in the model's dtype) is the
+same ops in the same order with nothing between them: bit for bit the modules' output (tests/test_flat_forward.py).
+Anything else (an FP8 cache, another layer type) goes through the modules as before. The model says what its layers
+are: it builds one `FlatLayer` per layer (llama.LlamaForCausalLM.flat_layers), all the loop reads of them.
 
 Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), a decode step with the flat path on and off in
 alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against 89.7 ms and

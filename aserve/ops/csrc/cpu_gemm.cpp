@@ -434,8 +434,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::option
 // 16-byte rows are widened to fp32, narrowed to bf16 together and interleaved.
 // Measured and not taken: widening the next panel a row every few k steps inside the micro-kernels running this one
 // (to overlap the conversions with the dot products) ran 1.2-1.6x slower than this separate pass (Zen 5).
+// [even 0..15, odd 0..15] -> pairs (e0 o0 e1 o1 ...)
 const __m512i kPairOrder = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // [even 0..15, odd 0..15] -> pairs
+                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 
 struct Int8Panels {
   const int8_t* tiles;
@@ -459,8 +460,8 @@ struct Int8Panels {
         const __m512 odd = kk < whole ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * kk + 1) * 16))))
                                       : _mm512_setzero_ps();
-        const __m512i words = reinterpret_cast<const __m512i&>(static_cast<const __m512bh&>(_mm512_cvtne2ps_pbh(odd, even)));
-        scratch[kk * 2 + h] = _mm512_permutexvar_epi16(kPairOrder, words);
+        const __m512bh words = _mm512_cvtne2ps_pbh(odd, even);
+        scratch[kk * 2 + h] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
       }
     }
     return reinterpret_cast<const uint16_t*>(scratch.data());

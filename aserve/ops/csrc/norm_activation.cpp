@@ -166,7 +166,8 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const int64_t* positions, const a
                  int64_t rotary_dim) {
   const int64_t tokens = q.size(0);
   T* const ptrs[2] = {q.data_ptr<T>(), k.data_ptr<T>()};
-  const int64_t heads[2] = {q.size(1), k.size(1)}, s0[2] = {q.stride(0), k.stride(0)}, s1[2] = {q.stride(1), k.stride(1)};
+  const int64_t heads[2] = {q.size(1), k.size(1)};
+  const int64_t s0[2] = {q.stride(0), k.stride(0)}, s1[2] = {q.stride(1), k.stride(1)};
   const T* c_ptr = cos.data_ptr<T>();
   const T* s_ptr = sin.data_ptr<T>();
   const int64_t cs = cos.stride(0);
