@@ -176,11 +176,16 @@ void lora_delta_kernel(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, 
             }
             fma_rows(acc, wv, h.data() + i * rank + r, width);
           }
-          for (int64_t t = 0; t < n; ++t) {
+          // Unrolled over the whole block (a short block skips its missing rows), so that every index into acc is
+          // a constant: a loop to n kept acc in memory, each FMA of the rank loop loading and storing it.
+          #pragma GCC unroll 8
+          for (int64_t t = 0; t < kBlock; ++t) {
+            if (t >= n) continue;
             T* yt = yp + blk.tokens[t] * y_stride + offsets[i] + c;
             load_row(yt, yrow.data(), cols);
             #pragma GCC unroll 8
-            for (int64_t v = 0; v < kExpandVecs; ++v) (fVec::loadu(yrow.data() + v * V) + acc[t][v]).store(yrow.data() + v * V);
+            for (int64_t v = 0; v < kExpandVecs; ++v)
+              (fVec::loadu(yrow.data() + v * V) + acc[t][v]).store(yrow.data() + v * V);
             store_row(yrow.data(), yt, cols);
           }
         }
