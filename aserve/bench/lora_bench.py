@@ -1,8 +1,10 @@
 """`aserve bench throughput --num-loras N` (or `--lora-modules name=path ...`): the cost of serving LoRA adapters.
 
-The same random prompts run in this process (each engine's second run is timed): through the base model alone (an engine without LoRA, as a
-user without adapters runs it), then with the requests spread round-robin over the adapters (an engine with
-`enable_lora`, `max_loras` at least the number of adapters). The ratio of output tokens/s LoRA/base is printed.
+Random prompts run in this process, an untimed run per engine first, then timed rounds alternating: through the base
+model alone (an engine without LoRA, as a user without adapters runs it), then with the requests spread round-robin
+over the adapters (an engine with `enable_lora`, `max_loras` at least the number of adapters). Each round's prompts
+are new (the same for both engines), so no run finds its prompts in its engine's prefix cache and skips their
+prefill. The ratio of output tokens/s LoRA/base is printed.
 `--num-loras N` writes N random PEFT adapters of rank `--lora-rank` on all seven projections to a temporary
 folder first (their B is not zero, so every delta is really computed).
 """
@@ -44,7 +46,9 @@ def write_random_adapter(folder: Path, targets: dict[str, tuple[int, int]], num_
 
 
 def run(args: argparse.Namespace, options: dict, prompts_for, report) -> None:
-    """`prompts_for(llm)`: the benchmark's random prompts for an engine's vocabulary; `report`: throughput's."""
+    """`prompts_for(llm, offset)`: the benchmark's random prompts for an engine's vocabulary, a fresh set for each
+    run (round r: offset r + 1; the untimed first runs: offset 0), so that no run finds its prompts in the prefix
+    cache; `report`: throughput's."""
     from aserve import LLM, LoRARequest, SamplingParams
     from aserve.hardware import cpu_info
     from aserve.lora.registry import parse_module
@@ -53,8 +57,8 @@ def run(args: argparse.Namespace, options: dict, prompts_for, report) -> None:
     base = LLM(**{**options, "enable_lora": False})
     print(f"aserve bench throughput (LoRA): {cpu_info().describe()}, dtype "
           f"{str(base.engine.dtype).replace('torch.', '')}", flush=True)
-    prompts = prompts_for(base)
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    rounds = [[{"prompt_token_ids": p} for p in prompts_for(base, offset)] for offset in range(ROUNDS + 1)]
+    requests = rounds[0]
     with tempfile.TemporaryDirectory(prefix="aserve-bench-lora-") as tmp:
         if args.lora_modules:
             adapters = [parse_module(spec) for spec in args.lora_modules]
@@ -73,10 +77,10 @@ def run(args: argparse.Namespace, options: dict, prompts_for, report) -> None:
         for llm, loras in ((base, None), (lora, spread)):  # each engine's first run: slots filled, pages touched
             llm.generate(requests, params, use_tqdm=False, lora_request=loras)
         totals = {"base": [0, 0.0], "lora": [0, 0.0]}
-        for _ in range(ROUNDS):  # alternated, so neither always runs on a warmer or cooler machine
+        for round_requests in rounds[1:]:  # alternated, so neither always runs on a warmer or cooler machine
             for key, llm, loras, label in (("base", base, None, "base model alone "),
                                            ("lora", lora, spread, f"{len(adapters)} adapters, round-robin ")):
-                tokens, seconds = _timed(llm, requests, params, loras, label, report)
+                tokens, seconds = _timed(llm, round_requests, params, loras, label, report)
                 totals[key][0] += tokens
                 totals[key][1] += seconds
     ratio = (totals["lora"][0] / totals["lora"][1]) / (totals["base"][0] / totals["base"][1])

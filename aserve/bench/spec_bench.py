@@ -21,14 +21,17 @@ def run(args, options: dict, prompts_for, report) -> None:
     params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.output_len)
     engines = {"without speculation: ": LLM(**options), "with speculation: ": LLM(**options, speculative_config=spec)}
     try:
-        prompts = prompts_for(next(iter(engines.values())))
+        # a fresh set of prompts each round (one run of a round per engine), so that no run finds its prompts in
+        # its engine's prefix cache; the warm-up's comes from a set no round uses
+        rounds = [prompts_for(next(iter(engines.values())), offset) for offset in range(ROUNDS + 1)]
+        prompts = rounds[0]
         totals = {label: [0, 0.0] for label in engines}  # output tokens, seconds
         for llm in engines.values():
-            llm.generate([{"prompt_token_ids": prompts[0][:16]}], params.clone(max_tokens=4), use_tqdm=False)
-        for _ in range(ROUNDS):
+            llm.generate([{"prompt_token_ids": rounds[-1][0][:16]}], params.clone(max_tokens=4), use_tqdm=False)
+        for round_prompts in rounds[:ROUNDS]:
             for label, llm in engines.items():
                 start = time.perf_counter()
-                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                outputs = llm.generate([{"prompt_token_ids": p} for p in round_prompts], params, use_tqdm=False)
                 totals[label][1] += time.perf_counter() - start
                 totals[label][0] += sum(len(o.token_ids) for out in outputs for o in out.outputs)
         rates = {}

@@ -82,10 +82,12 @@ def main(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
     from aserve.hardware import cpu_info
 
-    def prompts_for(llm):
+    def prompts_for(llm, offset: int = 0):
+        """The workload's prompts; another `offset`, another set (a run that repeats prompts would find them in the
+        prefix cache and skip their prefill)."""
         engine = llm.engine
         return random_prompts(args.num_prompts, args.input_len, engine.vocab_size,
-                              set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed,
+                              set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids), args.seed + offset,
                               args.prompt_repeats)
 
     if args.num_loras or args.lora_modules:
