@@ -2,6 +2,7 @@
 # Served throughput with and without speculative decoding on one workload: two aserve servers on 127.0.0.1 (the
 # same model, one with SPEC_JSON), measured by `aserve bench serve` in alternating rounds, so that a slow spell of
 # the machine hits both; prints each round's output tokens/s, the acceptance figures, and the ratio over all rounds.
+# Each round sends new prompts (--seed), the same to both servers, so that neither finds them in its prefix cache.
 # Usage: [DTYPE=auto] [ROUNDS=2] benchmarks/compare_spec_serve.sh MODEL_DIR SPEC_JSON [NUM_PROMPTS] [INPUT_LEN]
 #        [OUTPUT_LEN] [PROMPT_REPEATS] [TEMPERATURE]
 # e.g. benchmarks/compare_spec_serve.sh /tmp/bench-model '{"method": "ngram", "num_speculative_tokens": 4}' 1 512 256 4 0
@@ -21,16 +22,16 @@ aserve serve --model "$model" --dtype "$dtype" --host 127.0.0.1 --port $((port +
 pids="$pids $!"
 trap 'kill -INT $pids 2>/dev/null; wait' EXIT
 wait_healthy "$plain" && wait_healthy "$specurl" || { echo "a server did not start: see $logs/spec_serve_*.log"; exit 1; }
-bench() {
+bench() {  # URL NAME SEED
   aserve bench serve --base-url "$1" --num-prompts "$n" --input-len "$inlen" --output-len "$outlen" \
-    --prompt-repeats "$repeats" --temperature "$temp" --json "$logs/spec_serve_$2.json" 2>&1
+    --prompt-repeats "$repeats" --temperature "$temp" --seed "$3" --json "$logs/spec_serve_$2.json" 2>&1
 }
-bench "$plain" warm >/dev/null; bench "$specurl" warm >/dev/null
+bench "$plain" warm 0 >/dev/null; bench "$specurl" warm 0 >/dev/null
 total_plain=0 total_spec=0
 for round in $(seq "$rounds"); do
   for which in plain spec; do
     url=$plain; [ "$which" = spec ] && url=$specurl
-    out=$(bench "$url" "$which")
+    out=$(bench "$url" "$which" "$round")
     [ "$round" = 1 ] && echo "$out" | head -1
     rate=$(echo "$out" | awk -F: '/Output token throughput/ {gsub(/ /, "", $2); print $2}')
     echo "round $round, $which: output tokens/s $rate"
