@@ -359,6 +359,41 @@ def test_gemm_int8_matches_the_dequantized_product(dtype):
         torch.ops.aserve.gemm_int8(x, tile(q)[:, :-1], scale, None, out_features)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernels_match_the_dequantized_product(dtype):
+    """GPTQ/AWQ layers on aserve's int4 kernels: int4_linear (1-8 rows) and gemm_int4 (any rows) equal x @ (q * s -
+    s * z)^T with the stored (dtype-rounded) s and s * z, for group sizes 32/64/128 and a whole row, output widths
+    that end mid-tile and mid-panel, a batch over one row block and inputs past the fp32 GEMM's k chunk."""
+    from aserve.quantization.int4 import tile_int4, tile_scales_zeros
+    from aserve.quantization.int8 import gemm_dtypes
+
+    if dtype not in gemm_dtypes():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(7)
+    for out_features, in_features, group, rows in ((33, 64, 32, 1), (200, 128, 64, 3), (48, 576, 64, 8),
+                                                   (100, 4224, 64, 20), (40, 96, 96, 300), (64, 1536, 128, 5)):
+        groups = in_features // group
+        codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
+        scales = torch.rand(groups, out_features, generator=gen) * 0.1
+        zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
+        tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, dtype)
+        s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].float()
+        sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].float()
+        g = torch.arange(in_features) // group
+        weight = codes.float() * s[g].t() - sz_term[g].t()
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        bias = torch.randn(out_features, generator=gen).to(dtype)
+        expected = x.float() @ weight.t()
+        bound = float(expected.abs().max()) * (1e-5 if dtype == torch.float32 else 8e-3)
+        if rows <= 8:
+            got = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
+            assert got.dtype == dtype and (got.float() - expected).abs().max() <= bound, (out_features, rows)
+        got = torch.ops.aserve.gemm_int4(x, tiles, sz, group, bias, out_features)
+        assert got.dtype == dtype and (got.float() - expected - bias.float()).abs().max() <= bound, (out_features, rows)
+    with pytest.raises(RuntimeError, match="group size"):
+        torch.ops.aserve.int4_linear(x, tiles, sz, 60, out_features)
+
+
 def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():
     """The fused draw picks the token the torch path picks for the same uniforms (away from the rounding edges
     between two tokens), masked (-inf) entries never, and a draw at the very top lands on the last live token."""

@@ -12,6 +12,7 @@ from aserve import LLM, SamplingParams
 from aserve.errors import ModelLoadError
 from aserve.models.layers import Linear
 from aserve.models.loader import load_model
+from aserve.ops import cpu_kernels
 from aserve.quantization import int4, int8
 from aserve.quantization.base import UNQUANTIZED
 from conftest import random_prompts
@@ -123,11 +124,17 @@ def checkpoints(model_dirs, tmp_path_factory):
     return {case: write_quantized(model_dirs[FAMILY], root / case, *spec) for case, spec in CASES.items()}
 
 
-@pytest.fixture
-def kernel_in_fp32(monkeypatch):
-    """Run torch's int4 kernel in fp32 too (it is slow there, so aserve dequantizes instead): the kernel path can
-    then be compared with an fp32 reference at fp32 precision."""
-    monkeypatch.setattr(int4, "KERNEL_DTYPES", (torch.bfloat16, torch.float32))
+@pytest.fixture(params=["aserve", "torch"])
+def int4_kernels(request, monkeypatch):
+    """Which kernels GPTQ/AWQ layers run on: aserve's (fp32, and bf16 with AVX512-BF16), or torch's, run in fp32 too
+    (it is slow there, and aserve's would take it): either can then be compared with an fp32 reference at fp32
+    precision."""
+    if request.param == "torch":
+        monkeypatch.setattr(int4, "aserve_kernel_refusal", lambda *args: "held off in this test")
+        monkeypatch.setattr(int4, "KERNEL_DTYPES", (torch.bfloat16, torch.float32))
+    elif not cpu_kernels.available():
+        pytest.skip("aserve's CPU kernels cannot be built here")
+    return request.param
 
 
 def linears(model) -> dict[str, Linear]:
@@ -137,26 +144,31 @@ def linears(model) -> dict[str, Linear]:
 # -- GPTQ and AWQ ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_int4_layers_compute_the_dequantized_weights(checkpoints, kernel_in_fp32, case):
-    """Every linear layer of the loaded checkpoint, on torch's int4 kernel (fp32 activations), multiplies by the
-    dequantized reference weights; the fused q|k|v and gate|up layers included."""
+def test_int4_layers_compute_the_dequantized_weights(checkpoints, int4_kernels, case):
+    """Every linear layer of the loaded checkpoint, on aserve's int4 kernels (5 rows: the decode kernel, 20: the
+    GEMM) or torch's, with fp32 activations, multiplies by the dequantized reference weights; the fused q|k|v and
+    gate|up layers included."""
     quantized_dir, reference_dir = checkpoints[case]
     quant = linears(load_model(quantized_dir, dtype="float32").model)
     ref = linears(load_model(reference_dir, dtype="float32").model)
     assert quant.keys() == ref.keys() and len(quant) == 2 * 4
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1))
+    method = int4.AserveInt4Method if int4_kernels == "aserve" else int4.Int4KernelMethod
     for name, layer in quant.items():
-        assert layer.method.name == f"{CASES[case][0]} int4", name
+        assert layer.method.name == f"{CASES[case][0]} int4" and type(layer.method) is method, name
         assert (layer.perm is not None) == CASES[case][2], name
         dense = ref[name].weight.float()
-        inputs = x[:, :layer.in_features]
-        torch.testing.assert_close(layer(inputs), inputs @ dense.t() + (0 if layer.bias is None else layer.bias),
-                                   rtol=1e-5, atol=1e-5)
+        for rows in (5, 20):
+            inputs = x[:rows, :layer.in_features]
+            torch.testing.assert_close(layer(inputs), inputs @ dense.t() + (0 if layer.bias is None else layer.bias),
+                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["gptq-desc-act", "awq-g64"])
-def test_int4_layers_dequantize_exactly_without_the_kernel(checkpoints, case):
-    """In fp32 aserve dequantizes at load (torch's kernel is fast only in bf16): the weights equal the reference."""
+def test_int4_layers_dequantize_exactly_without_the_kernel(checkpoints, monkeypatch, case):
+    """In fp32 without aserve's kernels, aserve dequantizes at load (torch's kernel is fast only in bf16): the weights
+    equal the reference."""
+    monkeypatch.setattr(int4, "aserve_kernel_refusal", lambda *args: "held off in this test")
     quantized_dir, reference_dir = checkpoints[case]
     quant = linears(load_model(quantized_dir, dtype="float32").model)
     ref = linears(load_model(reference_dir, dtype="float32").model)
@@ -166,24 +178,29 @@ def test_int4_layers_dequantize_exactly_without_the_kernel(checkpoints, case):
 
 
 @pytest.mark.parametrize("case", ["gptq-desc-act", "awq-g64"])
-def test_int4_bf16_kernel_is_within_bf16_rounding(checkpoints, case):
-    """bf16 activations, scales and zero terms: the output error stays at bf16's (2^-8 relative) scale."""
+def test_int4_bf16_kernel_is_within_bf16_rounding(checkpoints, monkeypatch, case):
+    """bf16 activations, scales and zero terms, on aserve's kernels where they take bf16 (3 rows and 20) and on
+    torch's: the output error stays at bf16's (2^-8 relative) scale."""
     quantized_dir, reference_dir = checkpoints[case]
-    quant = linears(load_model(quantized_dir, dtype="bfloat16").model)
     ref = linears(load_model(reference_dir, dtype="float32").model)
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
-    for name, layer in quant.items():
-        assert layer.method.name.endswith("int4")
-        inputs = x[:, :layer.in_features]
-        expected = inputs @ ref[name].weight.t()
-        got = layer(inputs.bfloat16()).float()
-        assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), name
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2))
+    for kernels in ("aserve", "torch"):
+        if kernels == "torch":
+            monkeypatch.setattr(int4, "aserve_kernel_refusal", lambda *args: "held off in this test")
+        quant = linears(load_model(quantized_dir, dtype="bfloat16").model)
+        for name, layer in quant.items():
+            assert layer.method.name.endswith("int4")
+            for rows in (3, 20):
+                inputs = x[:rows, :layer.in_features]
+                expected = inputs @ ref[name].weight.t()
+                got = layer(inputs.bfloat16()).float()
+                assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), (kernels, name, rows)
 
 
 @pytest.mark.parametrize("case", ["gptq-desc-act", "gptq-row", "awq-g64"])
-def test_int4_greedy_equals_the_dequantized_model(checkpoints, kernel_in_fp32, case):
-    """End to end, fp32 activations on the int4 kernel: token for token the greedy output of the model whose
-    weights are the dequantized values."""
+def test_int4_greedy_equals_the_dequantized_model(checkpoints, int4_kernels, case):
+    """End to end, fp32 activations on aserve's int4 kernels or torch's: token for token the greedy output of the
+    model whose weights are the dequantized values."""
     quantized_dir, reference_dir = checkpoints[case]
     options = dict(dtype="float32", kv_cache_memory="16MiB")
     ours = LLM(str(quantized_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -323,11 +340,13 @@ def test_option_values_are_checked():
 
 # -- the quality tool and its round-to-nearest writer -----------------------------------------------------------
 
-def test_round_to_nearest_gptq_and_awq_copies_hold_the_same_weights(model_dirs, tmp_path):
+def test_round_to_nearest_gptq_and_awq_copies_hold_the_same_weights(model_dirs, tmp_path, monkeypatch):
     """The quality tool's writer: its GPTQ and AWQ copies of one model load to the same weights (the two packings
-    of one quantization), each within half a step of the original."""
+    of one quantization; dequantized at load in fp32 with aserve's int4 kernels held off), each within half a step
+    of the original."""
     from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
+    monkeypatch.setattr(int4, "aserve_kernel_refusal", lambda *args: "held off in this test")
     loaded = {}
     for method in ("gptq", "awq"):
         assert write_rtn_checkpoint(model_dirs[FAMILY], tmp_path / method, method) == 64

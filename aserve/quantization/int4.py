@@ -1,17 +1,25 @@
 """What GPTQ and AWQ layers become once unpacked: 4-bit codes q [out, in] in 0..15, and per (group of inputs, output)
 a scale s and an integer zero point z, the weight being w = (q - z) * s.
 
-On the CPU they run on torch's int4 kernel `_weight_int4pack_mm_for_cpu` (the layout made by
+On the CPU, where aserve's kernels are built and the activations are fp32 (or bf16 with AVX512-BF16), they run on
+aserve's own (`AserveInt4Method`): the codes tiled two k to a byte, 16 outputs side by side ([ceil(out/16), in/2,
+16]), and per tile and group the 16 scales s and s * z; up to 3 rows `int4_linear` (csrc/int8_linear.cpp) sums
+x * q per group in registers (bf16: each byte's two codes made a bf16 pair through a table, 32 products per
+vdpbf16ps) and folds in s * sum(x q) - s * z * sum(x); above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel
+once per row block into the dense GEMM's layout. Any even group size that divides the inputs.
+
+Otherwise they run on torch's int4 kernel `_weight_int4pack_mm_for_cpu` (the layout made by
 `_convert_weight_to_int4pack_for_cpu`). Its dequantization is w = (q - 8) * s + m, so each group's zero point
 becomes m = (8 - z) * s; it wants groups of 32, 64, 128 or 256 consecutive inputs, a multiple of 16 outputs, and
 scales in the activations' dtype. A larger group (or a whole row, GPTQ's group size -1) is split into kernel-sized
 groups repeating its scale; GPTQ's act-order checkpoints (desc_act: g_idx assigns inputs to groups out of order)
 are made contiguous by permuting the inputs, once for the weight at load and per call for the activations.
 
-Measured (bench-model shapes, 30 layers, AMD EPYC avx512_bf16, 2 threads, against oneDNN's prepacked bf16 GEMM):
-3.45x faster at 1 row, 2.15x at 4, 1.36x at 8, 0.92x at 16 and 0.47x at 64 (where dequantizing the weight per call
-in torch measured 0.23x). The kernel is vectorized for bf16 only (fp32 ran 20x slower than dense at one row), so
-in fp32 or fp16, or for a shape it refuses, the layer is dequantized once at load and runs as a dense layer.
+Measured (bench-model shapes, 30 layers, AMD EPYC Zen 5 avx512_bf16, 2 threads, bf16, ms for all 120 layers):
+aserve's kernels 2.20 at 1 row, 2.63 at 2, 3.50 at 4 (gemm_int4), 3.86 at 8, 6.04 at 16, 16.27 at 64; torch's 2.20,
+2.33, 3.24, 5.83, 10.64, 39.85; aserve's dense bf16 GEMM 5.11, 5.01, 5.41, 6.06, 5.92, 15.27. torch's kernel is
+vectorized for bf16 only (fp32 ran 20x slower than dense at one row), so without aserve's kernels, in fp32 or fp16,
+or for a shape it refuses, the layer is dequantized once at load and runs as a dense layer.
 """
 from __future__ import annotations
 
@@ -86,6 +94,74 @@ class Int4KernelMethod(LinearMethod):
         return project
 
 
+class AserveInt4Method(LinearMethod):
+    """A GPTQ or AWQ layer on aserve's int4 kernels (csrc/int8_linear.cpp's int4_linear for up to KERNEL_MAX_ROWS
+    rows, cpu_gemm.cpp's gemm_int4 above): codes tiled two k to a byte ([ceil(out/16), in/2, 16]) and, per tile and
+    group, the 16 outputs' scales then scale * zero ([ceil(out/16), groups, 2, 16], in the model's dtype)."""
+
+    KERNEL_MAX_ROWS = 3  # int4_linear up to here; from 4 rows gemm_int4 (bench shapes: 3.50 against 3.49 ms at 4)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def create_weights(self, layer, dtype):
+        raise TypeError("AserveInt4Method is what a GPTQ/AWQ layer becomes after loading; it has no checkpoint form")
+
+    def apply(self, layer, x):
+        return self.projection(layer)(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], layer.out_features)
+
+    def projection(self, layer):
+        perm, qweight, scales_zeros, group, bias, out_features = (layer.perm, layer.qweight, layer.scales_zeros,
+                                                                  layer.int4_group, layer.bias, layer.out_features)
+        kernel, gemm, rows = torch.ops.aserve.int4_linear, torch.ops.aserve.gemm_int4, self.KERNEL_MAX_ROWS
+
+        def project(x: torch.Tensor) -> torch.Tensor:  # 2-D rows
+            if perm is not None:  # act-order: the inputs in group order
+                x = x.index_select(1, perm)
+            if x.shape[0] <= rows:
+                out = kernel(x.contiguous(), qweight, scales_zeros, group, out_features)
+                return out if bias is None else out + bias
+            return gemm(x, qweight, scales_zeros, group, bias, out_features)
+        return project
+
+
+def aserve_kernel_refusal(layer: nn.Module, group_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why aserve's int4 kernels cannot run this layer (None when they can): they take fp32 anywhere they are built,
+    bf16 with AVX512-BF16, and groups of an even number of inputs."""
+    from aserve.ops import cpu_kernels
+
+    if device.type != "cpu" or not cpu_kernels.available() or not hasattr(torch.ops.aserve, "gemm_int4"):
+        return "aserve's CPU kernels are not built here"
+    if not (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.aserve.gemm_packs_bf16())):
+        return f"aserve's int4 kernels take fp32, or bf16 with AVX512-BF16, not {str(dtype).replace('torch.', '')}"
+    group = layer.in_features if group_size == -1 else group_size
+    if group % 2 or layer.in_features % group:
+        return f"group size {group} over {layer.in_features} inputs is not an even split"
+    return None
+
+
+def tile_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes 0..15 -> [ceil(out/16), in/2, 16] bytes, byte j of pair kk = q[j][2kk] | q[j][2kk + 1] << 4."""
+    out, inp = codes.shape
+    pad = -out % 16
+    c = codes.to(torch.uint8)
+    if pad:
+        c = torch.cat([c, c.new_zeros(pad, inp)])
+    c = c.view(-1, 16, inp // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).transpose(1, 2).contiguous()
+
+
+def tile_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[groups, out] scales and zero points -> [ceil(out/16), groups, 2, 16]: each tile's scales, then scale * zero."""
+    groups, out = scales.shape
+    pad = -out % 16
+    s, z = scales.float(), zeros.float()
+    if pad:
+        s, z = torch.cat([s, s.new_zeros(groups, pad)], 1), torch.cat([z, z.new_zeros(groups, pad)], 1)
+    both = torch.stack([s, s * z], 1)  # [groups, 2, out]
+    return both.view(groups, 2, -1, 16).permute(2, 0, 1, 3).contiguous().to(dtype)
+
+
 class PackedInt4Method(LinearMethod):
     """What GPTQ and AWQ share: their spec, the model's dtype, and `finish` on the codes each unpacks its own way."""
 
@@ -122,7 +198,8 @@ def finish(layer: nn.Module, codes: torch.Tensor, zeros: torch.Tensor, scales: t
     consecutive = group_index(layer.in_features, group_size, device)
     if g_idx is None:
         g_idx = consecutive
-    refusal = kernel_refusal(layer, group_size, dtype, device)
+    ours = aserve_kernel_refusal(layer, group_size, dtype, device) is None
+    refusal = None if ours else kernel_refusal(layer, group_size, dtype, device)
     perm = None
     if refusal is None and not torch.equal(g_idx.int(), consecutive):
         perm = torch.argsort(g_idx, stable=True)
@@ -138,6 +215,13 @@ def finish(layer: nn.Module, codes: torch.Tensor, zeros: torch.Tensor, scales: t
     if perm is not None:
         codes = codes[:, perm]
     group = layer.in_features if group_size == -1 else group_size
+    if ours:
+        replace_params(layer, qweight=tile_int4(codes), qzeros=None, g_idx=None, scales=None,
+                       scales_zeros=tile_scales_zeros(scales, zeros, dtype))
+        layer.register_buffer("perm", perm)
+        layer.param_layouts = {"bias": layer.param_layouts["bias"]}
+        layer.int4_group, layer.method = group, AserveInt4Method(name)
+        return None
     kernel_group = next(g for g in KERNEL_GROUP_SIZES if group % g == 0)
     s = scales.float().repeat_interleave(group // kernel_group, dim=0)
     z = zeros.float().repeat_interleave(group // kernel_group, dim=0)

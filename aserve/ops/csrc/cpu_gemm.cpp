@@ -478,6 +478,55 @@ void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale
   });
 }
 
+// GPTQ/AWQ int4 tiles ([ceil(N/16)][K/2][16] bytes, two k to a byte: int8_linear.cpp's int4 layout) two at a time
+// as a bf16 panel, dequantized on the way: w = q * s - s * z with each group's s and s * z ([tiles][groups][2][16],
+// bf16), rounded to bf16 once. A byte of a tile's pair row holds one output's codes for k = 2kk (low nibble) and
+// 2kk + 1: the panel's pair.
+struct Int4Panels {
+  const uint8_t* tiles;
+  const uint16_t* scales_zeros;
+  int64_t K, group, num_tiles;
+  int64_t bytes() const { return 2 * (K / 2) * 16; }  // two stored tiles
+  const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * (K / 2) * 16); }
+  const uint16_t* get(int64_t p) const {
+    thread_local std::vector<__m512i> scratch;  // [kp][2] vectors: the panel's rows
+    const int64_t kp = K / 2, groups = K / group;
+    scratch.resize(kp * 2);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = 2 * p + h;
+      if (t >= num_tiles) {
+        for (int64_t kk = 0; kk < kp; ++kk) scratch[kk * 2 + h] = _mm512_setzero_si512();
+        continue;
+      }
+      const uint8_t* src = tiles + t * kp * 16;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint16_t* sz = scales_zeros + (t * groups + g) * 32;
+        const __m512 s = widen(sz), m = widen(sz + 16);
+        for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; ++kk) {
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kk * 16)));
+          const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+          const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+          const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s, m), _mm512_fmsub_ps(even, s, m));
+          scratch[kk * 2 + h] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
+        }
+      }
+    }
+    return reinterpret_cast<const uint16_t*>(scratch.data());
+  }
+};
+
+void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
+               at::Tensor& out) {
+  const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const Int4Panels panels{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
+                          args.K, group, tiled.size(0)};
+  at::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
+    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), nullptr, o,
+                args.N, begin, end);
+  });
+}
+
 }  // namespace bf16
 #endif  // __AVX512BF16__ && __AVX512BW__
 
@@ -544,6 +593,70 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
   return out;
 }
 
+// int4 tiles as fp32 panels ([K][16] rows), dequantized: row k holds q[k] * s - s * z of its group (fp32 s and s * z).
+struct Int4Panels {
+  const uint8_t* tiles;
+  const float* scales_zeros;
+  int64_t K, group;
+  static constexpr int64_t kBytesPerK = kNR / 2;
+  const char* stored(int64_t p, int64_t k0) const {
+    return reinterpret_cast<const char*>(tiles + (p * (K / 2) + k0 / 2) * kNR);
+  }
+  const float* get(int64_t p, int64_t k0, int64_t kc) const {
+    thread_local std::vector<Line> scratch;
+    scratch.resize(kc);
+    const int64_t groups = K / group;
+    const uint8_t* src = tiles + p * (K / 2) * kNR;
+    for (int64_t k = k0; k < k0 + kc; ++k) {
+      const float* sz = scales_zeros + (p * groups + k / group) * 2 * kNR;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (k / 2) * kNR));
+      const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(4 * (k & 1)));
+      for (int half = 0; half < 2; ++half) {
+        const __m256i b = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(bytes, 8) : bytes);
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(b, shift), _mm256_set1_epi32(15)));
+        _mm256_store_ps(scratch[k - k0].v + 8 * half,
+                        _mm256_fmsub_ps(q, _mm256_loadu_ps(sz + 8 * half), _mm256_loadu_ps(sz + kNR + 8 * half)));
+      }
+    }
+    return scratch[0].v;
+  }
+};
+
+// torch.ops.aserve.gemm_int4: x @ W^T + bias for GPTQ/AWQ weights in int4 tiles with per-group scales and zero terms,
+// as a GEMM (the batches too large for int4_linear): each panel dequantized once per row block into the dense GEMM's
+// layout. bf16 with AVX512-BF16 (the weights rounded to bf16, as a dequantized bf16 layer's are), else fp32.
+at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() >= 1, "gemm_int4: x must be [..., in_features]");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "gemm_int4: the group size must be even and divide in");
+  TORCH_CHECK(tiled.dim() == 3 && tiled.is_contiguous() && tiled.scalar_type() == at::kByte && tiled.size(1) * 2 == K &&
+                  tiled.size(2) == kNR && tiled.size(0) == (out_features + kNR - 1) / kNR,
+              "gemm_int4: weight must be contiguous uint8 tiles [ceil(out/16), in/2, 16] matching x");
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == x.scalar_type() &&
+                  scales_zeros.numel() == tiled.size(0) * (K / group) * 2 * kNR,
+              "gemm_int4: scales_zeros must be contiguous [ceil(out/16), groups, 2, 16] in x's dtype");
+  GemmArgs args = gemm_args(x, bias, out_features);
+  at::Tensor out = args.out;
+  if (args.M == 0 || args.N == 0 || K == 0) return out;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x.scalar_type() == at::kBFloat16) {
+    bf16::gemm_int4(args, tiled, scales_zeros, group, out);
+    return out;
+  }
+#endif
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm_int4: x must be fp32, or bf16 on a CPU with AVX512-BF16; got ",
+              x.scalar_type());
+  const float* xp = args.rows.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const Int4Panels panels{tiled.data_ptr<uint8_t>(), scales_zeros.data_ptr<float>(), K, group};
+  at::parallel_for(0, tiled.size(0), 1, [&](int64_t begin, int64_t end) {
+    gemm_panels(xp, args.rows.stride(0), args.M, K, panels, static_cast<const float*>(args.bias), o, args.N, begin,
+                end);
+  });
+  return out;
+}
+
 // The ops take either dtype: fp32 everywhere this file builds, bf16 where the CPU has AVX512-BF16.
 at::Tensor pack_gemm_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_gemm_weight: weight must be [out, in]");
@@ -578,12 +691,14 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("gemm_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("gemm_packs_bf16() -> bool", &gemm_packs_bf16);  // no tensor to dispatch on: one kernel for all
   m.def("gemm_int8(Tensor x, Tensor tiled, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("gemm_int4(Tensor x, Tensor tiled, Tensor scales_zeros, int group, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("pack_gemm_weight", &pack_gemm_weight);
   m.impl("gemm_packed", &gemm_packed);
   m.impl("gemm_int8", &gemm_int8);
+  m.impl("gemm_int4", &gemm_int4);
 }
 
 #endif  // __AVX2__ && __FMA__

@@ -1,5 +1,5 @@
-// The int8 weight-only linear of decode batches, torch.ops.aserve.int8_linear, and int8_untile, which turns
-// its tiled weights back into a dense matrix for larger batches.
+// The int8 and int4 weight-only linears of decode batches, torch.ops.aserve.int8_linear and int4_linear, and
+// int8_untile, which turns int8 tiles back into a dense matrix (for fp16, where aserve's GEMM does not run).
 //
 // out[m, n] = T(scale[n] * sum_k x[m, k] * q[n, k]), the int8 codes tiled at load as [ceil(N/16)][K][16]: for
 // each k, 16 output channels' weights sit side by side, so one broadcast x[m, k] multiplies a whole vector of
@@ -175,6 +175,295 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& tiled, const at::T
   return out;
 }
 
+// ---- int4 (GPTQ, AWQ) ----------------------------------------------------------------------------------------
+// out[m, n] = T(sum_g (s[g, n] * sum_{k in g} x[m, k] q[n, k] - s[g, n] z[g, n] * sum_{k in g} x[m, k])): w = (q - z) * s
+// with 4-bit codes q and, per group of inputs and output, a scale s and zero point z. The codes are tiled like int8's
+// with two k to a byte, [ceil(N/16)][K/2][16] (byte j of pair kk: q[k = 2kk] in its low nibble, q[2kk + 1] in its
+// high one), so a 16-byte load is 32 weights; each group's sums of x q run in registers and are folded into the
+// output with the group's s and s * z ([ceil(N/16)][groups][2][16] in x's dtype) and the group's sum of x.
+
+// 16 bytes of a tile's pair row: the low nibbles (k even) and the high ones (k odd) as fp32.
+inline void widen_nibbles(const uint8_t* p, VecF* even, VecF* odd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  even[0] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+  odd[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_cvtepu8_epi32(raw), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+  even[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, _mm256_set1_epi32(15)));
+  even[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, _mm256_set1_epi32(15)));
+  odd[0] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+  odd[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+#else
+  float e[kInt8Tile], o[kInt8Tile];
+  for (int i = 0; i < kInt8Tile; ++i) e[i] = static_cast<float>(p[i] & 15), o[i] = static_cast<float>(p[i] >> 4);
+  for (int v = 0; v < kTileVecs; ++v) even[v] = VecF::loadu(e + v * kVecLanes), odd[v] = VecF::loadu(o + v * kVecLanes);
+#endif
+}
+
+inline VecF vec_load(const float* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_loadu_ps(p);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_loadu_ps(p);
+#else
+  return fVec::loadu(p);
+#endif
+}
+
+inline VecF vec_add(VecF a, VecF b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_add_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_add_ps(a, b);
+#else
+  return a + b;
+#endif
+}
+
+inline VecF vec_fnma(VecF a, VecF b, VecF c) {  // c - a * b
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_fnmadd_ps(a, b, c);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_fnmadd_ps(a, b, c);
+#else
+  return c - a * b;
+#endif
+}
+
+constexpr int int4_tiles_at_once(int M) {  // out and two group sums for R tiles x M rows, 2M broadcasts, 2 widened
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr int kRegisters = 32;
+#else
+  constexpr int kRegisters = 16;
+#endif
+  for (int r = 4; r > 1; r /= 2)
+    if (3 * r * M * kTileVecs + 2 * M + 2 * kTileVecs <= kRegisters) return r;
+  return 1;
+}
+
+// R tiles from t0 against M rows of x (fp32, K apart); sz: the tiles' scales and s * z ([tiles][groups][2][16]);
+// xsum [M][groups].
+template <typename T, int M, int R>
+inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t group, const T* sz, const float* xsum,
+                       T* o, int64_t N, int64_t t0) {
+  constexpr int kAcc = R * M * kTileVecs;
+  const int64_t groups = K / group, pairs = K / 2;
+  VecF out[kAcc];
+#pragma GCC unroll 32
+  for (int i = 0; i < kAcc; ++i) out[i] = vec_zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    VecF acc[kAcc], acc_odd[kAcc];  // even and odd k apart: two FMA chains, not one twice as long
+#pragma GCC unroll 32
+    for (int i = 0; i < kAcc; ++i) acc[i] = vec_zero(), acc_odd[i] = vec_zero();
+    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; ++kk) {
+      VecF xe[M], xo[M];
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) xe[m] = vec_broadcast(xf[m * K + 2 * kk]), xo[m] = vec_broadcast(xf[m * K + 2 * kk + 1]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        VecF even[kTileVecs], odd[kTileVecs];
+        widen_nibbles(w + ((t0 + r) * pairs + kk) * kInt8Tile, even, odd);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+          for (int v = 0; v < kTileVecs; ++v) {
+            const int i = (r * M + m) * kTileVecs + v;
+            acc[i] = vec_fma(even[v], xe[m], acc[i]);
+            acc_odd[i] = vec_fma(odd[v], xo[m], acc_odd[i]);
+          }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z, as fp32
+      load_row(sz + (((t0 + r) * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+#pragma GCC unroll 2
+      for (int v = 0; v < kTileVecs; ++v) {
+        const VecF sv = vec_load(s + v * kVecLanes), mv = vec_load(s + kInt8Tile + v * kVecLanes);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const int i = (r * M + m) * kTileVecs + v;
+          out[i] = vec_fnma(mv, vec_broadcast(xsum[m * groups + g]), vec_fma(vec_add(acc[i], acc_odd[i]), sv, out[i]));
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (t0 + r) * kInt8Tile;
+    const int64_t width = std::min<int64_t>(kInt8Tile, N - n0);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      float lanes[kInt8Tile];
+#pragma GCC unroll 2
+      for (int v = 0; v < kTileVecs; ++v) vec_store(lanes + v * kVecLanes, out[(r * M + m) * kTileVecs + v]);
+      for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<T>(lanes[i]);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 activations on a CPU with AVX512-BF16: a byte of a pair row is one output's (q[2kk], q[2kk+1]), exactly the pair
+// vdpbf16ps multiplies by (x[2kk], x[2kk+1]), so each byte becomes two bf16 codes in one 32-bit lane through a table
+// (vpermw: word index = the nibble; codes 0..15 are exact in bf16) and one instruction does 32 products: 4 + M
+// instructions per 32 weights against 7 + M FMAs widening to fp32.
+#define ASERVE_INT4_BF16_DOT 1
+
+// Word i: the bf16 bits of i & 15. A constant, not a function-local static: the static's guard, checked in the tile
+// loop, made GCC spill the accumulators around the call that would initialize it.
+inline __m512i int4_codes_bf16() {
+  constexpr short c[16] = {0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                           0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  return _mm512_set_epi16(c[15], c[14], c[13], c[12], c[11], c[10], c[9], c[8], c[7], c[6], c[5], c[4], c[3], c[2],
+                          c[1], c[0], c[15], c[14], c[13], c[12], c[11], c[10], c[9], c[8], c[7], c[6], c[5], c[4],
+                          c[3], c[2], c[1], c[0]);
+}
+
+inline __m512i int4_pairs_bf16(const uint8_t* p, __m512i codes) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // low word: the byte (its low nibble indexes the table; bit 4 is ignored by the 32-entry table's twin half), high
+  // word: the byte >> 4
+  return _mm512_permutexvar_epi16(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), codes);
+}
+
+template <int M, int R>
+inline void int4_tiles_bf16(const uint8_t* w, const uint32_t* xpairs, int64_t K, int64_t group, const c10::BFloat16* sz,
+                            const float* xsum, c10::BFloat16* o, int64_t N, int64_t t0) {
+  const int64_t groups = K / group, pairs = K / 2;
+  const __m512i codes = int4_codes_bf16();
+  // The folded sums wait in L1 between groups, so that the registers hold only the group's sums: more tiles at once.
+  alignas(64) float out[R * M * kInt8Tile] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[R * M];
+#pragma GCC unroll 32
+    for (int i = 0; i < R * M; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; ++kk) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i wv = int4_pairs_bf16(w + ((t0 + r) * pairs + kk) * kInt8Tile, codes);
+        const __m512bh wb = reinterpret_cast<const __m512bh&>(wv);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_set1_epi32(static_cast<int>(xpairs[m * pairs + kk]));
+          acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wb, reinterpret_cast<const __m512bh&>(xv));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float s[2 * kInt8Tile];
+      load_row(sz + (((t0 + r) * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+      const __m512 sv = _mm512_loadu_ps(s), mv = _mm512_loadu_ps(s + kInt8Tile);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        float* folded = out + (r * M + m) * kInt8Tile;
+        _mm512_store_ps(folded, _mm512_fnmadd_ps(mv, _mm512_set1_ps(xsum[m * groups + g]),
+                                                 _mm512_fmadd_ps(acc[r * M + m], sv, _mm512_load_ps(folded))));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (t0 + r) * kInt8Tile;
+    const int64_t width = std::min<int64_t>(kInt8Tile, N - n0);
+    for (int m = 0; m < M; ++m)
+      for (int64_t i = 0; i < width; ++i)
+        o[m * N + n0 + i] = static_cast<c10::BFloat16>(out[(r * M + m) * kInt8Tile + i]);
+  }
+}
+
+constexpr int int4_bf16_tiles_at_once(int M) {  // sums for R tiles x M rows, a table, a pair row, a broadcast
+  for (int r = 8; r > 1; r /= 2)
+    if (r * M + 3 <= 32) return r;
+  return 1;
+}
+#endif
+
+template <typename T, int M>
+void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
+                      at::Tensor& out) {
+#if defined(ASERVE_INT4_BF16_DOT)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    constexpr int kTiles = int4_bf16_tiles_at_once(M);
+    constexpr int kHalf = kTiles >= 2 ? kTiles / 2 : 1;
+    const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group, pairs = K / 2;
+    std::vector<uint32_t> xp(M * pairs);
+    std::vector<float> xsum(M * groups, 0.f);
+    for (int m = 0; m < M; ++m) {
+      const c10::BFloat16* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
+      std::memcpy(xp.data() + m * pairs, row, pairs * sizeof(uint32_t));
+      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += static_cast<float>(row[k]);
+    }
+    const uint8_t* w = tiled.data_ptr<uint8_t>();
+    const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
+    c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      int64_t t = begin;
+      for (; t + kTiles <= end; t += kTiles)
+        int4_tiles_bf16<M, kTiles>(w, xp.data(), K, group, sz, xsum.data(), o, N, t);
+      for (; t + kHalf <= end; t += kHalf) int4_tiles_bf16<M, kHalf>(w, xp.data(), K, group, sz, xsum.data(), o, N, t);
+      for (; t < end; ++t) int4_tiles_bf16<M, 1>(w, xp.data(), K, group, sz, xsum.data(), o, N, t);
+    });
+    return;
+  }
+#endif
+  constexpr int kTiles = int4_tiles_at_once(M);
+  constexpr int kHalf = kTiles >= 2 ? kTiles / 2 : 1;
+  const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group;
+  std::vector<float> xf(M * K), xsum(M * groups, 0.f);
+  for (int m = 0; m < M; ++m) {
+    load_row(x.data_ptr<T>() + m * x.stride(0), xf.data() + m * K, K);
+    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += xf[m * K + k];
+  }
+  const uint8_t* w = tiled.data_ptr<uint8_t>();
+  T* o = out.data_ptr<T>();
+  const T* sz = scales_zeros.data_ptr<T>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    int64_t t = begin;
+    for (; t + kTiles <= end; t += kTiles)
+      int4_tiles<T, M, kTiles>(w, xf.data(), K, group, sz, xsum.data(), o, N, t);
+    for (; t + kHalf <= end; t += kHalf) int4_tiles<T, M, kHalf>(w, xf.data(), K, group, sz, xsum.data(), o, N, t);
+    for (; t < end; ++t) int4_tiles<T, M, 1>(w, xf.data(), K, group, sz, xsum.data(), o, N, t);
+  });
+}
+
+template <typename T>
+void int4_linear_rows(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& sz, int64_t group, at::Tensor& out) {
+  switch (x.size(0)) {
+    case 1: return int4_linear_impl<T, 1>(x, tiled, sz, group, out);
+    case 2: return int4_linear_impl<T, 2>(x, tiled, sz, group, out);
+    case 3: return int4_linear_impl<T, 3>(x, tiled, sz, group, out);
+    case 4: return int4_linear_impl<T, 4>(x, tiled, sz, group, out);
+    case 5: return int4_linear_impl<T, 5>(x, tiled, sz, group, out);
+    case 6: return int4_linear_impl<T, 6>(x, tiled, sz, group, out);
+    case 7: return int4_linear_impl<T, 7>(x, tiled, sz, group, out);
+    case 8: return int4_linear_impl<T, 8>(x, tiled, sz, group, out);
+  }
+  TORCH_CHECK(false, "int4_linear: takes 1 to 8 rows, got ", x.size(0));
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
+                       int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int4_linear: x must be [rows, in] with unit inner stride");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "int4_linear: the group size must be even and divide in");
+  TORCH_CHECK(tiled.dim() == 3 && tiled.is_contiguous() && tiled.scalar_type() == at::kByte && tiled.size(1) * 2 == K &&
+                  tiled.size(2) == kInt8Tile && tiled.size(0) == (out_features + kInt8Tile - 1) / kInt8Tile,
+              "int4_linear: weight must be contiguous uint8 tiles [ceil(out/16), in/2, 16] matching x");
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == x.scalar_type() &&
+                  scales_zeros.numel() == tiled.size(0) * (K / group) * 2 * kInt8Tile,
+              "int4_linear: scales_zeros must be contiguous [ceil(out/16), groups, 2, 16] in x's dtype");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: int4_linear_rows<float>(x, tiled, scales_zeros, group, out); break;
+    case at::kBFloat16: int4_linear_rows<c10::BFloat16>(x, tiled, scales_zeros, group, out); break;
+    case at::kHalf: int4_linear_rows<c10::Half>(x, tiled, scales_zeros, group, out); break;
+    default: TORCH_CHECK(false, "int4_linear: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
 // The tiles back as a dense [out, in] weight in `like`'s dtype (the codes, unscaled): for batches too large for
 // int8_linear, converted once per call and handed to the GEMM library.
 template <typename T> void int8_untile_impl(const at::Tensor& tiled, at::Tensor& out) {
@@ -212,9 +501,11 @@ at::Tensor int8_untile(const at::Tensor& tiled, int64_t out_features, const at::
 TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("int8_linear(Tensor x, Tensor tiled, Tensor scales, int out_features) -> Tensor");
   m.def("int8_untile(Tensor tiled, int out_features, Tensor like) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor tiled, Tensor scales_zeros, int group, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_untile", &int8_untile);
+  m.impl("int4_linear", &int4_linear);
 }
