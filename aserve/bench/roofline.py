@@ -30,8 +30,9 @@ from aserve.config import add_engine_arguments, engine_options
 
 PEAK_SHAPES = ((256, 2048, 2048), (512, 1024, 4096), (1024, 2048, 2048))  # (rows, in, out): compute-bound
 GROUPS = (  # (label, substrings of profiler op names), first match wins; the rest is "other ops"
-    ("GEMM", ("gemm_packed", "gemm_int8", "int8_linear", "int8_untile", "_linear_pointwise", "_weight_int8pack_mm",
-              "_weight_int4pack_mm", "lora_delta", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul")),
+    ("GEMM", ("gemm_packed", "gemm_int8", "gemm_int4", "int8_linear", "int4_linear", "int8_untile",
+              "_linear_pointwise", "_weight_int8pack_mm", "_weight_int4pack_mm", "lora_delta", "aten::linear",
+              "aten::mm", "aten::addmm", "aten::matmul")),
     ("attention", ("paged_decode_attention", "paged_prefill_attention", "write_kv", "scaled_dot_product_attention",
                    "aten::bmm", "index_copy", "_softmax")),
 )
