@@ -438,21 +438,31 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::option
 const __m512i kPairOrder = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 
+// Panel p, made of the 16-output tiles 2p and 2p + 1, in the thread's scratch ([kp][2] vectors: the panel's rows):
+// widen(t, rows) writes tile t's half of each row kk at rows[kk * 2]; a tile past the last is zeros.
+template <typename Widen>
+inline const uint16_t* panel_of_tiles(int64_t p, int64_t kp, int64_t num_tiles, Widen widen) {
+  thread_local std::vector<__m512i> scratch;
+  scratch.resize(kp * 2);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t t = 2 * p + h;
+    if (t >= num_tiles) {
+      for (int64_t kk = 0; kk < kp; ++kk) scratch[kk * 2 + h] = _mm512_setzero_si512();
+    } else {
+      widen(t, scratch.data() + h);
+    }
+  }
+  return reinterpret_cast<const uint16_t*>(scratch.data());
+}
+
 struct Int8Panels {
   const int8_t* tiles;
   int64_t K, num_tiles;
   int64_t bytes() const { return 2 * K * 16; }  // two stored tiles
   const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * K * 16); }
   const uint16_t* get(int64_t p) const {
-    thread_local std::vector<__m512i> scratch;  // [kp][2] vectors: the panel's rows
     const int64_t kp = (K + 1) / 2, whole = K / 2;  // pairs with both rows; an odd K's last has a zero odd row
-    scratch.resize(kp * 2);
-    for (int h = 0; h < 2; ++h) {
-      const int64_t t = 2 * p + h;
-      if (t >= num_tiles) {
-        for (int64_t kk = 0; kk < kp; ++kk) scratch[kk * 2 + h] = _mm512_setzero_si512();
-        continue;
-      }
+    return panel_of_tiles(p, kp, num_tiles, [&](int64_t t, __m512i* rows) {
       const int8_t* src = tiles + t * K * 16;
       for (int64_t kk = 0; kk < kp; ++kk) {
         const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -461,10 +471,9 @@ struct Int8Panels {
                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * kk + 1) * 16))))
                                       : _mm512_setzero_ps();
         const __m512bh words = _mm512_cvtne2ps_pbh(odd, even);
-        scratch[kk * 2 + h] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
+        rows[kk * 2] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
       }
-    }
-    return reinterpret_cast<const uint16_t*>(scratch.data());
+    });
   }
 };
 
@@ -489,15 +498,8 @@ struct Int4Panels {
   int64_t bytes() const { return 2 * (K / 2) * 16; }  // two stored tiles
   const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * (K / 2) * 16); }
   const uint16_t* get(int64_t p) const {
-    thread_local std::vector<__m512i> scratch;  // [kp][2] vectors: the panel's rows
     const int64_t kp = K / 2, groups = K / group;
-    scratch.resize(kp * 2);
-    for (int h = 0; h < 2; ++h) {
-      const int64_t t = 2 * p + h;
-      if (t >= num_tiles) {
-        for (int64_t kk = 0; kk < kp; ++kk) scratch[kk * 2 + h] = _mm512_setzero_si512();
-        continue;
-      }
+    return panel_of_tiles(p, kp, num_tiles, [&](int64_t t, __m512i* rows) {
       const uint8_t* src = tiles + t * kp * 16;
       for (int64_t g = 0; g < groups; ++g) {
         const uint16_t* sz = scales_zeros + (t * groups + g) * 32;
@@ -507,11 +509,10 @@ struct Int4Panels {
           const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
           const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
           const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s, m), _mm512_fmsub_ps(even, s, m));
-          scratch[kk * 2 + h] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
+          rows[kk * 2] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
         }
       }
-    }
-    return reinterpret_cast<const uint16_t*>(scratch.data());
+    });
   }
 };
 

@@ -62,6 +62,25 @@ inline void widen_tile(const int8_t* p, VecF* out) {
 #endif
 constexpr int kVecLanes = kInt8Tile / kTileVecs;
 
+// R tiles' sums for M rows (sums[(r * M + m) * kTileVecs + v]) into o[m][16 (t0 + r) ...], each output n's lane
+// through scaled(lane, n), the last tile cut at N. Unrolled, so that every index into the sums is a constant: one
+// variable index puts the whole array in memory.
+template <typename T, int M, int R, typename Scaled>
+inline void store_tiles(const VecF* sums, T* o, int64_t N, int64_t t0, Scaled scaled) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int64_t n0 = (t0 + r) * kInt8Tile;
+    const int64_t width = std::min<int64_t>(kInt8Tile, N - n0);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      float lanes[kInt8Tile];
+#pragma GCC unroll 2
+      for (int v = 0; v < kTileVecs; ++v) vec_store(lanes + v * kVecLanes, sums[(r * M + m) * kTileVecs + v]);
+      for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<T>(scaled(lanes[i], n0 + i));
+    }
+  }
+}
+
 // R tiles (t0..t0+R-1) against the M rows of x (as fp32): R * M independent sums. `prefetch` (the next tiles this
 // thread reads, or null) is pulled into L1 a line at a time as fast as these are consumed (R * 16 bytes a k step).
 template <typename T, int M, int R>
@@ -91,19 +110,7 @@ inline void int8_tiles(const int8_t* w, const float* xf, int64_t K, const T* sc,
           acc[(r * M + m) * kTileVecs + v] = vec_fma(wv[v], xk[m], acc[(r * M + m) * kTileVecs + v]);
     }
   }
-  // Unrolled, so that every index into acc is a constant: one variable index puts the whole array in memory.
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int64_t n0 = (t0 + r) * kInt8Tile;
-    const int64_t width = std::min<int64_t>(kInt8Tile, N - n0);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      float lanes[kInt8Tile];
-#pragma GCC unroll 2
-      for (int v = 0; v < kTileVecs; ++v) vec_store(lanes + v * kVecLanes, acc[(r * M + m) * kTileVecs + v]);
-      for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<T>(lanes[i] * static_cast<float>(sc[n0 + i]));
-    }
-  }
+  store_tiles<T, M, R>(acc, o, N, t0, [sc](float sum, int64_t n) { return sum * static_cast<float>(sc[n]); });
 }
 
 // Tiles multiplied at once for M rows: the most of 4, 2, 1 whose accumulators, the M broadcast rows and one widened
@@ -239,7 +246,7 @@ constexpr int int4_tiles_at_once(int M) {  // out and two group sums for R tiles
   constexpr int kRegisters = 16;
 #endif
   for (int r = 4; r > 1; r /= 2)
-    if (3 * r * M * kTileVecs + 2 * M + 2 * kTileVecs <= kRegisters) return r;
+    if (3 * r * M * kTileVecs + 2 * M + 2 * kTileVecs + 4 <= kRegisters) return r;  // + 4: the fold's scales
   return 1;
 }
 
@@ -290,18 +297,7 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int64_t n0 = (t0 + r) * kInt8Tile;
-    const int64_t width = std::min<int64_t>(kInt8Tile, N - n0);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      float lanes[kInt8Tile];
-#pragma GCC unroll 2
-      for (int v = 0; v < kTileVecs; ++v) vec_store(lanes + v * kVecLanes, out[(r * M + m) * kTileVecs + v]);
-      for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<T>(lanes[i]);
-    }
-  }
+  store_tiles<T, M, R>(out, o, N, t0, [](float sum, int64_t) { return sum; });
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -375,7 +371,7 @@ inline void int4_tiles_bf16(const uint8_t* w, const uint32_t* xpairs, int64_t K,
 
 constexpr int int4_bf16_tiles_at_once(int M) {  // sums for R tiles x M rows, a table, a pair row, a broadcast
   for (int r = 8; r > 1; r /= 2)
-    if (r * M + 3 <= 32) return r;
+    if (r * M + 10 <= 32) return r;  // + 10: the table, a pair row, broadcasts, the fold's scales
   return 1;
 }
 #endif
