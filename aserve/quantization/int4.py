@@ -23,6 +23,8 @@ or for a shape it refuses, the layer is dequantized once at load and runs as a d
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -108,21 +110,23 @@ class AserveInt4Method(LinearMethod):
         raise TypeError("AserveInt4Method is what a GPTQ/AWQ layer becomes after loading; it has no checkpoint form")
 
     def apply(self, layer, x):
-        return self.projection(layer)(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], layer.out_features)
+        out = _aserve_int4(x.reshape(-1, x.shape[-1]), layer.perm, layer.qweight, layer.scales_zeros, layer.int4_group,
+                           layer.bias, layer.out_features)
+        return out.view(*x.shape[:-1], layer.out_features)
 
     def projection(self, layer):
-        perm, qweight, scales_zeros, group, bias, out_features = (layer.perm, layer.qweight, layer.scales_zeros,
-                                                                  layer.int4_group, layer.bias, layer.out_features)
-        kernel, gemm, rows = torch.ops.aserve.int4_linear, torch.ops.aserve.gemm_int4, self.KERNEL_MAX_ROWS
+        return functools.partial(_aserve_int4, perm=layer.perm, qweight=layer.qweight, scales_zeros=layer.scales_zeros,
+                                 group=layer.int4_group, bias=layer.bias, out_features=layer.out_features)
 
-        def project(x: torch.Tensor) -> torch.Tensor:  # 2-D rows
-            if perm is not None:  # act-order: the inputs in group order
-                x = x.index_select(1, perm)
-            if x.shape[0] <= rows:
-                out = kernel(x.contiguous(), qweight, scales_zeros, group, out_features)
-                return out if bias is None else out + bias
-            return gemm(x, qweight, scales_zeros, group, bias, out_features)
-        return project
+
+def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias, out_features: int) -> torch.Tensor:
+    """A layer on aserve's int4 kernels, for 2-D rows: int4_linear up to KERNEL_MAX_ROWS, gemm_int4 above."""
+    if perm is not None:  # act-order: the inputs in group order
+        x = x.index_select(1, perm)
+    if x.shape[0] <= AserveInt4Method.KERNEL_MAX_ROWS:
+        out = torch.ops.aserve.int4_linear(x.contiguous(), qweight, scales_zeros, group, out_features)
+        return out if bias is None else out + bias
+    return torch.ops.aserve.gemm_int4(x, qweight, scales_zeros, group, bias, out_features)
 
 
 def aserve_kernel_refusal(layer: nn.Module, group_size: int, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -126,6 +126,18 @@ constexpr int tiles_at_once(int M) {
   return 1;
 }
 
+// Each thread takes an equal run of the tiles (not of whole groups: 36 tiles are 9 groups of 4, 5 for one thread and
+// 4 for the other) and calls run(integral_constant<R>, t) on them R at a time: kTiles, then what is left 2 and 1.
+template <int kTiles, typename Run> inline void by_tile_runs(int64_t tiles, Run run) {
+  constexpr int kHalf = kTiles >= 2 ? kTiles / 2 : 1;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    int64_t t = begin;
+    for (; t + kTiles <= end; t += kTiles) run(std::integral_constant<int, kTiles>{}, t, end);
+    for (; t + kHalf <= end; t += kHalf) run(std::integral_constant<int, kHalf>{}, t, end);
+    for (; t < end; ++t) run(std::integral_constant<int, 1>{}, t, end);
+  });
+}
+
 template <typename T, int M>
 void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales, at::Tensor& out) {
   constexpr int kTiles = tiles_at_once(M);
@@ -135,16 +147,10 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const int8_t* w = tiled.data_ptr<int8_t>();
   const T* sc = scales.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  // Each thread takes an equal run of tiles (not of whole groups: 36 tiles are 9 groups of 4, 5 for one thread and 4
-  // for the other), kTiles at a time, then what is left of its run 2 and 1 at a time.
-  constexpr int kHalf = kTiles >= 2 ? kTiles / 2 : 1;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    int64_t t = begin;
-    for (; t + kTiles <= end; t += kTiles)
-      int8_tiles<T, M, kTiles>(w, xf.data(), K, sc, o, N, t, t + 2 * kTiles <= end ? w + (t + kTiles) * K * kInt8Tile
-                                                                                     : nullptr);
-    for (; t + kHalf <= end; t += kHalf) int8_tiles<T, M, kHalf>(w, xf.data(), K, sc, o, N, t);
-    for (; t < end; ++t) int8_tiles<T, M, 1>(w, xf.data(), K, sc, o, N, t);
+  by_tile_runs<kTiles>(tiles, [&](auto r, int64_t t, int64_t end) {
+    constexpr int R = decltype(r)::value;  // whole groups prefetch the next group of this run
+    const bool next = R == kTiles && t + 2 * kTiles <= end;
+    int8_tiles<T, M, R>(w, xf.data(), K, sc, o, N, t, next ? w + (t + kTiles) * K * kInt8Tile : nullptr);
   });
 }
 
@@ -382,7 +388,6 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
 #if defined(ASERVE_INT4_BF16_DOT)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     constexpr int kTiles = int4_bf16_tiles_at_once(M);
-    constexpr int kHalf = kTiles >= 2 ? kTiles / 2 : 1;
     const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group, pairs = K / 2;
     std::vector<uint32_t> xp(M * pairs);
     std::vector<float> xsum(M * groups, 0.f);
@@ -394,18 +399,13 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     const uint8_t* w = tiled.data_ptr<uint8_t>();
     const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
     c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      int64_t t = begin;
-      for (; t + kTiles <= end; t += kTiles)
-        int4_tiles_bf16<M, kTiles>(w, xp.data(), K, group, sz, xsum.data(), o, N, t);
-      for (; t + kHalf <= end; t += kHalf) int4_tiles_bf16<M, kHalf>(w, xp.data(), K, group, sz, xsum.data(), o, N, t);
-      for (; t < end; ++t) int4_tiles_bf16<M, 1>(w, xp.data(), K, group, sz, xsum.data(), o, N, t);
+    by_tile_runs<kTiles>(tiles, [&](auto r, int64_t t, int64_t) {
+      int4_tiles_bf16<M, decltype(r)::value>(w, xp.data(), K, group, sz, xsum.data(), o, N, t);
     });
     return;
   }
 #endif
   constexpr int kTiles = int4_tiles_at_once(M);
-  constexpr int kHalf = kTiles >= 2 ? kTiles / 2 : 1;
   const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group;
   std::vector<float> xf(M * K), xsum(M * groups, 0.f);
   for (int m = 0; m < M; ++m) {
@@ -415,12 +415,8 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
   const T* sz = scales_zeros.data_ptr<T>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    int64_t t = begin;
-    for (; t + kTiles <= end; t += kTiles)
-      int4_tiles<T, M, kTiles>(w, xf.data(), K, group, sz, xsum.data(), o, N, t);
-    for (; t + kHalf <= end; t += kHalf) int4_tiles<T, M, kHalf>(w, xf.data(), K, group, sz, xsum.data(), o, N, t);
-    for (; t < end; ++t) int4_tiles<T, M, 1>(w, xf.data(), K, group, sz, xsum.data(), o, N, t);
+  by_tile_runs<kTiles>(tiles, [&](auto r, int64_t t, int64_t) {
+    int4_tiles<T, M, decltype(r)::value>(w, xf.data(), K, group, sz, xsum.data(), o, N, t);
   });
 }
 
@@ -454,8 +450,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiled, const at::T
   switch (x.scalar_type()) {
     case at::kFloat: int4_linear_rows<float>(x, tiled, scales_zeros, group, out); break;
     case at::kBFloat16: int4_linear_rows<c10::BFloat16>(x, tiled, scales_zeros, group, out); break;
-    case at::kHalf: int4_linear_rows<c10::Half>(x, tiled, scales_zeros, group, out); break;
-    default: TORCH_CHECK(false, "int4_linear: unsupported dtype ", x.scalar_type());
+    default: TORCH_CHECK(false, "int4_linear: takes fp32 or bf16 (as gemm_int4 does), got ", x.scalar_type());
   }
   return out;
 }
