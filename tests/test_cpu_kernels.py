@@ -3,7 +3,8 @@
 Decode attention over the paged cache at block sizes 1/16/32, with GQA and without, mixed context lengths
 (one token, inside a block, on and past block edges), sliding windows and soft-capping; prefill attention over
 the same cache (chunks with and without cached context, causal within the chunk), checked against the same
-reference (each of a chunk's queries is a decode query over its own causal prefix); RMSNorm, rotary embedding
+reference (each of a chunk's queries is a decode query over its own causal prefix); the same kernel over the step's
+own rows (varlen attention: an encoder's bidirectional layers) against SDPA; RMSNorm, rotary embedding
 (full and partial) and SiLU-and-mul. fp32 must agree to rounding; bf16/fp16 within their precision.
 """
 from __future__ import annotations
@@ -182,6 +183,44 @@ def test_prefill_attention_refuses_tables_shorter_than_the_chunk():
                                                                          torch.float32, gen)
     with pytest.raises(RuntimeError, match="block table is shorter"):
         run_prefill(query, k_cache, v_cache, tables[:, :2], starts, contexts, 0.1)
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (12, 12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_attention_matches_sdpa(heads, dtype, head_dim, causal):
+    """The step's own rows, no cache: each prompt over all of itself (an encoder's layers) or causally. Strided
+    keys and values (slices of a fused QKV product), prompts of 1 to 130 tokens (odd key counts, a last walk step
+    shorter than the others, tiles of one token)."""
+    gen = torch.Generator().manual_seed(head_dim + heads[0] + causal)
+    lengths = [1, 7, 33, 130, 2, 64]
+    num_heads, num_kv_heads = heads
+    rows = sum(lengths)
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    query = q.reshape(rows, num_heads, head_dim)
+    key, value = k.view(rows, num_kv_heads, head_dim), v.view(rows, num_kv_heads, head_dim)
+    starts = torch.tensor([0] + lengths).cumsum(0)
+    out = torch.full_like(query, float("nan"))
+    with torch.inference_mode():
+        torch.ops.aserve.varlen_attention(out, query, key, value, starts, head_dim ** -0.5, causal)
+    expected = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].float().transpose(0, 1) for t in (query, key, value)), is_causal=causal,
+            enable_gqa=num_heads != num_kv_heads).transpose(0, 1)
+        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())])
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_varlen_attention_refuses_bad_starts():
+    query = torch.zeros(10, 2, 32)
+    with pytest.raises(RuntimeError, match="query_starts must rise"):
+        torch.ops.aserve.varlen_attention(torch.empty_like(query), query, query, query, torch.tensor([0, 6, 4, 10]),
+                                          0.1, False)
+    with pytest.raises(RuntimeError, match="query_starts must rise"):
+        torch.ops.aserve.varlen_attention(torch.empty_like(query), query, query, query, torch.tensor([0, 11]),
+                                          0.1, False)
 
 
 def test_fp8_bytes_round_trip_every_pattern():

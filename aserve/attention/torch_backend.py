@@ -7,8 +7,9 @@ blocking: each chunk's queries over its cached context, then causally over itsel
 before attention runs). Elsewhere, or without the kernels, decode requests go through a head-major gather of
 their blocks and two batched matmuls, and each prefill chunk through SDPA (causal, after any cached context).
 Masks for sliding-window layers are built once per step and window size, and shared by the layers that use them.
-An encoder's bidirectional layer (Attention.causal False) runs each whole prompt through SDPA without a mask and
-leaves the cache alone.
+An encoder's bidirectional layer (Attention.causal False) runs every whole prompt of the step in one call of the
+varlen kernel (the prefill kernel's tiles over the step's own keys and values, no mask), or else each through SDPA
+without a mask, and leaves the cache alone.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class TorchAttentionMetadata:
     _masks: dict = field(default_factory=dict)
     _decode_rows: torch.Tensor | None = None
     _prefill_batch: tuple | None = None
+    _prompt_starts: torch.Tensor | None = None
 
     def prefill_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill kernel's view of the step's chunks: (a block table per chunk, padded with the null block;
@@ -72,6 +74,14 @@ class TorchAttentionMetadata:
             contexts = torch.tensor([c.context_len for c in self.prefills])
             self._prefill_batch = (tables, starts, contexts)
         return self._prefill_batch
+
+    def prompt_starts(self) -> torch.Tensor:
+        """An encoder step's prompts as the varlen kernel takes them: each one's first row, then the end (one-token
+        prompts are the decode rows, one each). Built once per step."""
+        if self._prompt_starts is None:
+            ends = [c.end for c in self.prefills]
+            self._prompt_starts = torch.tensor(list(range(self.num_decode_tokens + 1)) + ends)
+        return self._prompt_starts
 
     @property
     def decode_rows(self) -> torch.Tensor:
@@ -190,6 +200,9 @@ def bidirectional(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Te
             meta.num_decode_tokens and int(meta.decode_context.max()) > 1):
         raise RuntimeError("a bidirectional layer was given part of a prompt: encoder prompts must be scheduled whole")
     out = torch.empty_like(query)
+    if cpu_kernels.usable(query):
+        torch.ops.aserve.varlen_attention(out, query, key, value, meta.prompt_starts(), layer.scale, False)
+        return out
     nd, gqa = meta.num_decode_tokens, query.shape[1] != key.shape[1]
     if nd:  # one-token prompts: each token sees itself alone
         out[:nd] = value[:nd].repeat_interleave(query.shape[1] // key.shape[1], 1)

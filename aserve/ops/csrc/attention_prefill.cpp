@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -88,6 +89,53 @@ template <typename F> inline void by_rows(int64_t n, F&& f) {  // f(first, rows)
   }
 }
 
+// The online softmax over one walk step: for each query row r (a vector holds W rows' scores for one key), its
+// running max m and sum l are updated by the nk scores st[0..nk)[r], which become their probabilities; corr[r]
+// is what the row's output so far must be multiplied by. A row with no key yet (its window starts further on)
+// keeps m = -inf; its scores, all -inf, are shifted by 0 so that they give probabilities of 0, not NaN. Rows go
+// two vectors at a time with their sums and maxima in registers; exp is at::vec's inline exp_u20 (within 20 ulp,
+// as torch's own CPU flash attention uses), the maximum the plain max instruction (scores are never NaN here).
+inline fVec max_of(const fVec& a, const fVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
+inline void online_softmax(float* st, int64_t nk, int64_t padded, float* m, float* l, float* corr) {
+  constexpr int W = fVec::size();
+  const fVec lowest(-std::numeric_limits<float>::infinity());
+  auto rows = [&](int64_t r, auto count) {
+    constexpr int V = decltype(count)::value;
+    fVec peak[V], shift[V], sum[V];
+    for (int u = 0; u < V; ++u) peak[u] = fVec::loadu(m + r + u * W);
+    for (int64_t j = 0; j < nk; ++j)
+      for (int u = 0; u < V; ++u) peak[u] = max_of(peak[u], fVec::loadu(st + j * padded + r + u * W));
+    for (int u = 0; u < V; ++u) {
+      const fVec none = peak[u] == lowest, old = fVec::loadu(m + r + u * W);
+      fVec::blendv((old - peak[u]).exp_u20(), fVec(1.f), none).store(corr + r + u * W);
+      shift[u] = fVec::blendv(peak[u], fVec(0.f), none);
+      sum[u] = fVec(0.f);
+    }
+    for (int64_t j = 0; j < nk; ++j)
+      for (int u = 0; u < V; ++u) {
+        const fVec prob = (fVec::loadu(st + j * padded + r + u * W) - shift[u]).exp_u20();
+        prob.store(st + j * padded + r + u * W);
+        sum[u] = sum[u] + prob;
+      }
+    for (int u = 0; u < V; ++u) {
+      peak[u].store(m + r + u * W);
+      (fVec::loadu(l + r + u * W) * fVec::loadu(corr + r + u * W) + sum[u]).store(l + r + u * W);
+    }
+  };
+  int64_t r = 0;
+  for (; r + 2 * W <= padded; r += 2 * W) rows(r, std::integral_constant<int, 2>{});
+  for (; r < padded; r += W) rows(r, std::integral_constant<int, 1>{});
+}
+
 // Query tokens per item: about kTileRows rows (tokens x the group's heads), as a multiple of kCols rows where one
 // near it exists, so that no score column is padding (3 heads a group, 16-lane vectors: 32 tokens = 96 rows
 // instead of 16 = 48 rows in 64 columns).
@@ -98,70 +146,238 @@ inline int64_t tile_query_count(int64_t group) {
   return wanted;
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 queries over a bf16 cache (or bf16 keys and values) on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs
+// of bf16 values and adds both products to an fp32 lane, so each instruction does twice the products of an fp32
+// FMA and nothing is widened. The tiles keep their shapes, with pairs along the sum's dimension:
+// - scores: the queries, unscaled, held as [D/2][rows] 32-bit pairs (a row's dims 2p, 2p+1; a query row read as
+//   32-bit words is that already), against a key's pair broadcast: the keys are read in place, as they lie;
+// - output: the probabilities rounded to bf16 as [keys/2][rows] pairs (keys 2j, 2j+1) against the values of the
+//   same two keys interleaved [keys/2][D] (one vpermw-free widen-and-or per 16 dims).
+// The scale is applied to the fp32 scores, and the probabilities are rounded to bf16 where the torch path rounds
+// them (before its second matmul); the softmax's sums stay fp32.
+#define ASERVE_PREFILL_BF16 1
+using BF16 = c10::BFloat16;
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+inline int32_t pair_at(const BF16* row, int64_t p) {  // dims 2p and 2p + 1 of a row, as one 32-bit word
+  int32_t w;
+  std::memcpy(&w, row + 2 * p, sizeof(w));
+  return w;
+}
+
+// st[i][0..32) = scale * sum_p k[i] pair p . qt[p][0..32): MR keys' scores against 32 query rows.
+template <int MR>
+inline void score_tile_bf16(const BF16* const* k, const uint32_t* qt, int64_t ldq, int64_t pairs, float scale,
+                            float* st, int64_t ldst) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh b0 = as_bh(_mm512_loadu_si512(qt + p * ldq)), b1 = as_bh(_mm512_loadu_si512(qt + p * ldq + 16));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(pair_at(k[i], p)));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(st + i * ldst, _mm512_mul_ps(acc[i][0], s));
+    _mm512_storeu_ps(st + i * ldst + 16, _mm512_mul_ps(acc[i][1], s));
+  }
+}
+
+// o[r][c..c+32) = o[r][c..c+32) * corr[r] + sum_j pt[j][r] . vt[j][c..c+32), over key pairs j, for MR rows r.
+template <int MR>
+inline void output_tile_bf16(const uint32_t* pt, int64_t ldp, const uint32_t* vt, int64_t ldv, int64_t pairs,
+                             float* o, int64_t ldo, const float* corr) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) {
+    const __m512 c = _mm512_set1_ps(corr[i]);
+    acc[i][0] = _mm512_mul_ps(_mm512_loadu_ps(o + i * ldo), c);
+    acc[i][1] = _mm512_mul_ps(_mm512_loadu_ps(o + i * ldo + 16), c);
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512bh b0 = as_bh(_mm512_loadu_si512(vt + j * ldv)), b1 = as_bh(_mm512_loadu_si512(vt + j * ldv + 16));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pt[j * ldp + i])));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(o + i * ldo, acc[i][0]);
+    _mm512_storeu_ps(o + i * ldo + 16, acc[i][1]);
+  }
+}
+
+// 16 bf16 values of two rows as 16 32-bit pairs (a in the low half).
+inline __m512i interleave16(__m256i a, __m256i b) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// vt[j][0..D) = values of keys 2j and 2j+1, interleaved; an odd last key is paired with zeros.
+inline void pair_values(const BF16* const* v, int64_t nk, int64_t D, uint32_t* vt) {
+  for (int64_t j = 0; 2 * j < nk; ++j) {
+    const BF16* a = v[2 * j];
+    const bool two = 2 * j + 1 < nk;
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c));
+      const __m256i hi = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[2 * j + 1] + c))
+                             : _mm256_setzero_si256();
+      _mm512_storeu_si512(vt + j * D + c, interleave16(lo, hi));
+    }
+  }
+}
+
+// pt[j][0..padded) = probabilities of keys 2j and 2j+1 (st rows, fp32) rounded to bf16 pairs; an odd last key
+// is paired with zeros.
+inline void pair_probabilities(const float* st, int64_t nk, int64_t padded, uint32_t* pt) {
+  for (int64_t j = 0; 2 * j < nk; ++j) {
+    const bool two = 2 * j + 1 < nk;
+    for (int64_t r = 0; r < padded; r += 16) {
+      const __m256i lo = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(st + 2 * j * padded + r)));
+      const __m256i hi = two ? reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(st + (2 * j + 1) * padded + r)))
+                             : _mm256_setzero_si256();
+      _mm512_storeu_si512(pt + j * padded + r, interleave16(lo, hi));
+    }
+  }
+}
+#endif
+
+// Where a chunk's keys and values are. PagedRows: the KV cache, through the chunk's block table. FlatRows: the
+// step's own key and value rows ([T, kv_heads, D], a chunk's token t at its row start + t), for an encoder's
+// bidirectional layers, which keep nothing in the cache.
+template <typename C> struct PagedRows {
+  const C* k;
+  const C* v;
+  const int64_t* tables;
+  int64_t table_width, block_size, head_stride, D;
+  int64_t at(int64_t chunk, int64_t tok) const {
+    const int64_t* table = tables + chunk * table_width;
+    return (table[tok / block_size] * block_size + tok % block_size) * D;
+  }
+  const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + kvh * head_stride + at(chunk, tok); }
+  const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + kvh * head_stride + at(chunk, tok); }
+};
+
+template <typename C> struct FlatRows {
+  const C* k;
+  const C* v;
+  const int64_t* starts;
+  int64_t ks0, ks1, vs0, vs1;
+  const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + (starts[chunk] + tok) * ks0 + kvh * ks1; }
+  const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + (starts[chunk] + tok) * vs0 + kvh * vs1; }
+};
+
+// Rows fetched into L2 ahead of use: an item's queries and keys lie anywhere in memory (items go by cost, not
+// address; the cache's blocks are scattered), too far apart for the hardware prefetchers.
+inline void prefetch_l2(const void* row, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(row) + i, 0, 2);
+}
+
+template <typename Rows>
+inline void prefetch_keys(const Rows& kv, int64_t chunk, int64_t kvh, int64_t first, int64_t count, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j) {
+    prefetch_l2(kv.key(chunk, kvh, first + j), bytes);
+    prefetch_l2(kv.value(chunk, kvh, first + j), bytes);
+  }
+}
+
 // One thread's scratch, sized for the largest item.
 struct PrefillScratch {
   std::vector<float> qt, o, st, kbuf, vbuf, m, l, corr, pos;  // pos: each query row's position, as fp32
-  std::vector<const float*> krow, vrow;
-  PrefillScratch(int64_t rows, int64_t padded, int64_t D)
-      : qt(D * padded), o(rows * D), st(kKeyStep * padded), kbuf(kKeyStep * D), vbuf(kKeyStep * D), m(padded),
-        l(padded), corr(padded), pos(padded), krow(kKeyStep), vrow(kKeyStep) {}
+  std::vector<uint32_t> qt2, pt2, vt2;  // the bf16 path's pairs: queries, probabilities, values
+  PrefillScratch(int64_t rows, int64_t padded, int64_t D, bool pairs)
+      : qt(pairs ? 0 : D * padded), o(rows * D), st(kKeyStep * padded), kbuf(pairs ? 0 : kKeyStep * D),
+        vbuf(pairs ? 0 : kKeyStep * D), m(padded), l(padded), corr(padded), pos(padded),
+        qt2(pairs ? D / 2 * padded : 0), pt2(pairs ? kKeyStep / 2 * padded : 0), vt2(pairs ? kKeyStep / 2 * D : 0) {}
 };
 
-// T: the query's and output's type; C: the cache's (T, or an FP8 tag with k_scale / v_scale folded in).
-template <typename T, typename C>
-void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& query_starts, const at::Tensor& context_lens, double scale,
-                            int64_t window, double softcap, double k_scale, double v_scale) {
-  const int64_t num_heads = query.size(1), D = query.size(2), chunks = context_lens.size(0);
-  const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
+// T: the query's and output's type; C: the keys' and values' (T, or an FP8 tag with k_scale / v_scale folded in);
+// Rows: where they are (PagedRows, FlatRows). contexts[c]: chunk c's keys before its first query (0 for FlatRows).
+// causal false: every query of a chunk sees all of its keys (no window).
+template <typename T, typename C, typename Rows>
+void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows& kv, int64_t num_kv_heads,
+                            const int64_t* starts, const int64_t* contexts, int64_t chunks, double scale,
+                            int64_t window, double softcap, double k_scale, double v_scale, bool causal) {
+  const int64_t num_heads = query.size(1), D = query.size(2);
+  const int64_t group = num_heads / num_kv_heads;
   const int64_t tile_queries = tile_query_count(group);
   const int64_t max_rows = tile_queries * group, padded = (max_rows + kCols - 1) / kCols * kCols;
-  const int64_t* starts = query_starts.data_ptr<int64_t>();
-  const int64_t* contexts = context_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
   const T* q_ptr = query.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
-  const C* k_ptr = reinterpret_cast<const C*>(k_cache.const_data_ptr());
-  const C* v_ptr = reinterpret_cast<const C*>(v_cache.const_data_ptr());
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t head_stride = num_blocks * block_size * D;
   const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
   const float cap = static_cast<float>(softcap), neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t full_cols = D / kCols * kCols;
+#ifdef ASERVE_PREFILL_BF16
+  const bool pairs = std::is_same_v<T, BF16> && std::is_same_v<C, BF16> && D % 32 == 0 && D <= 512;
+#else
+  const bool pairs = false;
+#endif
 
   struct Item { int64_t chunk, kvh, q0, nq, cost; };
+  auto key_range = [&](const Item& item) {  // the keys an item's queries see: [first, end)
+    const int64_t ctx = contexts[item.chunk], n = starts[item.chunk + 1] - starts[item.chunk];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, ctx + item.q0 - window + 1) : 0;
+    return std::pair<int64_t, int64_t>{first, causal ? ctx + item.q0 + item.nq : ctx + n};
+  };
   std::vector<Item> items;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n = starts[c + 1] - starts[c], ctx = contexts[c];
+    const int64_t n = starts[c + 1] - starts[c];
     for (int64_t q0 = 0; q0 < n; q0 += tile_queries) {
-      const int64_t nq = std::min(tile_queries, n - q0), last = ctx + q0 + nq;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx + q0 - window + 1) : 0;
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, h, q0, nq, nq * (last - first)});
+      Item item{c, 0, q0, std::min(tile_queries, n - q0), 0};
+      const auto [first, end] = key_range(item);
+      item.cost = item.nq * (end - first);
+      for (int64_t h = 0; h < num_kv_heads; ++h, ++item.kvh) items.push_back(item);
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
 
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    PrefillScratch s(max_rows, padded, D);
+    PrefillScratch s(max_rows, padded, D, pairs);
     std::vector<float> row(D);
+    std::vector<const C*> krow(kKeyStep), vrow(kKeyStep);
+    std::vector<const float*> kf(kKeyStep), vf(kKeyStep);
     for (int64_t t = begin; t < end; ++t) {
       for (size_t it = t; it < items.size(); it += threads) {
         const Item item = items[it];
         const int64_t ctx = contexts[item.chunk], row0 = starts[item.chunk] + item.q0, h0 = item.kvh * group;
         const int64_t rows = item.nq * group;
-        const int64_t* table = tables + item.chunk * table_width;
-        const C* k_head = k_ptr + item.kvh * head_stride;
-        const C* v_head = v_ptr + item.kvh * head_stride;
-        // queries, scaled, as [D][padded]; row r = query qi's head g at r = qi * group + g
-        std::fill(s.qt.begin(), s.qt.end(), 0.f);
+        if (it + threads < items.size()) {  // the next item's queries and first keys, into L2 while this one runs
+          const Item& next = items[it + threads];
+          const int64_t next_row0 = starts[next.chunk] + next.q0;
+          for (int64_t qi = 0; qi < next.nq; ++qi)
+            for (int64_t g = 0; g < group; ++g)
+              prefetch_l2(q_ptr + (next_row0 + qi) * qs0 + (next.kvh * group + g) * qs1, D * sizeof(T));
+          const auto [next_lo, next_hi] = key_range(next);
+          prefetch_keys(kv, next.chunk, next.kvh, next_lo, std::min<int64_t>(kKeyStep, next_hi - next_lo),
+                        D * sizeof(C));
+        }
+        // queries as [D][padded] (fp32, scaled) or [D/2][padded] pairs (bf16, as they are); row r = query qi's
+        // head g at r = qi * group + g
+        if (pairs) {
+          std::fill(s.qt2.begin(), s.qt2.end(), 0u);
+        } else {
+          std::fill(s.qt.begin(), s.qt.end(), 0.f);
+        }
         for (int64_t qi = 0; qi < item.nq; ++qi) {
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = qi * group + g;
-            load_row(q_ptr + (row0 + qi) * qs0 + (h0 + g) * qs1, row.data(), D);
-            for (int64_t d = 0; d < D; ++d) s.qt[d * padded + r] = row[d] * fscale;
+            const T* src = q_ptr + (row0 + qi) * qs0 + (h0 + g) * qs1;
+            if (pairs) {
+              uint32_t* qt2 = s.qt2.data() + r;
+              const int64_t half = D / 2, ld = padded;
+              uint32_t words[256];
+              std::memcpy(words, src, D * sizeof(T));
+              for (int64_t p = 0; p < half; ++p) qt2[p * ld] = words[p];
+            } else {
+              load_row(src, row.data(), D);
+              for (int64_t d = 0; d < D; ++d) s.qt[d * padded + r] = row[d] * fscale;
+            }
             s.pos[r] = static_cast<float>(ctx + item.q0 + qi);
           }
         }
@@ -170,27 +386,43 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const at::
         std::fill(s.l.begin(), s.l.end(), 0.f);
         std::fill(s.o.begin(), s.o.begin() + rows * D, 0.f);
         const int64_t first_pos = ctx + item.q0, last_pos = ctx + item.q0 + item.nq - 1;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0, hi = last_pos + 1;
+        const auto [lo, hi] = key_range(item);
         for (int64_t t0 = lo; t0 < hi; t0 += kKeyStep) {
           const int64_t nk = std::min<int64_t>(kKeyStep, hi - t0);
+          prefetch_keys(kv, item.chunk, item.kvh, t0 + kKeyStep, std::min<int64_t>(kKeyStep, hi - t0 - kKeyStep),
+                        D * sizeof(C));  // the next step's
           for (int64_t j = 0; j < nk; ++j) {
-            const int64_t tok = t0 + j, at = (table[tok / block_size] * block_size + tok % block_size) * D;
-            if constexpr (std::is_same_v<C, float>) {
-              s.krow[j] = k_head + at;
-              s.vrow[j] = v_head + at;
-            } else {
-              load_row(k_head + at, s.kbuf.data() + j * D, D);
-              load_row(v_head + at, s.vbuf.data() + j * D, D);
-              s.krow[j] = s.kbuf.data() + j * D;
-              s.vrow[j] = s.vbuf.data() + j * D;
-            }
+            krow[j] = kv.key(item.chunk, item.kvh, t0 + j);
+            vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
           }
           float* st = s.st.data();  // [nk][padded] scores, then probabilities
-          for (int64_t c = 0; c < padded; c += kCols)
-            by_rows(nk, [&](int64_t i, auto mr) {
-              score_tile<decltype(mr)::value>(s.krow.data() + i, s.qt.data() + c, padded, D, st + i * padded + c,
-                                              padded);
-            });
+          if (pairs) {
+#ifdef ASERVE_PREFILL_BF16
+            const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
+            for (int64_t c = 0; c < padded; c += kCols)
+              by_rows(nk, [&](int64_t i, auto mr) {
+                score_tile_bf16<decltype(mr)::value>(keys + i, s.qt2.data() + c, padded, D / 2, fscale,
+                                                     st + i * padded + c, padded);
+              });
+#endif
+          } else {
+            for (int64_t j = 0; j < nk; ++j) {
+              if constexpr (std::is_same_v<C, float>) {
+                kf[j] = krow[j];
+                vf[j] = vrow[j];
+              } else {
+                load_row(krow[j], s.kbuf.data() + j * D, D);
+                load_row(vrow[j], s.vbuf.data() + j * D, D);
+                kf[j] = s.kbuf.data() + j * D;
+                vf[j] = s.vbuf.data() + j * D;
+              }
+            }
+            for (int64_t c = 0; c < padded; c += kCols)
+              by_rows(nk, [&](int64_t i, auto mr) {
+                score_tile<decltype(mr)::value>(kf.data() + i, s.qt.data() + c, padded, D, st + i * padded + c,
+                                                padded);
+              });
+          }
           // softcap, mask and the online softmax, each across query rows: a vector holds W rows' scores for one
           // key (padding rows too: their queries are zero, their results unused)
           const fVec lowest(neg_inf);
@@ -200,7 +432,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const at::
                 const fVec x = fVec::loadu(st + j * padded + r);
                 ((x / fVec(cap)).tanh() * fVec(cap)).store(st + j * padded + r);
               }
-          if (t0 + nk - 1 > first_pos || (window > 0 && t0 <= last_pos - window)) {  // some keys masked
+          if ((causal && t0 + nk - 1 > first_pos) || (window > 0 && t0 <= last_pos - window)) {  // some keys masked
             for (int64_t j = 0; j < nk; ++j)
               for (int64_t r = 0; r < padded; r += fVec::size()) {
                 const fVec key(static_cast<float>(t0 + j)), pos = fVec::loadu(s.pos.data() + r);
@@ -209,36 +441,31 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const at::
                 fVec::blendv(fVec::loadu(st + j * padded + r), lowest, masked).store(st + j * padded + r);
               }
           }
-          for (int64_t r = 0; r < padded; r += fVec::size()) {
-            const fVec old = fVec::loadu(s.m.data() + r);
-            fVec peak = old;
-            for (int64_t j = 0; j < nk; ++j) peak = at::vec::maximum(peak, fVec::loadu(st + j * padded + r));
-            // a row with no key yet (its window starts further on) keeps m = -inf; its scores, all -inf, are
-            // shifted by 0 so that they give probabilities of 0, not NaN
-            const fVec none = peak == lowest;
-            const fVec corr = fVec::blendv((old - peak).exp(), fVec(1.f), none);
-            const fVec shift = fVec::blendv(peak, fVec(0.f), none);
-            fVec sum(0.f);
-            for (int64_t j = 0; j < nk; ++j) {
-              const fVec prob = (fVec::loadu(st + j * padded + r) - shift).exp();
-              prob.store(st + j * padded + r);
-              sum = sum + prob;
-            }
-            peak.store(s.m.data() + r);
-            corr.store(s.corr.data() + r);
-            (fVec::loadu(s.l.data() + r) * corr + sum).store(s.l.data() + r);
+          online_softmax(st, nk, padded, s.m.data(), s.l.data(), s.corr.data());
+          if (pairs) {
+#ifdef ASERVE_PREFILL_BF16
+            pair_values(reinterpret_cast<const BF16* const*>(vrow.data()), nk, D, s.vt2.data());
+            pair_probabilities(st, nk, padded, s.pt2.data());
+            const int64_t key_pairs = (nk + 1) / 2;
+            by_rows(rows, [&](int64_t r, auto mr) {
+              for (int64_t c = 0; c < D; c += kCols)
+                output_tile_bf16<decltype(mr)::value>(s.pt2.data() + r, padded, s.vt2.data() + c, D, key_pairs,
+                                                      s.o.data() + r * D + c, D, s.corr.data() + r);
+            });
+#endif
+          } else {
+            by_rows(rows, [&](int64_t r, auto mr) {
+              for (int64_t c = 0; c < full_cols; c += kCols)
+                output_tile<decltype(mr)::value>(st + r, padded, vf.data(), c, nk, s.o.data() + r * D + c, D,
+                                                 s.corr.data() + r);
+              for (int64_t i = r; i < r + decltype(mr)::value; ++i)  // head dims past the last full tile
+                for (int64_t c = full_cols; c < D; ++c) {
+                  float acc = s.o[i * D + c] * s.corr[i];
+                  for (int64_t j = 0; j < nk; ++j) acc += st[j * padded + i] * vf[j][c];
+                  s.o[i * D + c] = acc;
+                }
+            });
           }
-          by_rows(rows, [&](int64_t r, auto mr) {
-            for (int64_t c = 0; c < full_cols; c += kCols)
-              output_tile<decltype(mr)::value>(st + r, padded, s.vrow.data(), c, nk, s.o.data() + r * D + c, D,
-                                               s.corr.data() + r);
-            for (int64_t i = r; i < r + decltype(mr)::value; ++i)  // head dims past the last full tile
-              for (int64_t c = full_cols; c < D; ++c) {
-                float acc = s.o[i * D + c] * s.corr[i];
-                for (int64_t j = 0; j < nk; ++j) acc += st[j * padded + i] * s.vrow[j][c];
-                s.o[i * D + c] = acc;
-              }
-          });
         }
         for (int64_t qi = 0; qi < item.nq; ++qi)
           for (int64_t g = 0; g < group; ++g) {
@@ -251,17 +478,44 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const at::
   });
 }
 
+template <typename X> struct Tag { using type = X; };
+
 template <typename T>
 void prefill_attention_by_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& query_starts, const at::Tensor& context_lens, double scale,
                                 int64_t window, double softcap, double k_scale, double v_scale, int64_t kv_format) {
+  const int64_t num_kv_heads = k_cache.size(0), block_size = k_cache.size(2), D = k_cache.size(3);
+  const int64_t head_stride = k_cache.size(1) * block_size * D;
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t* contexts = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t chunks = context_lens.size(0), width = block_tables.size(1);
+  auto run = [&](auto tag, double ks, double vs) {
+    using C = typename decltype(tag)::type;
+    const PagedRows<C> kv{reinterpret_cast<const C*>(k_cache.const_data_ptr()),
+                          reinterpret_cast<const C*>(v_cache.const_data_ptr()), tables, width, block_size,
+                          head_stride, D};
+    prefill_attention_impl<T, C>(out, query, kv, num_kv_heads, starts, contexts, chunks, scale, window, softcap, ks,
+                                 vs, true);
+  };
   switch (kv_format) {
-    case 0: return prefill_attention_impl<T, T>(out, query, k_cache, v_cache, block_tables, query_starts, context_lens, scale, window, softcap, k_scale, v_scale);
-    case 1: return prefill_attention_impl<T, E4M3>(out, query, k_cache, v_cache, block_tables, query_starts, context_lens, scale, window, softcap, k_scale * 256.0, v_scale * 256.0);
-    case 2: return prefill_attention_impl<T, E5M2>(out, query, k_cache, v_cache, block_tables, query_starts, context_lens, scale, window, softcap, k_scale, v_scale);
+    case 0: return run(Tag<T>{}, k_scale, v_scale);
+    case 1: return run(Tag<E4M3>{}, k_scale * 256.0, v_scale * 256.0);
+    case 2: return run(Tag<E5M2>{}, k_scale, v_scale);
   }
   TORCH_CHECK(false, "paged_prefill_attention: kv_format must be 0 (the query's dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2)");
+}
+
+void check_query_starts(const char* op, const at::Tensor& query_starts, int64_t chunks, int64_t rows) {
+  TORCH_CHECK(query_starts.scalar_type() == at::kLong && query_starts.is_contiguous() &&
+                  query_starts.numel() == chunks + 1,
+              op, ": query_starts must be contiguous int64 [chunks + 1]");
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  TORCH_CHECK(chunks == 0 || starts[0] >= 0, op, ": query_starts must rise within the query's rows");
+  for (int64_t c = 0; c < chunks; ++c)
+    TORCH_CHECK(starts[c] <= starts[c + 1] && starts[c + 1] <= rows, op,
+                ": query_starts must rise within the query's rows");
 }
 
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
@@ -272,17 +526,14 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   const int64_t chunks = context_lens.size(0);
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() && context_lens.dim() == 1,
               "context_lens must be a contiguous int64 [chunks] vector");
-  TORCH_CHECK(query_starts.scalar_type() == at::kLong && query_starts.is_contiguous() &&
-                  query_starts.numel() == chunks + 1,
-              "query_starts must be contiguous int64 [chunks + 1]");
+  check_query_starts("paged_prefill_attention", query_starts, chunks, query.size(0));
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == chunks,
               "block_tables must be contiguous int64 [chunks, width]");
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* contexts = context_lens.data_ptr<int64_t>();
   for (int64_t c = 0; c < chunks; ++c) {
-    TORCH_CHECK(starts[c] <= starts[c + 1] && starts[c + 1] <= query.size(0) && contexts[c] >= 0,
-                "query_starts must rise within the query's rows, and context_lens be >= 0");
+    TORCH_CHECK(contexts[c] >= 0, "context_lens must be >= 0");
     TORCH_CHECK((contexts[c] + starts[c + 1] - starts[c] + k_cache.size(2) - 1) / k_cache.size(2) <=
                     block_tables.size(1),
                 "a chunk's block table is shorter than its context and tokens");
@@ -296,9 +547,48 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   }
 }
 
+// Attention within each chunk of the step's own rows, no cache: chunk c's queries, keys and values are rows
+// query_starts[c] .. query_starts[c + 1] of query / key / value ([T, heads, D], [T, kv_heads, D]). causal false:
+// an encoder's bidirectional layer, each token seeing its whole prompt.
+template <typename T>
+void varlen_attention_typed(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const at::Tensor& query_starts, double scale, bool causal) {
+  const int64_t chunks = query_starts.numel() - 1;
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const std::vector<int64_t> contexts(chunks, 0);
+  const FlatRows<T> kv{key.data_ptr<T>(), value.data_ptr<T>(), starts, key.stride(0), key.stride(1), value.stride(0),
+                       value.stride(1)};
+  prefill_attention_impl<T, T>(out, query, kv, key.size(1), starts, contexts.data(), chunks, scale, 0, 0.0, 1.0, 1.0,
+                               causal);
+}
+
+void varlen_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& query_starts, double scale, bool causal) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "varlen_attention: query and out must be [rows, heads, head_dim]");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(0) == query.size(0) &&
+                  key.size(2) == query.size(2),
+              "varlen_attention: key and value must be [rows, kv_heads, head_dim], the query's rows and head_dim");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, "varlen_attention: query heads must be a multiple of kv heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
+              "varlen_attention: every tensor needs unit stride in head_dim");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && key.scalar_type() == query.scalar_type() &&
+                  value.scalar_type() == query.scalar_type(),
+              "varlen_attention: query, key, value and out must share a dtype");
+  check_query_starts("varlen_attention", query_starts, query_starts.numel() - 1, query.size(0));
+  if (query_starts.numel() <= 1) return;
+  switch (query.scalar_type()) {
+    case at::kFloat: return varlen_attention_typed<float>(out, query, key, value, query_starts, scale, causal);
+    case at::kBFloat16: return varlen_attention_typed<c10::BFloat16>(out, query, key, value, query_starts, scale, causal);
+    case at::kHalf: return varlen_attention_typed<c10::Half>(out, query, key, value, query_starts, scale, causal);
+    default: TORCH_CHECK(false, "varlen_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(aserve, m) {
+  m.def("varlen_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor query_starts, float scale, "
+        "bool causal) -> ()");
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_starts, Tensor context_lens, float scale, int window, float softcap, float k_scale=1.0, "
         "float v_scale=1.0, int kv_format=0) -> ()");
@@ -306,4 +596,5 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("varlen_attention", &varlen_attention);
 }
