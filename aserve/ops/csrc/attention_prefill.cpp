@@ -167,49 +167,54 @@ inline int32_t pair_at(const BF16* row, int64_t p) {  // dims 2p and 2p + 1 of a
   return w;
 }
 
-// st[i][0..32) = scale * sum_p k[i] pair p . qt[p][0..32): MR keys' scores against 32 query rows.
-template <int MR>
+// st[i][0..16 NV) = scale * sum_p k[i] pair p . qt[p][0..16 NV): MR keys' scores against 16 NV query rows. NV = 4
+// where 64 rows remain: each broadcast key pair then feeds four dot products instead of two.
+template <int MR, int NV>
 inline void score_tile_bf16(const BF16* const* k, const uint32_t* qt, int64_t ldq, int64_t pairs, float scale,
                             float* st, int64_t ldst) {
-  __m512 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh b0 = as_bh(_mm512_loadu_si512(qt + p * ldq)), b1 = as_bh(_mm512_loadu_si512(qt + p * ldq + 16));
+    __m512bh b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = as_bh(_mm512_loadu_si512(qt + p * ldq + 16 * v));
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = as_bh(_mm512_set1_epi32(pair_at(k[i], p)));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
     }
   }
   const __m512 s = _mm512_set1_ps(scale);
-  for (int i = 0; i < MR; ++i) {
-    _mm512_storeu_ps(st + i * ldst, _mm512_mul_ps(acc[i][0], s));
-    _mm512_storeu_ps(st + i * ldst + 16, _mm512_mul_ps(acc[i][1], s));
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + i * ldst + 16 * v, _mm512_mul_ps(acc[i][v], s));
 }
 
-// o[r][c..c+32) = o[r][c..c+32) * corr[r] + sum_j pt[j][r] . vt[j][c..c+32), over key pairs j, for MR rows r.
-template <int MR>
+// o[r][c..c+16 NV) = o[r][c..c+16 NV) * corr[r] + sum_j pt[j][r] . vt[j][c..c+16 NV), over key pairs j, for MR
+// rows r (o, vt: at column c already).
+template <int MR, int NV>
 inline void output_tile_bf16(const uint32_t* pt, int64_t ldp, const uint32_t* vt, int64_t ldv, int64_t pairs,
                              float* o, int64_t ldo, const float* corr) {
-  __m512 acc[MR][2];
+  __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i) {
     const __m512 c = _mm512_set1_ps(corr[i]);
-    acc[i][0] = _mm512_mul_ps(_mm512_loadu_ps(o + i * ldo), c);
-    acc[i][1] = _mm512_mul_ps(_mm512_loadu_ps(o + i * ldo + 16), c);
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_mul_ps(_mm512_loadu_ps(o + i * ldo + 16 * v), c);
   }
   for (int64_t j = 0; j < pairs; ++j) {
-    const __m512bh b0 = as_bh(_mm512_loadu_si512(vt + j * ldv)), b1 = as_bh(_mm512_loadu_si512(vt + j * ldv + 16));
+    __m512bh b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = as_bh(_mm512_loadu_si512(vt + j * ldv + 16 * v));
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pt[j * ldp + i])));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    _mm512_storeu_ps(o + i * ldo, acc[i][0]);
-    _mm512_storeu_ps(o + i * ldo + 16, acc[i][1]);
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + i * ldo + 16 * v, acc[i][v]);
+}
+
+// f(column, width tag) over [0, n) (a multiple of 32): blocks of 64 columns (4 vectors), then one of 32.
+template <typename F> inline void by_columns(int64_t n, F&& f) {
+  int64_t c = 0;
+  for (; c + 64 <= n; c += 64) f(c, std::integral_constant<int, 4>{});
+  if (c < n) f(c, std::integral_constant<int, 2>{});
 }
 
 // 16 bf16 values of two rows as 16 32-bit pairs (a in the low half).
@@ -399,11 +404,12 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
           if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
             const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
-            for (int64_t c = 0; c < padded; c += kCols)
+            by_columns(padded, [&](int64_t c, auto nv) {
               by_rows(nk, [&](int64_t i, auto mr) {
-                score_tile_bf16<decltype(mr)::value>(keys + i, s.qt2.data() + c, padded, D / 2, fscale,
-                                                     st + i * padded + c, padded);
+                score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, s.qt2.data() + c, padded, D / 2,
+                                                                          fscale, st + i * padded + c, padded);
               });
+            });
 #endif
           } else {
             for (int64_t j = 0; j < nk; ++j) {
@@ -448,9 +454,11 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
             pair_probabilities(st, nk, padded, s.pt2.data());
             const int64_t key_pairs = (nk + 1) / 2;
             by_rows(rows, [&](int64_t r, auto mr) {
-              for (int64_t c = 0; c < D; c += kCols)
-                output_tile_bf16<decltype(mr)::value>(s.pt2.data() + r, padded, s.vt2.data() + c, D, key_pairs,
-                                                      s.o.data() + r * D + c, D, s.corr.data() + r);
+              by_columns(D, [&](int64_t c, auto nv) {
+                output_tile_bf16<decltype(mr)::value, decltype(nv)::value>(
+                    s.pt2.data() + r, padded, s.vt2.data() + c, D, key_pairs, s.o.data() + r * D + c, D,
+                    s.corr.data() + r);
+              });
             });
 #endif
           } else {
