@@ -44,7 +44,10 @@ def gemm_for(dtype: torch.dtype) -> str:
     Decode steps of the bench model alternated in one engine (tools/step_ab.py --compare gemm), aserve's GEMM against
     oneDNN's, 2 threads. On an AMD EPYC (Zen 4, AVX512-BF16, no AMX): bf16 batch 64 62.7 against 71.5 ms, batch 1
     11.4 against 16.6; fp32 119.6 against 127.8 and 19.4 against 24.6 (fp32 held to AVX2, as on an AVX2-only CPU:
-    118.7 against 143.6 and 22.3 against 29.6). On an Intel Sapphire Rapids (AMX-BF16): bf16 batch 64 100.2
+    118.7 against 143.6 and 22.3 against 29.6). On an AMD EPYC Zen 5 (full-width 512-bit FMAs), before aserve's
+    fp32 GEMM had 512-bit tiles, oneDNN's fp32 ran compute-bound shapes at ~500 GFLOP/s against its ~250; with them,
+    451-492 against 456-504, and the bench model's fp32 64 x 128/128 643 against 601 output tok/s (was 408).
+    On an Intel Sapphire Rapids (AMX-BF16): bf16 batch 64 100.2
     against 43.4 ms (oneDNN runs AMX tiles, 2.3x faster), batch 1 12.7 against 16.3; so bf16 goes to oneDNN there,
     giving up ~3.6 ms a step at batch 1 for 57 ms at batch 64. There fp32 goes to oneDNN too: batch 64 123.7 against
     108.2 ms, batch 1 28.2 against 27.9 (its AVX-512 kernels keep both FMA ports busy: a [M, 768] x [768, 3072]
