@@ -131,15 +131,17 @@ using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, in
                        int64_t);
 constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / 6) blocks of [kc][6] (rows past mc are zero).
+// x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / MR) blocks of [kc][MR] (rows past mc are zero): MR 6
+// for the 256-bit tiles, 12 for the 512-bit ones.
+template <int MR>
 void pack_rows(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0, int64_t kc, float* out) {
-  for (int64_t r = 0; r < mc; r += kMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r));
+  for (int64_t r = 0; r < mc; r += MR) {
+    const int rows = static_cast<int>(std::min<int64_t>(MR, mc - r));
     float* block = out + r * kc;
     const float* src = x + (m0 + r) * ldx + k0;
     for (int64_t k = 0; k < kc; ++k) {
-      for (int i = 0; i < rows; ++i) block[k * kMR + i] = src[i * ldx + k];
-      for (int i = rows; i < kMR; ++i) block[k * kMR + i] = 0.f;
+      for (int i = 0; i < rows; ++i) block[k * MR + i] = src[i * ldx + k];
+      for (int i = rows; i < MR; ++i) block[k * MR + i] = 0.f;
     }
   }
 }
@@ -154,36 +156,46 @@ struct DensePanels {
   const char* stored(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(w + (p * K + k0) * kNR); }
 };
 
+// The fp32 GEMMs' blocking: K in chunks of at most kKC, M in blocks whose copy fits half of L2; for each (chunk,
+// block) x's rows are copied MR interleaved and body(k0, kc, m0, mc, blocks, copy) runs the tiles.
+template <int MR, typename Body>
+void by_blocks(const float* x, int64_t ldx, int64_t M, int64_t K, Body&& body) {
+  const int64_t chunks = (K + kKC - 1) / kKC, kc_max = (K + chunks - 1) / chunks;
+  const int64_t row_block = std::max<int64_t>(MR, block_bytes() / (kc_max * 4) / MR * MR);
+  thread_local std::vector<float> packed;
+  packed.resize(((std::min(M, row_block) + MR - 1) / MR) * MR * kc_max);
+  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, K - k0);
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t mc = std::min(row_block, M - m0);
+      pack_rows<MR>(x, ldx, m0, mc, k0, kc, packed.data());
+      body(k0, kc, m0, mc, (mc + MR - 1) / MR, static_cast<const float*>(packed.data()));
+    }
+  }
+}
+
 // Panels [p0, p1) of out for all M rows.
 template <class Panels>
 void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const float* bias,
                  float* out, int64_t N, int64_t p0, int64_t p1) {
-  const int64_t chunks = (K + kKC - 1) / kKC, kc_max = (K + chunks - 1) / chunks;
-  const int64_t row_block = std::max<int64_t>(kMR, block_bytes() / (kc_max * 4) / kMR * kMR);
-  thread_local std::vector<float> packed;
-  packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kc_max);
-  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-    const int64_t kc = std::min(kc_max, K - k0);
+  by_blocks<kMR>(x, ldx, M, K, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
+                                   const float* packed) {
     const bool first = k0 == 0;
     const int64_t total_lines = (kc * Panels::kBytesPerK + 63) / 64;  // of the next panel, shared out to the blocks
-    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-      const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
-      pack_rows(x, ldx, m0, mc, k0, kc, packed.data());
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = panels.get(p, k0, kc);
-        const char* next = p + 1 < p1 ? panels.stored(p + 1, k0) : nullptr;
-        const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
-        const float* b = bias != nullptr ? bias + p * kNR : nullptr;
-        for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
-          const int64_t from = r * total_lines / blocks;
-          const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
-          const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
-          kTiles[rows](packed.data() + r * kMR * kc, panel, kc, out + (m0 + r * kMR) * N + p * kNR, N, cols, b,
-                       first, next != nullptr ? next + from * 64 : nullptr, lines);
-        }
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = panels.get(p, k0, kc);
+      const char* next = p + 1 < p1 ? panels.stored(p + 1, k0) : nullptr;
+      const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
+      const float* b = bias != nullptr ? bias + p * kNR : nullptr;
+      for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
+        const int64_t from = r * total_lines / blocks;
+        const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
+        const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
+        kTiles[rows](packed + r * kMR * kc, panel, kc, out + (m0 + r * kMR) * N + p * kNR, N, cols, b,
+                     first, next != nullptr ? next + from * 64 : nullptr, lines);
       }
     }
-  }
+  });
 }
 
 #if defined(__AVX512F__)
@@ -249,54 +261,33 @@ constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1, NP>, tile<2, NP>, tile<3, N
                                     tile<6, NP>, tile<7, NP>, tile<8, NP>, tile<9, NP>, tile<10, NP>, tile<11, NP>,
                                     tile<12, NP>};
 
-// x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / 12) blocks of [kc][12] (rows past mc are zero).
-void pack_rows(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0, int64_t kc, float* out) {
-  for (int64_t r = 0; r < mc; r += kMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r));
-    float* block = out + r * kc;
-    const float* src = x + (m0 + r) * ldx + k0;
-    for (int64_t k = 0; k < kc; ++k) {
-      for (int i = 0; i < rows; ++i) block[k * kMR + i] = src[i * ldx + k];
-      for (int i = rows; i < kMR; ++i) block[k * kMR + i] = 0.f;
-    }
-  }
-}
-
 // Panel pairs [q0, q1) (panels 2q and 2q + 1; a last odd panel alone) of out for all M rows, K in chunks of at most
 // kKC, the dense packed weight `w`.
 void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, const float* bias, float* out,
                 int64_t N, int64_t q0, int64_t q1) {
   const int64_t panels = (N + kNR - 1) / kNR;
-  const int64_t chunks = (K + kKC - 1) / kKC, kc_max = (K + chunks - 1) / chunks;
-  const int64_t row_block = std::max<int64_t>(kMR, block_bytes() / (kc_max * 4) / kMR * kMR);
-  thread_local std::vector<float> packed;
-  packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kc_max);
-  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-    const int64_t kc = std::min(kc_max, K - k0);
+  by_blocks<kMR>(x, ldx, M, K, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
+                                   const float* packed) {
     const bool first = k0 == 0;
-    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-      const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
-      pack_rows(x, ldx, m0, mc, k0, kc, packed.data());
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
-        const float* b0 = w + (p * K + k0) * kNR;
-        const float* b1 = np == 2 ? b0 + K * kNR : nullptr;
-        // the next pair's chunks, shared out to the blocks: a panel's k row is one 64-byte line, so line l of
-        // them is row k0 + l % kc of panel p + 2 + l / kc (a block's run may go on past its panel's chunk: a hint)
-        const int64_t next_np = q + 1 < q1 ? std::min<int64_t>(2, panels - p - 2) : 0, total_lines = kc * next_np;
-        const int cols = static_cast<int>(std::min<int64_t>(kNR * np, N - p * kNR));
-        const float* pb = bias != nullptr ? bias + p * kNR : nullptr;
-        for (int64_t r = 0; r < blocks; ++r) {
-          const int64_t from = r * total_lines / blocks, lines = (r + 1) * total_lines / blocks - from;
-          const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
-          const char* pf = lines > 0 ? reinterpret_cast<const char*>(w + ((p + 2 + from / kc) * K + k0 + from % kc) * kNR)
-                                     : nullptr;
-          (np == 2 ? kTiles<2> : kTiles<1>)[rows](packed.data() + r * kMR * kc, b0, b1, kc,
-                                                  out + (m0 + r * kMR) * N + p * kNR, N, cols, pb, first, pf, lines);
-        }
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
+      const float* b0 = w + (p * K + k0) * kNR;
+      const float* b1 = np == 2 ? b0 + K * kNR : nullptr;
+      // the next pair's chunks, shared out to the blocks: a panel's k row is one 64-byte line, so line l of
+      // them is row k0 + l % kc of panel p + 2 + l / kc (a block's run may go on past its panel's chunk: a hint)
+      const int64_t next_np = q + 1 < q1 ? std::min<int64_t>(2, panels - p - 2) : 0, total_lines = kc * next_np;
+      const int cols = static_cast<int>(std::min<int64_t>(kNR * np, N - p * kNR));
+      const float* pb = bias != nullptr ? bias + p * kNR : nullptr;
+      for (int64_t r = 0; r < blocks; ++r) {
+        const int64_t from = r * total_lines / blocks, lines = (r + 1) * total_lines / blocks - from;
+        const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
+        const char* pf = lines > 0 ? reinterpret_cast<const char*>(w + ((p + 2 + from / kc) * K + k0 + from % kc) * kNR)
+                                   : nullptr;
+        (np == 2 ? kTiles<2> : kTiles<1>)[rows](packed + r * kMR * kc, b0, b1, kc,
+                                                out + (m0 + r * kMR) * N + p * kNR, N, cols, pb, first, pf, lines);
       }
     }
-  }
+  });
 }
 
 }  // namespace wide
