@@ -1,5 +1,6 @@
 // Prefill attention over the paged KV cache, torch.ops.aserve.paged_prefill_attention: FlashAttention-style
-// register tiles, the cache in the query's dtype or FP8 bytes.
+// register tiles, the cache in the query's dtype or FP8 bytes. The same kernel over a step's own rows, no cache:
+// torch.ops.aserve.varlen_attention (an encoder's bidirectional layers).
 //
 // Chunks of prompt tokens, each query attending to its chunk's cached context and causally to the chunk itself
 // (its keys are written to the cache before this runs), FlashAttention's way: nothing of size keys x queries is
@@ -10,7 +11,8 @@
 // as in a GEMM: the scores as keys x query rows (a key element broadcast against 2W query rows), the output as
 // query rows x head dims (a probability broadcast against 2W dims of a value row). No transposes of the keys,
 // no horizontal sums. Items are dealt to threads round-robin by descending cost, so the causal triangle's long
-// tiles do not all land on one thread.
+// tiles do not all land on one thread. bf16 queries over bf16 keys and values on a CPU with AVX512-BF16 take
+// vdpbf16ps instead, nothing widened (ASERVE_PREFILL_BF16, below).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
