@@ -97,15 +97,6 @@ template <typename F> inline void by_rows(int64_t n, F&& f) {  // f(first, rows)
 // keeps m = -inf; its scores, all -inf, are shifted by 0 so that they give probabilities of 0, not NaN. Rows go
 // two vectors at a time with their sums and maxima in registers; exp is at::vec's inline exp_u20 (within 20 ulp,
 // as torch's own CPU flash attention uses), the maximum the plain max instruction (scores are never NaN here).
-inline fVec max_of(const fVec& a, const fVec& b) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_max_ps(a, b);
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_max_ps(a, b);
-#else
-  return at::vec::maximum(a, b);
-#endif
-}
 
 inline void online_softmax(float* st, int64_t nk, int64_t padded, float* m, float* l, float* corr) {
   constexpr int W = fVec::size();

@@ -78,6 +78,18 @@ inline void scale_row(float* x, float alpha, int64_t n) {
   for (; i < n; ++i) x[i] *= alpha;
 }
 
+// The larger of two vectors lane by lane with the plain max instruction: NaN is not propagated (at::vec::maximum
+// checks for it, several instructions more), so only for values that hold none.
+inline fVec max_of(const fVec& a, const fVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
 inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
 }
