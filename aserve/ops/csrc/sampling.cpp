@@ -2,7 +2,7 @@
 //
 // token[r] = the first v with sum_{i<=v} exp(x[r,i] - max) > u[r] * sum_i exp(x[r,i] - max): what
 // softmax -> cumsum -> searchsorted computes, without writing the vocabulary-wide probabilities and their
-// running sums (two [rows, vocab] tensors a step). One pass sums, a second walks to the draw's chunk.
+// running sums (two [rows, vocab] tensors a step): the row's max, its exps and their sum, then the walk to the draw.
 // The logits are read in their own dtype (a bf16 model's need no fp32 copy): widening is exact, so the draw is
 // the same as from fp32 logits.
 #include <ATen/Parallel.h>
