@@ -28,6 +28,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "int4_args.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -789,13 +791,7 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dim() >= 1, "gemm_int4: x must be [..., in_features]");
   const int64_t K = x.size(-1);
-  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "gemm_int4: the group size must be even and divide in");
-  TORCH_CHECK(tiled.dim() == 3 && tiled.is_contiguous() && tiled.scalar_type() == at::kByte && tiled.size(1) * 2 == K &&
-                  tiled.size(2) == kNR && tiled.size(0) == (out_features + kNR - 1) / kNR,
-              "gemm_int4: weight must be contiguous uint8 tiles [ceil(out/16), in/2, 16] matching x");
-  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == x.scalar_type() &&
-                  scales_zeros.numel() == tiled.size(0) * (K / group) * 2 * kNR,
-              "gemm_int4: scales_zeros must be contiguous [ceil(out/16), groups, 2, 16] in x's dtype");
+  aserve_kernels::check_int4_weights("gemm_int4", x, K, tiled, scales_zeros, group, out_features);
   GemmArgs args = gemm_args(x, bias, out_features);
   at::Tensor out = args.out;
   if (args.M == 0 || args.N == 0 || K == 0) return out;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "int4_args.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -29,6 +30,7 @@ constexpr int kInt8Tile = 16;
 #if defined(CPU_CAPABILITY_AVX512)
 using VecF = __m512;
 constexpr int kTileVecs = 1;
+constexpr int kRegisters = 32;  // vector registers: what the tiles at once must fit (below)
 inline VecF vec_zero() { return _mm512_setzero_ps(); }
 inline VecF vec_broadcast(float x) { return _mm512_set1_ps(x); }
 inline VecF vec_fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
@@ -39,6 +41,7 @@ inline void widen_tile(const int8_t* p, VecF* out) {  // 16 int8 weights as fp32
 #elif defined(CPU_CAPABILITY_AVX2)
 using VecF = __m256;
 constexpr int kTileVecs = 2;
+constexpr int kRegisters = 16;
 inline VecF vec_zero() { return _mm256_setzero_ps(); }
 inline VecF vec_broadcast(float x) { return _mm256_set1_ps(x); }
 inline VecF vec_fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
@@ -50,6 +53,7 @@ inline void widen_tile(const int8_t* p, VecF* out) {
 #else
 using VecF = fVec;
 constexpr int kTileVecs = kInt8Tile / fVec::size() > 0 ? kInt8Tile / fVec::size() : 1;
+constexpr int kRegisters = 16;
 inline VecF vec_zero() { return fVec(0.f); }
 inline VecF vec_broadcast(float x) { return fVec(x); }
 inline VecF vec_fma(VecF a, VecF b, VecF c) { return at::vec::fmadd(a, b, c); }
@@ -116,11 +120,6 @@ inline void int8_tiles(const int8_t* w, const float* xf, int64_t K, const T* sc,
 // Tiles multiplied at once for M rows: the most of 4, 2, 1 whose accumulators, the M broadcast rows and one widened
 // tile fit the vector registers (32 with AVX-512, 16 with AVX2), so that nothing spills.
 constexpr int tiles_at_once(int M) {
-#if defined(CPU_CAPABILITY_AVX512)
-  constexpr int kRegisters = 32;
-#else
-  constexpr int kRegisters = 16;
-#endif
   for (int r = 4; r > 1; r /= 2)
     if (r * M * kTileVecs + M + kTileVecs <= kRegisters) return r;
   return 1;
@@ -246,11 +245,6 @@ inline VecF vec_fnma(VecF a, VecF b, VecF c) {  // c - a * b
 }
 
 constexpr int int4_tiles_at_once(int M) {  // out and two group sums for R tiles x M rows, 2M broadcasts, 2 widened
-#if defined(CPU_CAPABILITY_AVX512)
-  constexpr int kRegisters = 32;
-#else
-  constexpr int kRegisters = 16;
-#endif
   for (int r = 4; r > 1; r /= 2)
     if (3 * r * M * kTileVecs + 2 * M + 2 * kTileVecs + 4 <= kRegisters) return r;  // + 4: the fold's scales
   return 1;
@@ -439,13 +433,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiled, const at::T
                        int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "int4_linear: x must be [rows, in] with unit inner stride");
   const int64_t K = x.size(1);
-  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "int4_linear: the group size must be even and divide in");
-  TORCH_CHECK(tiled.dim() == 3 && tiled.is_contiguous() && tiled.scalar_type() == at::kByte && tiled.size(1) * 2 == K &&
-                  tiled.size(2) == kInt8Tile && tiled.size(0) == (out_features + kInt8Tile - 1) / kInt8Tile,
-              "int4_linear: weight must be contiguous uint8 tiles [ceil(out/16), in/2, 16] matching x");
-  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == x.scalar_type() &&
-                  scales_zeros.numel() == tiled.size(0) * (K / group) * 2 * kInt8Tile,
-              "int4_linear: scales_zeros must be contiguous [ceil(out/16), groups, 2, 16] in x's dtype");
+  check_int4_weights("int4_linear", x, K, tiled, scales_zeros, group, out_features);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   switch (x.scalar_type()) {
     case at::kFloat: int4_linear_rows<float>(x, tiled, scales_zeros, group, out); break;
