@@ -25,6 +25,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(5, lengths=(3, 40), seed=11)]
 
 
+def native_runs(dtype: str) -> bool:
+    """Whether the C++ loop (FlatForward.stack) runs dense layers in `dtype` here: where aserve's GEMM packs them
+    (fp32 wherever the kernels build, bf16 with AVX512-BF16); oneDNN's packed weights keep the Python loop."""
+    return dtype == "float32" or torch.ops.aserve.gemm_packs_bf16()
+
+
 def run(path, dtype, flat: bool, **options):
     """Greedy outputs and every forward's hidden states, with the flat path on or off, and how many forwards
     it ran."""
@@ -50,28 +56,36 @@ def run(path, dtype, flat: bool, **options):
     return tokens, hidden, len(used), model
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama-untied", "qwen3", "phi3"])
-def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, family, dtype):
+def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, monkeypatch, family, dtype, loop):
     """Biases in every linear layer (llama-untied), q/k norms (qwen3), a sliding window and partial rotary
     (phi3). Prompts of 3 to 40 tokens: steps of prefill chunks alone, then mixed with decode rows, then decode
-    rows alone, every one through the flat path."""
+    rows alone, every one through the flat path: its C++ loop (ops/csrc/decoder_stack.cpp) or, with
+    ASERVE_NATIVE_LOOP=0, the Python one."""
     if not cpu_gemm.can_pack(getattr(torch, dtype)):
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU, so the flat path does not run in {dtype}")
+    if loop == "python":
+        monkeypatch.setenv("ASERVE_NATIVE_LOOP", "0")
     tokens, hidden, used, model = run(model_dirs[family], dtype, flat=True)
     assert isinstance(model.flat, FlatForward) and used == len(hidden) > 0
+    assert (model.flat.stack is not None) == (loop == "native" and native_runs(dtype))
     ref_tokens, ref_hidden, ref_used, _ = run(model_dirs[family], dtype, flat=False)
     assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
 @pytest.mark.parametrize("weights", ["int8", "gptq"])
-def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, tmp_path, weights):
-    """int8 weights (aserve's tiled kernel for decode rows, the untiled GEMM for prefill chunks) and GPTQ int4
-    (torch's int4 kernel in bf16; dequantized dense weights in fp32) run each projection through their method, in
-    the loop as through the modules."""
+def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, monkeypatch, tmp_path, weights, loop):
+    """int8 weights (aserve's tiled kernel for decode rows, its int8 GEMM for prefill chunks) and GPTQ int4
+    (aserve's int4 kernels) run each projection through their method in the Python loop, and as the same kernels
+    in the C++ one, as through the modules."""
     from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
+    if loop == "python":
+        monkeypatch.setenv("ASERVE_NATIVE_LOOP", "0")
     path, options = model_dirs["llama-untied"], {}
     if weights == "int8":
         options["quantization"] = "int8"
@@ -82,6 +96,7 @@ def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, tmp_path
     tokens, hidden, used, model = run(path, dtype, flat=True, **options)
     assert isinstance(model.flat, FlatForward) and used == len(hidden) > 0
     assert model.layers[0].mlp.down_proj.method.name.startswith(weights)
+    assert (model.flat.stack is not None) == (loop == "native" and native_runs(dtype))
     ref_tokens, ref_hidden, ref_used, _ = run(path, dtype, flat=False, **options)
     assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
@@ -111,3 +126,34 @@ def test_flat_forward_stays_out_of_what_it_does_not_run(model_dirs, monkeypatch)
     monkeypatch.setenv("ASERVE_FLAT_FORWARD", "0")
     *_, used, model = run(model_dirs["llama-gqa-tied"], "float32", flat=True)
     assert model.flat is None and used == 0
+
+
+def test_native_loop_refuses_what_it_cannot_run():
+    """DecoderStack's own checks: an unknown projection kind, int8 without scales, a layer naming a projection it
+    does not hold, caches that are not a key and a value per layer, a step before the caches are set."""
+    from aserve.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("aserve's CPU kernels are not built here")
+    cos = sin = torch.zeros(8, 4)
+    stack = torch.classes.aserve.DecoderStack(cos, sin, 4)
+    weight = torch.zeros(2, 2)
+    with pytest.raises(RuntimeError, match="unknown projection kind"):
+        stack.add_projection(7, weight, None, None, None, 0, 2, 0)
+    with pytest.raises(RuntimeError, match="need their scales"):
+        stack.add_projection(1, weight, None, None, None, 0, 2, 8)
+    p = stack.add_projection(0, weight, None, None, None, 0, 2, 0)
+    norm = torch.ones(2)
+    with pytest.raises(RuntimeError, match="no projection 3"):
+        stack.add_layer(norm, 1e-5, p, 1, 1, 1, 1, 1, 1.0, 0, 1.0, 1.0, None, 0.0, None, 0.0, 3, norm, 1e-5, p, p)
+    stack.add_layer(norm, 1e-5, p, 1, 1, 1, 1, 1, 1.0, 0, 1.0, 1.0, None, 0.0, None, 0.0, p, norm, 1e-5, p, p)
+    x = torch.zeros(1, 2)
+    with pytest.raises(RuntimeError, match="set_caches first"):
+        stack.forward(x, None, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, None, None,
+                      None, None, None)
+    with pytest.raises(RuntimeError, match="a key and a value cache per layer"):
+        stack.set_caches([torch.zeros(1, 1, 1, 1)])
+    stack.set_caches([torch.zeros(1, 1, 1, 1)] * 2)
+    with pytest.raises(RuntimeError, match="need their block tables"):
+        stack.forward(x, None, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, None, None,
+                      None, None, None)

@@ -6,6 +6,7 @@ median and mean step time.
     python tools/step_ab.py --model /tmp/bench-model --dtype float32 --compare gemm --phase prefill
 
 --compare flat: the flat forward (aserve/models/flat_forward.py) against the modules' forward.
+--compare native: the flat forward's C++ layer loop (csrc/decoder_stack.cpp) against its Python one.
 --compare gemm: aserve's GEMM (csrc/cpu_gemm.cpp; fp32, or bf16 with AVX512-BF16) against oneDNN's, every linear layer packed for both.
 --phase decode: N requests prefilled, then decode steps in alternate pairs. --phase prefill: every step prefills
 fresh prompts (one output token each) up to the engine's step budget.
@@ -29,6 +30,17 @@ def flat_sides(model):
     def use(side: str) -> None:
         model.flat = flat if side == "flat" else None
     return ("flat", "modules"), use
+
+
+def native_sides(model):
+    flat = model.flat
+    stack = getattr(flat, "stack", None)
+    if stack is None:
+        raise SystemExit("--compare native needs a model whose flat forward runs the C++ loop")
+
+    def use(side: str) -> None:
+        flat.stack = stack if side == "native" else None
+    return ("native", "python"), use
 
 
 def gemm_sides(model):
@@ -64,13 +76,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--compare", choices=("flat", "gemm"), default="flat")
+    parser.add_argument("--quantization", choices=("int8", "gptq", "awq"), default=None)
+    parser.add_argument("--compare", choices=("flat", "native", "gemm"), default="flat")
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
-    engine = LLM(args.model, dtype=args.dtype, disable_log_stats=True).engine
+    engine = LLM(args.model, dtype=args.dtype, quantization=args.quantization, disable_log_stats=True).engine
     model = engine.runner.model
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(1000, engine.vocab_size) for _ in range(args.prompt_len)]  # noqa: E731
@@ -94,7 +107,7 @@ def main() -> None:
         refill()
         engine.step()
 
-    names, use = (flat_sides if args.compare == "flat" else gemm_sides)(model)
+    names, use = {"flat": flat_sides, "native": native_sides, "gemm": gemm_sides}[args.compare](model)
     print(f"{args.compare}, {args.phase}: {names[0]} against {names[1]}")
     times: dict[str, list[float]] = {name: [] for name in names}
     for step in range(args.steps):

@@ -10,8 +10,15 @@ same ops in the same order with nothing between them: bit for bit the modules' o
 Anything else (an FP8 cache, another layer type) goes through the modules as before. The model says what its layers
 are: it builds one `FlatLayer` per layer (llama.LlamaForCausalLM.flat_layers), all the loop reads of them.
 
-Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), a decode step with the flat path on and off in
-alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against 89.7 ms and
+Where every projection is one of aserve's own kernels (`LinearMethod.native_projection`: dense packed, int8, int4),
+the same loop runs in C++ (`native_stack`, ops/csrc/decoder_stack.cpp), one call a step instead of ~16 op calls a
+layer from Python; the Python loop below runs the steps that carry LoRA adapters, and models with other projections.
+Bench model, batch 1, `tools/step_ab.py --compare native --requests 1 --steps 200` (AMD EPYC Zen 5, avx2 avx512f
+avx512_bf16, 2 threads, bf16): 7.21 against 8.16 ms a step dense, 4.88 against 5.77 int8, 4.61 against 5.53 GPTQ;
+batch 64 31.65 against 33.29. `ASERVE_NATIVE_LOOP=0` keeps the Python loop.
+
+Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), commit 1958b65, a decode step with the flat path
+on and off in alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against 89.7 ms and
 96.7 against 101.1 (two runs), fp32 173.3 against 180.8; batch 1 bf16 23.8 against 27.6 ms.
 `ASERVE_FLAT_FORWARD=0` turns it off.
 """
@@ -27,7 +34,7 @@ from aserve.attention import Attention
 from aserve.attention.torch_backend import TorchAttentionBackend
 from aserve.models.layers import RMSNorm
 from aserve.ops import cpu_kernels
-from aserve.quantization.base import LinearMethod
+from aserve.quantization.base import LinearMethod, NativeProjection
 
 UNBUILT = object()  # a model's `flat` before its first step
 
@@ -38,6 +45,12 @@ def projection(linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
     loop too. None for anything else (a plain nn.Linear)."""
     method = getattr(linear, "method", None)
     return method.projection(linear) if isinstance(method, LinearMethod) else None
+
+
+def native_projection(linear) -> NativeProjection | None:
+    """The same projection as the C++ loop's arguments (LinearMethod.native_projection); None where it has none."""
+    method = getattr(linear, "method", None)
+    return method.native_projection(linear) if isinstance(method, LinearMethod) else None
 
 
 class FlatLayer(NamedTuple):
@@ -56,6 +69,7 @@ class FlatLayer(NamedTuple):
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # gate | up fused
     down: Callable[[torch.Tensor], torch.Tensor]
     loras: tuple | None  # with LoRA on: the LoRA deltas (lora.layers.LoRALinear) of qkv, o, gate_up and down
+    natives: tuple[NativeProjection, ...] | None  # qkv, o, gate_up, down for the C++ loop; None: it cannot run them
 
     @classmethod
     def of(cls, norm_in: nn.Module, qkv_proj: nn.Module, q_size: int, kv_size: int, attn: Attention,
@@ -74,7 +88,9 @@ class FlatLayer(NamedTuple):
             if any(lora is not None for lora in loras):  # LoRA on some of the four only: not this loop's shape
                 return None
             loras = None
-        return cls(norm_in, qkv, q_size, kv_size, attn, q_norm, k_norm, o, norm_post, gate_up, down, loras)
+        natives = tuple(native_projection(x) for x in (qkv_proj, o_proj, gate_up_proj, down_proj))
+        return cls(norm_in, qkv, q_size, kv_size, attn, q_norm, k_norm, o, norm_post, gate_up, down, loras,
+                   None if None in natives else natives)
 
 
 class FlatForward:
@@ -86,6 +102,8 @@ class FlatForward:
         self.rope = model.rope
         self.norm = model.norm  # None on a pipeline stage before the last
         self.layers = layers
+        self.stack = native_stack(layers, model.rope)  # the same loop in C++, where it runs every projection
+        self.stack_caches = None  # the kv_caches list whose tensors the stack holds
 
     @classmethod
     def build(cls, model: nn.Module) -> "FlatForward | None":
@@ -119,9 +137,17 @@ class FlatForward:
         prefill = meta.prefill_batch() if meta.prefills else None
         slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
         x, residual = (nn.functional.embedding(input_ids, self.embed), None) if intermediate is None else intermediate
+        loras = self.layers[0].loras
+        if self.stack is not None and (loras is None or loras[0].step.token_slot is None):
+            if kv_caches is not self.stack_caches:
+                self.stack.set_caches([cache for pair in kv_caches for cache in pair])
+                self.stack_caches = kv_caches
+            x, residual = self.stack.forward(x, residual, positions, slots, nd, meta.decode_tables if nd else None,
+                                             meta.decode_context if nd else None, *(prefill or (None, None, None)))
+            return self.finish(x, residual)
         T = x.shape[0]
         for (norm_in, qkv_proj, q_size, kv_size, attn, q_norm, k_norm, o_proj, norm_post, gate_up_proj, down_proj,
-             loras), (k_cache, v_cache) in zip(self.layers, kv_caches):
+             loras, _), (k_cache, v_cache) in zip(self.layers, kv_caches):
             if loras is not None and loras[0].step.token_slot is None:  # no adapter in this step
                 loras = None
             if residual is None:
@@ -154,6 +180,28 @@ class FlatForward:
             act = ops.silu_and_mul(gate_up if loras is None else loras[2].forward(x, gate_up))
             down = down_proj(act)
             x = down if loras is None else loras[3].forward(act, down)
+        return self.finish(x, residual)
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor):
+        """The final norm; a pipeline stage before the last hands on (x, residual) instead."""
         if self.norm is None:
             return x, residual
-        return ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return torch.ops.aserve.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+
+
+def native_stack(layers: list[FlatLayer], rope):
+    """torch.classes.aserve.DecoderStack (ops/csrc/decoder_stack.cpp) holding the layers, or None where one has a
+    projection it cannot run (or the kernels lack aserve's GEMMs). ASERVE_NATIVE_LOOP=0 keeps the Python loop."""
+    if (os.environ.get("ASERVE_NATIVE_LOOP", "1") == "0" or any(layer.natives is None for layer in layers)
+            or not hasattr(torch.ops.aserve, "gemm_packed")):
+        return None
+    stack = torch.classes.aserve.DecoderStack(rope.cos, rope.sin, rope.rotary_dim)
+    for layer in layers:
+        qkv, o, gate_up, down = (stack.add_projection(*p) for p in layer.natives)
+        attn, q_norm, k_norm = layer.attn, layer.q_norm, layer.k_norm
+        stack.add_layer(layer.norm_in.weight, layer.norm_in.eps, qkv, layer.q_size, layer.kv_size, attn.num_heads,
+                        attn.num_kv_heads, attn.head_dim, attn.scale, attn.sliding_window or 0, attn.k_scale,
+                        attn.v_scale, None if q_norm is None else q_norm.weight, 0.0 if q_norm is None else q_norm.eps,
+                        None if k_norm is None else k_norm.weight, 0.0 if k_norm is None else k_norm.eps, o,
+                        layer.norm_post.weight, layer.norm_post.eps, gate_up, down)
+    return stack

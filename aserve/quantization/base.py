@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -51,6 +51,22 @@ def replace_params(layer: nn.Module, **tensors: torch.Tensor | None) -> None:
             layer.register_buffer(name, tensor)
 
 
+class NativeProjection(NamedTuple):
+    """A layer as the C++ layer loop (ops/csrc/decoder_stack.cpp) multiplies by it: the arguments of
+    DecoderStack.add_projection. The same kernels, chosen by rows the same way, as the method's `projection`."""
+    kind: int  # DENSE, INT8 or INT4 below
+    weight: torch.Tensor  # the packed weight, or the int8 / int4 tiles
+    scales: torch.Tensor | None  # int8: per-channel scales; int4: scales and scale * zero per group
+    bias: torch.Tensor | None
+    perm: torch.Tensor | None  # int4 act-order: the inputs' order
+    group: int  # int4: inputs per group
+    out_features: int
+    kernel_rows: int  # int8 / int4: the row-at-a-time kernel up to here, the GEMM above
+
+
+DENSE, INT8, INT4 = 0, 1, 2  # decoder_stack.cpp's Kind
+
+
 class LinearMethod:
     """One weight format of `Linear` layers. Stateless per layer: what a layer needs lives on the layer."""
 
@@ -77,6 +93,11 @@ class LinearMethod:
         the CPU with the kernels built, in the layer's dtype, no gradient recorded. A format may return a leaner
         function for those calls (its tensors bound once, no nn.Module attribute lookups), same result bit for bit."""
         return functools.partial(self.apply, layer)
+
+    def native_projection(self, layer: nn.Module) -> NativeProjection | None:
+        """What `projection` computes, as the C++ layer loop's arguments; None where that is not one of its
+        kernels (the loop then runs in Python)."""
+        return None
 
     def weight_bytes(self, layer: nn.Module) -> int:
         """What the layer's weights occupy once processed (for the start-up log)."""
@@ -110,6 +131,11 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.packed is not None:
             return functools.partial(cpu_gemm.packed_linear, packed=layer.packed, bias=layer.bias)
         return super().projection(layer)
+
+    def native_projection(self, layer):
+        if layer.packed is None or not layer.packed.aserve:  # oneDNN's packed weight: the Python loop calls it
+            return None
+        return NativeProjection(DENSE, layer.packed.data, None, layer.bias, None, 0, layer.out_features, 0)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

@@ -28,7 +28,7 @@ import functools
 import torch
 from torch import nn
 
-from aserve.quantization.base import UNQUANTIZED, LinearMethod, replace_params
+from aserve.quantization.base import INT4, UNQUANTIZED, LinearMethod, NativeProjection, replace_params
 
 KERNEL_DTYPES = (torch.bfloat16,)
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
@@ -117,6 +117,10 @@ class AserveInt4Method(LinearMethod):
     def projection(self, layer):
         return functools.partial(_aserve_int4, perm=layer.perm, qweight=layer.qweight, scales_zeros=layer.scales_zeros,
                                  group=layer.int4_group, bias=layer.bias, out_features=layer.out_features)
+
+    def native_projection(self, layer):
+        return NativeProjection(INT4, layer.qweight, layer.scales_zeros, layer.bias, layer.perm, layer.int4_group,
+                                layer.out_features, self.KERNEL_MAX_ROWS)
 
 
 def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias, out_features: int) -> torch.Tensor:

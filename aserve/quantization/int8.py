@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from aserve.ops import cpu_kernels
-from aserve.quantization.base import LinearMethod, add_checkpoint_param, replace_params
+from aserve.quantization.base import INT8, LinearMethod, NativeProjection, add_checkpoint_param, replace_params
 
 KERNEL_MAX_ROWS = 8  # aserve's int8_linear up to here; above, the dense GEMM on the untiled weight wins
 TORCH_KERNEL_DTYPES = (torch.bfloat16,)  # without aserve's kernels: torch's _weight_int8pack_mm
@@ -122,3 +122,9 @@ class Int8LinearMethod(LinearMethod):
                    else linear(x, untile(qweight, out_features, x)) * scales)
             return out if bias is None else out + bias
         return project_untiled
+
+    def native_projection(self, layer):
+        if not layer.int8_tiled or layer.scales.dtype not in gemm_dtypes():
+            return None
+        return NativeProjection(INT8, layer.qweight, layer.scales, layer.bias, None, 0, layer.out_features,
+                                KERNEL_MAX_ROWS)

@@ -1,0 +1,192 @@
+// The flat forward's layer loop in C++: torch.classes.aserve.DecoderStack runs a Llama-family decoder stack's layers
+// for one step in one call, the ops of models/flat_forward.py's loop in the same order on the same tensors.
+//
+// Why: a bench-model step is ~16 ops x 30 layers, and from Python each op costs its call (argument parsing, the
+// dispatcher, the loop's own bytecode) on top of its work: ~1 ms of a ~8 ms batch-1 decode step (AMD EPYC Zen 5, 2
+// threads), time in which no weight is read. Here each op is a call of its kernel through a dispatcher handle found
+// once. The result is the Python loop's bit for bit (tests/test_flat_forward.py); the Python loop stays for the
+// steps this does not run: LoRA adapters in the step, or a projection that is not one of the kinds below.
+//
+// A projection is one of aserve's own linear kernels, as the quantization methods bind them
+// (LinearMethod.native_projection): dense packed weights (gemm_packed), int8 tiles (int8_linear up to `kernel_rows`
+// rows, gemm_int8 above) or GPTQ/AWQ int4 tiles (int4_linear / gemm_int4, the inputs permuted first for act-order
+// checkpoints).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using OptTensor = c10::optional<Tensor>;
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// The kernels the loop calls, with the signatures their files register. Looked up when a stack is made: at load
+// time the other files' registrations may not have run yet.
+struct Kernels {
+  using Norm = Tensor(const Tensor&, const Tensor&, double);
+  using AddNorm = Tensor(const Tensor&, Tensor, const Tensor&, double);
+  using Rotary = void(const Tensor&, Tensor, Tensor, const Tensor&, const Tensor&, int64_t);
+  using WriteKV = void(const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, double, double, int64_t);
+  using Decode = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t,
+                      double, double, double, int64_t);
+  using Prefill = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                       double, int64_t, double, double, double, int64_t);
+  using Activation = Tensor(const Tensor&);
+  using Gemm = Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t);
+  using Int8Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t);
+  using GemmInt8 = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t);
+  using Int4Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
+  using GemmInt4 = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t);
+
+  c10::TypedOperatorHandle<Norm> rms_norm = handle<Norm>("aserve::rms_norm");
+  c10::TypedOperatorHandle<AddNorm> add_rms_norm = handle<AddNorm>("aserve::add_rms_norm");
+  c10::TypedOperatorHandle<Rotary> rotary = handle<Rotary>("aserve::rotary_embedding");
+  c10::TypedOperatorHandle<WriteKV> write_kv = handle<WriteKV>("aserve::write_kv");
+  c10::TypedOperatorHandle<Decode> decode = handle<Decode>("aserve::paged_decode_attention");
+  c10::TypedOperatorHandle<Prefill> prefill = handle<Prefill>("aserve::paged_prefill_attention");
+  c10::TypedOperatorHandle<Activation> silu_and_mul = handle<Activation>("aserve::silu_and_mul");
+  c10::TypedOperatorHandle<Gemm> gemm = handle<Gemm>("aserve::gemm_packed");
+  c10::TypedOperatorHandle<Int8Linear> int8_linear = handle<Int8Linear>("aserve::int8_linear");
+  c10::TypedOperatorHandle<GemmInt8> gemm_int8 = handle<GemmInt8>("aserve::gemm_int8");
+  c10::TypedOperatorHandle<Int4Linear> int4_linear = handle<Int4Linear>("aserve::int4_linear");
+  c10::TypedOperatorHandle<GemmInt4> gemm_int4 = handle<GemmInt4>("aserve::gemm_int4");
+};
+
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+
+// x [rows, in] -> x W^T + b, as the method's Python projection computes it (quantization/*.py).
+struct Projection {
+  int64_t kind, out_features, group, kernel_rows;
+  Tensor weight, scales, perm;  // scales: int8's per-channel scales or int4's scales and zeros; perm: act-order
+  OptTensor bias;
+
+  Tensor operator()(const Kernels& k, const Tensor& x) const {
+    switch (kind) {
+      case kDense:
+        return k.gemm.call(x, weight, bias, out_features);
+      case kInt8:
+        if (x.size(0) <= kernel_rows) return with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
+        return k.gemm_int8.call(x, weight, scales, bias, out_features);
+      default: {
+        const Tensor in = perm.defined() ? x.index_select(1, perm) : x;
+        if (in.size(0) <= kernel_rows)
+          return with_bias(k.int4_linear.call(in.contiguous(), weight, scales, group, out_features));
+        return k.gemm_int4.call(in, weight, scales, group, bias, out_features);
+      }
+    }
+  }
+
+  Tensor with_bias(Tensor out) const { return bias.has_value() ? out.add_(*bias) : out; }
+};
+
+// One pre-norm layer: x + attn(norm_in(x)), then + the SwiGLU MLP of norm_post(.) (flat_forward.FlatLayer).
+struct Layer {
+  Tensor norm_in, q_norm, k_norm, norm_post;  // q_norm, k_norm: Qwen3's per-head norms, else undefined
+  double eps_in, q_eps, k_eps, eps_post;
+  int64_t qkv, o, gate_up, down;  // indexes of the stack's projections
+  int64_t q_size, kv_size, heads, kv_heads, head_dim, window;
+  double scale, k_scale, v_scale;
+};
+
+struct DecoderStack : torch::CustomClassHolder {
+  Kernels kernels;
+  Tensor cos, sin;
+  int64_t rotary_dim;
+  std::vector<Projection> projections;
+  std::vector<Layer> layers;
+  std::vector<Tensor> caches;  // layer i's keys at 2i, values at 2i + 1
+
+  DecoderStack(Tensor cos, Tensor sin, int64_t rotary_dim) : cos(std::move(cos)), sin(std::move(sin)), rotary_dim(rotary_dim) {}
+
+  int64_t add_projection(int64_t kind, Tensor weight, OptTensor scales, OptTensor bias, OptTensor perm, int64_t group,
+                         int64_t out_features, int64_t kernel_rows) {
+    TORCH_CHECK(kind >= kDense && kind <= kInt4, "DecoderStack: unknown projection kind ", kind);
+    TORCH_CHECK(kind == kDense || scales.has_value(), "DecoderStack: int8 and int4 projections need their scales");
+    projections.push_back({kind, out_features, group, kernel_rows, std::move(weight), scales.value_or(Tensor()),
+                           perm.value_or(Tensor()), std::move(bias)});
+    return static_cast<int64_t>(projections.size()) - 1;
+  }
+
+  void add_layer(Tensor norm_in, double eps_in, int64_t qkv, int64_t q_size, int64_t kv_size, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, double scale, int64_t window, double k_scale, double v_scale,
+                 OptTensor q_norm, double q_eps, OptTensor k_norm, double k_eps, int64_t o, Tensor norm_post,
+                 double eps_post, int64_t gate_up, int64_t down) {
+    const auto count = static_cast<int64_t>(projections.size());
+    for (int64_t p : {qkv, o, gate_up, down}) TORCH_CHECK(p >= 0 && p < count, "DecoderStack: no projection ", p);
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderStack: q_norm and k_norm come together");
+    layers.push_back({std::move(norm_in), q_norm.value_or(Tensor()), k_norm.value_or(Tensor()), std::move(norm_post),
+                      eps_in, q_eps, k_eps, eps_post, qkv, o, gate_up, down, q_size, kv_size, heads, kv_heads,
+                      head_dim, window, scale, k_scale, v_scale});
+  }
+
+  void set_caches(std::vector<Tensor> flat) {
+    TORCH_CHECK(flat.size() == 2 * layers.size(), "DecoderStack: a key and a value cache per layer");
+    caches = std::move(flat);
+  }
+
+  // The layers over a step's rows (decode rows first, then prefill chunks): (the last layer's output, the running
+  // sum), as flat_forward.FlatForward runs them. `residual` undefined at the first stage.
+  std::tuple<Tensor, Tensor> forward(Tensor x, OptTensor residual_in, Tensor positions, Tensor slots,
+                                     int64_t num_decode, OptTensor decode_tables, OptTensor decode_context,
+                                     OptTensor prefill_tables, OptTensor prefill_starts, OptTensor prefill_contexts) {
+    TORCH_CHECK(caches.size() == 2 * layers.size(), "DecoderStack: set_caches first");
+    TORCH_CHECK(num_decode == 0 || (decode_tables.has_value() && decode_context.has_value()),
+                "DecoderStack: decode rows need their block tables and context lengths");
+    const bool prefill = prefill_tables.has_value() && prefill_starts.has_value() && prefill_contexts.has_value();
+    const Kernels& k = kernels;
+    const int64_t T = x.size(0);
+    Tensor residual = residual_in.value_or(Tensor());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& L = layers[i];
+      const Tensor &k_cache = caches[2 * i], &v_cache = caches[2 * i + 1];
+      if (!residual.defined()) {
+        residual = x;
+        x = k.rms_norm.call(x, L.norm_in, L.eps_in);
+      } else {
+        x = k.add_rms_norm.call(x, residual, L.norm_in, L.eps_in);
+      }
+      const Tensor qkv = projections[L.qkv](k, x);
+      const auto parts = qkv.split_with_sizes({L.q_size, L.kv_size, L.kv_size}, -1);
+      Tensor q = parts[0].view({T, L.heads, L.head_dim}), key = parts[1].view({T, L.kv_heads, L.head_dim});
+      const Tensor value = parts[2].view({T, L.kv_heads, L.head_dim});
+      if (L.q_norm.defined()) {
+        q = k.rms_norm.call(q.reshape({-1, L.head_dim}), L.q_norm, L.q_eps).view({T, L.heads, L.head_dim});
+        key = k.rms_norm.call(key.reshape({-1, L.head_dim}), L.k_norm, L.k_eps).view({T, L.kv_heads, L.head_dim});
+      }
+      k.rotary.call(positions, q, key, cos, sin, rotary_dim);
+      k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, 0);
+      Tensor out = at::empty({T, L.heads, L.head_dim}, x.options());
+      if (num_decode > 0)
+        k.decode.call(out.slice(0, 0, num_decode), q.slice(0, 0, num_decode), k_cache, v_cache, *decode_tables,
+                      *decode_context, L.scale, L.window, 0.0, L.k_scale, L.v_scale, 0);
+      if (prefill)
+        k.prefill.call(out.slice(0, num_decode), q.slice(0, num_decode), k_cache, v_cache, *prefill_tables,
+                       *prefill_starts, *prefill_contexts, L.scale, L.window, 0.0, L.k_scale, L.v_scale, 0);
+      out = out.view({T, L.heads * L.head_dim});
+      x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
+      x = projections[L.down](k, k.silu_and_mul.call(projections[L.gate_up](k, x)));
+    }
+    return {x, residual};
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(aserve, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<Tensor, Tensor, int64_t>())
+      .def("add_projection", &DecoderStack::add_projection)
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("set_caches", &DecoderStack::set_caches)
+      .def("forward", &DecoderStack::forward);
+}
