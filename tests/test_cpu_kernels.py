@@ -457,6 +457,32 @@ def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():
     assert top.tolist() == [499, 7]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_count_nonfinite_rows_counts_what_isfinite_finds(dtype):
+    """A NaN, +inf or -inf anywhere in a row (the vector body or the scalar tail) makes it count; large finite
+    values do not; rows read with their stride. The sampler's unusable_rows gives the exact rows either way."""
+    from aserve.worker.sampler import unusable_rows
+
+    assert cpu_kernels.available()
+    big = torch.finfo(dtype).max
+    logits = torch.randn(10, 1003).to(dtype)
+    logits[0, 5] = float("nan")
+    logits[1, 1001] = float("inf")  # in the tail
+    logits[2, 17] = float("-inf")  # masked, still usable
+    logits[3, :] = float("-inf")  # nothing to sample
+    logits[4, :] = big  # finite: its products with 0 are 0, no overflow
+    logits[5, 1002] = float("nan")
+    wide = torch.zeros(10, 1100, dtype=dtype)
+    wide[:, :1003] = logits
+    with torch.inference_mode():
+        for rows in (logits, wide[:, :1003]):
+            assert torch.ops.aserve.count_nonfinite_rows(rows) == int((~torch.isfinite(rows.float())).any(1).sum()) == 5
+            assert unusable_rows(rows) == [0, 1, 3, 5]
+            assert torch.ops.aserve.count_nonfinite_rows(rows[6:]) == 0 and unusable_rows(rows[6:]) == []
+    with pytest.raises(RuntimeError, match="unit inner stride"):
+        torch.ops.aserve.count_nonfinite_rows(logits.t())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sample_inverse_cdf_reads_16_bit_logits_as_their_fp32_widening(dtype):
     """16-bit logits are drawn from in place: the same tokens as from their exact fp32 copy, masked entries and

@@ -98,8 +98,12 @@ def draw(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def unusable_rows(logits: torch.Tensor) -> list[int]:
     """Rows whose logits hold a NaN or +inf, or are all -inf: nothing can be sampled from them.
-    (One reduction over the batch's logits; amax propagates NaN. One flag crosses to the host, and the rows'
-    indices only when there are any.)"""
+    (On the CPU, aserve's kernel first counts the rows with anything not finite, one pass; where there are none,
+    that is the answer. Otherwise one reduction over the batch's logits; amax propagates NaN. One flag crosses to
+    the host, and the rows' indices only when there are any.)"""
+    if logits.dim() == 2 and logits.stride(-1) == 1 and cpu_kernels.usable(logits) and \
+            not torch.ops.aserve.count_nonfinite_rows(logits):
+        return []
     peak = logits.amax(dim=-1)
     bad = ~torch.isfinite(peak)
     return bad.nonzero().flatten().tolist() if bad.any() else []
