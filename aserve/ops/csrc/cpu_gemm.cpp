@@ -133,18 +133,17 @@ using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, in
                        int64_t);
 constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / MR) blocks of [kc][MR] (rows past mc are zero): MR 6
-// for the 256-bit tiles, 12 for the 512-bit ones.
+// x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / MR) blocks of [kc][MR]: MR 6 for the 256-bit tiles,
+// 12 for the 512-bit ones. A last block of fewer rows leaves the others unwritten: its tile<rows> never reads them
+// (writing them as zeros was most of a one-row GEMM's fixed cost).
 template <int MR>
 void pack_rows(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0, int64_t kc, float* out) {
   for (int64_t r = 0; r < mc; r += MR) {
     const int rows = static_cast<int>(std::min<int64_t>(MR, mc - r));
     float* block = out + r * kc;
     const float* src = x + (m0 + r) * ldx + k0;
-    for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t k = 0; k < kc; ++k)
       for (int i = 0; i < rows; ++i) block[k * MR + i] = src[i * ldx + k];
-      for (int i = rows; i < MR; ++i) block[k * MR + i] = 0.f;
-    }
   }
 }
 
@@ -486,9 +485,10 @@ inline void pack_16_pairs(const uint16_t* const* src, int64_t k, uint32_t* out) 
   }
 }
 
-// x rows [m0, m0 + mc) as ceil(mc / 12) blocks of [kp][12] pairs (a missing row or odd K's last half is zero).
-// Whole blocks go 16 pairs at a time through pack_16_pairs: a word at a time, packing was a tenth of a
-// [8192, 3072] x [3072, 768] product (each thread packs every row for its panels; short N has few to share it).
+// x rows [m0, m0 + mc) as ceil(mc / 12) blocks of [kp][12] pairs (odd K's last half zero). Whole blocks go 16 pairs
+// at a time through pack_16_pairs: a word at a time, packing was a tenth of a [8192, 3072] x [3072, 768] product
+// (each thread packs every row for its panels; short N has few to share it). A last block of fewer rows leaves the
+// others unwritten, as tile<rows> never reads them: zero-filling them was 2 of a one-row GEMM's ~3 us fixed cost.
 void pack_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t mc, int64_t K, uint32_t* out) {
   const int64_t kp = (K + 1) / 2, whole = K / 2;
   for (int64_t r = 0; r < mc; r += kMR) {
@@ -500,14 +500,12 @@ void pack_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t mc, int64_t K
       for (int i = 0; i < kMR; ++i) src[i] = x + (m0 + r + i) * ldx;
       for (; done + 16 <= whole; done += 16) pack_16_pairs(src, done, block);
     }
-    for (int i = 0; i < kMR; ++i) {
+    for (int i = 0; i < rows; ++i) {
       const uint16_t* src = x + (m0 + r + i) * ldx;
       for (int64_t k = done; k < kp; ++k) {
         uint32_t pair = 0;
-        if (i < rows) {
-          if (k < whole) std::memcpy(&pair, src + 2 * k, sizeof(pair));
-          else pair = src[2 * k];
-        }
+        if (k < whole) std::memcpy(&pair, src + 2 * k, sizeof(pair));
+        else pair = src[2 * k];
         block[k * kMR + i] = pair;
       }
     }
