@@ -18,8 +18,8 @@ avx512_bf16, 2 threads, bf16): 7.21 against 8.16 ms a step dense, 4.88 against 5
 batch 64 31.65 against 33.29. `ASERVE_NATIVE_LOOP=0` keeps the Python loop.
 
 Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), commit 1958b65, a decode step with the flat path
-on and off in alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against 89.7 ms and
-96.7 against 101.1 (two runs), fp32 173.3 against 180.8; batch 1 bf16 23.8 against 27.6 ms.
+on and off in alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against
+89.7 ms and 96.7 against 101.1 (two runs), fp32 173.3 against 180.8; batch 1 bf16 23.8 against 27.6 ms.
 `ASERVE_FLAT_FORWARD=0` turns it off.
 """
 from __future__ import annotations

@@ -37,8 +37,8 @@ struct Kernels {
   using AddNorm = Tensor(const Tensor&, Tensor, const Tensor&, double);
   using Rotary = void(const Tensor&, Tensor, Tensor, const Tensor&, const Tensor&, int64_t);
   using WriteKV = void(const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, double, double, int64_t);
-  using Decode = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, int64_t,
-                      double, double, double, int64_t);
+  using Decode = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                      int64_t, double, double, double, int64_t);
   using Prefill = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        double, int64_t, double, double, double, int64_t);
   using Activation = Tensor(const Tensor&);
@@ -75,7 +75,8 @@ struct Projection {
       case kDense:
         return k.gemm.call(x, weight, bias, out_features);
       case kInt8:
-        if (x.size(0) <= kernel_rows) return with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
+        if (x.size(0) <= kernel_rows)
+          return with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
         return k.gemm_int8.call(x, weight, scales, bias, out_features);
       default: {
         const Tensor in = perm.defined() ? x.index_select(1, perm) : x;
@@ -106,7 +107,8 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
   std::vector<Tensor> caches;  // layer i's keys at 2i, values at 2i + 1
 
-  DecoderStack(Tensor cos, Tensor sin, int64_t rotary_dim) : cos(std::move(cos)), sin(std::move(sin)), rotary_dim(rotary_dim) {}
+  DecoderStack(Tensor cos, Tensor sin, int64_t rotary_dim)
+      : cos(std::move(cos)), sin(std::move(sin)), rotary_dim(rotary_dim) {}
 
   int64_t add_projection(int64_t kind, Tensor weight, OptTensor scales, OptTensor bias, OptTensor perm, int64_t group,
                          int64_t out_features, int64_t kernel_rows) {
