@@ -25,6 +25,27 @@ def test_lru_free_list_evicts_least_recently_freed_first():
     assert pool.num_free == 1 and pool.ref_count(a) == 1
 
 
+def test_blocks_never_used_come_first_and_cost_nothing_until_then():
+    """A pool of a billion blocks is made at once (blocks exist from their first allocation); never-used blocks go
+    out in id order before any freed one, as if they led the free list; the all-free check counts what was used."""
+    pool = BlockPool(10**9)
+    assert pool.num_free == 10**9
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b) == (0, 1) and pool.num_free == 10**9 - 2
+    pool.release(a)
+    assert pool.allocate() == 2 and pool.num_free == 10**9 - 2  # a fresh block before the freed one
+    small = BlockPool(2)
+    x, y = small.allocate(), small.allocate()
+    small.release(y)
+    small.release(x)
+    assert small.allocate() == y and small.num_free == 1  # then the least recently freed
+    small.release(y)
+    small.check_all_free()
+    pool.release(b)
+    pool.release(2)
+    pool.check_all_free()
+
+
 def test_prefix_hits_share_blocks_and_last_token_is_recomputed():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     first = make(list(range(1, 13)), "a")  # 3 full blocks
