@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "int4_args.h"
+#include "vec_helpers.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -408,9 +409,7 @@ inline void micro_kernel(const uint32_t* a, const uint16_t* b, int64_t kp, __m51
   for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
 }
 
-inline __m512 widen(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline __m512 widen(const uint16_t* p) { return aserve_kernels::load_bf16_as_float(p); }
 
 // One MR x 32 tile of out (bf16), from the bias or zero; with `scale` (32 fp32 column scales: int8 weights), the sums
 // are scaled and then the bias added, in fp32, before the one rounding. `cols` < 32 only in the last panel.

@@ -63,7 +63,7 @@ template <typename T> inline fVec widen(const T* p) {
 #if defined(CPU_CAPABILITY_AVX512)
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      return fVec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      return fVec(bf16_bits_to_float(bits));
     } else {
       return fVec(_mm512_cvtph_ps(bits));
     }

@@ -219,14 +219,9 @@ template <typename T> inline fVec silu(fVec g) {
 // 16 bf16 values as fp32 (exact: the bits moved up), and 16 rounded ones as their bits. vcvtneps2bf16 rounds to
 // nearest even as the torch path's conversion does; it treats fp32 denormals as zero, which rounds the same way
 // except that a result below 2^-126 (a SiLU of a gate under about -87) is 0 instead of a bf16 denormal.
-inline fVec widen_bf16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+inline fVec widen_bf16(const c10::BFloat16* p) { return load_bf16_as_float(p); }
 inline __m256i as_bits(__m256bh x) { return reinterpret_cast<__m256i&>(x); }
-inline fVec widen_bf16(__m256bh x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(as_bits(x)), 16));
-}
+inline fVec widen_bf16(__m256bh x) { return bf16_bits_to_float(as_bits(x)); }
 #endif
 
 template <typename T> void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {

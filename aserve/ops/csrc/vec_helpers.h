@@ -19,7 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -89,6 +89,16 @@ inline fVec max_of(const fVec& a, const fVec& b) {
   return at::vec::maximum(a, b);
 #endif
 }
+
+#if defined(__AVX512F__)  // the instruction set, not torch's capability: cpu_gemm's bf16 kernels use it under either
+// 16 bf16 values, as their bits, in fp32 lanes: exact (the bits moved up 16).
+inline __m512 bf16_bits_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load_bf16_as_float(const void* p) {
+  return bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
