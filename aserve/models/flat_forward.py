@@ -14,7 +14,7 @@ Where every projection is one of aserve's own kernels (`LinearMethod.native_proj
 the same loop runs in C++ (`native_stack`, ops/csrc/decoder_stack.cpp), one call a step instead of ~16 op calls a
 layer from Python; the Python loop below runs the steps that carry LoRA adapters, and models with other projections.
 Bench model, batch 1, `tools/step_ab.py --compare native --requests 1 --steps 200` (AMD EPYC Zen 5, avx2 avx512f
-avx512_bf16, 2 threads, bf16): 7.21 against 8.16 ms a step dense, 4.88 against 5.77 int8, 4.61 against 5.53 GPTQ;
+avx512_bf16, 2 threads, bf16, commit 3ae7c96): 7.21 against 8.16 ms a step dense, 4.88 against 5.77 int8, 4.61 against 5.53 GPTQ;
 batch 64 31.65 against 33.29. `ASERVE_NATIVE_LOOP=0` keeps the Python loop.
 
 Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), commit 1958b65, a decode step with the flat path
