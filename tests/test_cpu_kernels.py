@@ -150,15 +150,17 @@ def test_prefill_attention_matches_torch_path(block_size, heads, dtype, head_dim
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the pairs path where the CPU has it
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 30.0), (17, 50.0), (40, None)])
-def test_prefill_attention_windows_and_softcap(window, softcap):
+def test_prefill_attention_windows_and_softcap(window, softcap, dtype):
     """Windows shorter than a chunk (rows whose first keys lie in a later step of the walk) and soft-capping."""
     gen = torch.Generator().manual_seed(window or 1)
     query, k_cache, v_cache, tables, starts, contexts, row_tables, row_lens, num_physical = prefill_case(
-        CHUNKS, 16, (8, 2), 32, torch.float32, gen)
+        CHUNKS, 16, (8, 2), 32, dtype, gen)
     out = run_prefill(query, k_cache, v_cache, tables, starts, contexts, 0.2, window or 0, softcap or 0.0)
     expected = reference(query, k_cache, v_cache, row_tables, row_lens, num_physical, 16, 0.2, window, softcap)
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    tol = 2e-5 if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))

@@ -34,7 +34,7 @@ namespace {
 using namespace aserve_kernels;
 
 constexpr int kTileRows = 48;
-constexpr int kKeyStep = 32;
+constexpr int kKeyStep = 64;
 constexpr int kCols = 2 * fVec::size();
 
 // st[i][0..kCols) = sum_d k[i][d] * qt[d][0..kCols): MR keys' scores against kCols query rows.
@@ -91,16 +91,35 @@ template <typename F> inline void by_rows(int64_t n, F&& f) {  // f(first, rows)
   }
 }
 
+// 2^t for t <= 0 (larger t are not asked for): 2^round(t) times a degree-5 polynomial in the remainder (within
+// about 2 ulp of fp32), scaled with vscalefps; t at -inf or far below gives exactly 0. Ten instructions against
+// at::vec's exp_u20's twenty; without AVX-512, exp_u20 (within 20 ulp) of t ln 2.
+inline fVec exp2_nonpositive(const fVec& t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = _mm512_max_ps(t, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.0013266970636323094f), _mm512_set1_ps(0.009675459936261177f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.05550742521882057f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.24022121727466583f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.6931469440460205f));
+  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_scalef_ps(p, n);
+#else
+  return (t * fVec(0.6931471805599453f)).exp_u20();
+#endif
+}
+
 // The online softmax over one walk step: for each query row r (a vector holds W rows' scores for one key), its
 // running max m and sum l are updated by the nk scores st[0..nk)[r], which become their probabilities; corr[r]
-// is what the row's output so far must be multiplied by. A row with no key yet (its window starts further on)
-// keeps m = -inf; its scores, all -inf, are shifted by 0 so that they give probabilities of 0, not NaN. Rows go
-// two vectors at a time with their sums and maxima in registers; exp is at::vec's inline exp_u20 (within 20 ulp,
-// as torch's own CPU flash attention uses), the maximum the plain max instruction (scores are never NaN here).
-
-inline void online_softmax(float* st, int64_t nk, int64_t padded, float* m, float* l, float* corr) {
+// is what the row's output so far must be multiplied by. Scores are taken as they are and multiplied by `scale`
+// here (exp(scale (x - max)) as one FMA in base 2), m kept unscaled. A row with no key yet (its window starts
+// further on) keeps m = -inf; its scores, all -inf, give probabilities of 0, not NaN. Rows go two vectors at a
+// time with their sums and maxima in registers, the maximum the plain max instruction (scores are never NaN).
+inline void online_softmax(float* st, int64_t nk, int64_t padded, float scale, float* m, float* l, float* corr) {
   constexpr int W = fVec::size();
   const fVec lowest(-std::numeric_limits<float>::infinity());
+  const fVec k(scale * 1.4426950408889634f);  // scale log2(e)
   auto rows = [&](int64_t r, auto count) {
     constexpr int V = decltype(count)::value;
     fVec peak[V], shift[V], sum[V];
@@ -109,13 +128,13 @@ inline void online_softmax(float* st, int64_t nk, int64_t padded, float* m, floa
       for (int u = 0; u < V; ++u) peak[u] = max_of(peak[u], fVec::loadu(st + j * padded + r + u * W));
     for (int u = 0; u < V; ++u) {
       const fVec none = peak[u] == lowest, old = fVec::loadu(m + r + u * W);
-      fVec::blendv((old - peak[u]).exp_u20(), fVec(1.f), none).store(corr + r + u * W);
-      shift[u] = fVec::blendv(peak[u], fVec(0.f), none);
+      shift[u] = fVec::blendv(peak[u] * k, fVec(0.f), none);  // 2^(x k - shift)
+      fVec::blendv(exp2_nonpositive(at::vec::fmsub(old, k, shift[u])), fVec(1.f), none).store(corr + r + u * W);
       sum[u] = fVec(0.f);
     }
     for (int64_t j = 0; j < nk; ++j)
       for (int u = 0; u < V; ++u) {
-        const fVec prob = (fVec::loadu(st + j * padded + r + u * W) - shift[u]).exp_u20();
+        const fVec prob = exp2_nonpositive(at::vec::fmsub(fVec::loadu(st + j * padded + r + u * W), k, shift[u]));
         prob.store(st + j * padded + r + u * W);
         sum[u] = sum[u] + prob;
       }
@@ -176,9 +195,13 @@ inline void score_tile_bf16(const BF16* const* k, const uint32_t* qt, int64_t ld
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
     }
   }
-  const __m512 s = _mm512_set1_ps(scale);
+  if (scale != 1.f) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_mul_ps(acc[i][v], s);
+  }
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + i * ldst + 16 * v, _mm512_mul_ps(acc[i][v], s));
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + i * ldst + 16 * v, acc[i][v]);
 }
 
 // o[r][c..c+16 NV) = o[r][c..c+16 NV) * corr[r] + sum_j pt[j][r] . vt[j][c..c+16 NV), over key pairs j, for MR
@@ -203,11 +226,12 @@ inline void output_tile_bf16(const uint32_t* pt, int64_t ldp, const uint32_t* vt
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + i * ldo + 16 * v, acc[i][v]);
 }
 
-// f(column, width tag) over [0, n) (a multiple of 32): blocks of 64 columns (4 vectors), then one of 32.
+// f(column, width tag) over [0, n) (a multiple of 16): blocks of 64 columns (4 vectors), then one of 32 or 16.
 template <typename F> inline void by_columns(int64_t n, F&& f) {
   int64_t c = 0;
   for (; c + 64 <= n; c += 64) f(c, std::integral_constant<int, 4>{});
-  if (c < n) f(c, std::integral_constant<int, 2>{});
+  if (c + 32 <= n) f(c, std::integral_constant<int, 2>{}), c += 32;
+  if (c < n) f(c, std::integral_constant<int, 1>{});
 }
 
 // 16 bf16 values of two rows as 16 32-bit pairs (a in the low half).
@@ -242,6 +266,33 @@ inline void pair_probabilities(const float* st, int64_t nk, int64_t padded, uint
     }
   }
 }
+
+// 16 x 16 32-bit words transposed in registers: x[i] holds row i, afterwards column i.
+inline void transpose16(__m512i x[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    x[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    x[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    x[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    x[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // then whole 128-bit lanes, between vectors
+    t[i] = _mm512_shuffle_i32x4(x[i], x[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(x[i], x[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(x[i + 8], x[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(x[i + 8], x[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    x[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    x[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    x[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
 #endif
 
 // Where a chunk's keys and values are. PagedRows: the KV cache, through the chunk's block table. FlatRows: the
@@ -272,7 +323,7 @@ template <typename C> struct FlatRows {
 // Rows fetched into L2 ahead of use: an item's queries and keys lie anywhere in memory (items go by cost, not
 // address; the cache's blocks are scattered), too far apart for the hardware prefetchers.
 inline void prefetch_l2(const void* row, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(row) + i, 0, 2);
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_line_l2(static_cast<const char*>(row) + i);
 }
 
 template <typename Rows>
@@ -315,6 +366,9 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
 #else
   const bool pairs = false;
 #endif
+  // where the scale is applied: the fp32 path scales its queries; bf16 pairs' scores are scaled in the softmax's
+  // exponent unless a softcap needs them scaled first
+  const float tile_scale = pairs && cap > 0.f ? fscale : 1.f, softmax_scale = pairs && cap == 0.f ? fscale : 1.f;
 
   struct Item { int64_t chunk, kvh, q0, nq, cost; };
   auto key_range = [&](const Item& item) {  // the keys an item's queries see: [first, end)
@@ -345,62 +399,72 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
         const Item item = items[it];
         const int64_t ctx = contexts[item.chunk], row0 = starts[item.chunk] + item.q0, h0 = item.kvh * group;
         const int64_t rows = item.nq * group;
-        if (it + threads < items.size()) {  // the next item's queries and first keys, into L2 while this one runs
-          const Item& next = items[it + threads];
-          const int64_t next_row0 = starts[next.chunk] + next.q0;
-          for (int64_t qi = 0; qi < next.nq; ++qi)
-            for (int64_t g = 0; g < group; ++g)
-              prefetch_l2(q_ptr + (next_row0 + qi) * qs0 + (next.kvh * group + g) * qs1, D * sizeof(T));
-          const auto [next_lo, next_hi] = key_range(next);
-          prefetch_keys(kv, next.chunk, next.kvh, next_lo, std::min<int64_t>(kKeyStep, next_hi - next_lo),
-                        D * sizeof(C));
-        }
-        // queries as [D][padded] (fp32, scaled) or [D/2][padded] pairs (bf16, as they are); row r = query qi's
-        // head g at r = qi * group + g
-        if (pairs) {
-          std::fill(s.qt2.begin(), s.qt2.end(), 0u);
-        } else {
-          std::fill(s.qt.begin(), s.qt.end(), 0.f);
-        }
-        for (int64_t qi = 0; qi < item.nq; ++qi) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = qi * group + g;
-            const T* src = q_ptr + (row0 + qi) * qs0 + (h0 + g) * qs1;
-            if (pairs) {
-              uint32_t* qt2 = s.qt2.data() + r;
-              const int64_t half = D / 2, ld = padded;
-              uint32_t words[256];
-              std::memcpy(words, src, D * sizeof(T));
-              for (int64_t p = 0; p < half; ++p) qt2[p * ld] = words[p];
+        // score columns: the item's rows rounded up to whole vectors (pairs) or tiles (fp32), not the largest item's
+        const int64_t cols = pairs ? (rows + 15) / 16 * 16 : (rows + kCols - 1) / kCols * kCols;
+        // The next item's queries, keys and values go into L2 while this one runs, a few rows before each tile
+        // (what is left of a step's share at its end): they may lie in DRAM (a step's rows outgrow the caches),
+        // too scattered for the hardware prefetchers.
+        const auto [lo, hi] = key_range(item);
+        const bool more = it + threads < items.size();
+        const Item next = more ? items[it + threads] : item;
+        const auto [next_lo, next_hi] = key_range(next);
+        const int64_t next_queries = more ? next.nq * group : 0, to_fetch = more ? next_queries + next_hi - next_lo : 0;
+        const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + kKeyStep - 1) / kKeyStep);
+        const int64_t tiles_a_step = (kKeyStep + 5) / 6 * ((cols + 63) / 64) + (rows + 5) / 6 * ((D + 63) / 64);
+        const int64_t fetch_a_tile = (to_fetch + walk_steps * tiles_a_step - 1) / (walk_steps * tiles_a_step);
+        int64_t fetched = 0;
+        const auto fetch_next = [&](int64_t n) {
+          for (; n > 0 && fetched < to_fetch; --n, ++fetched) {
+            if (fetched < next_queries) {
+              prefetch_l2(q_ptr + (starts[next.chunk] + next.q0 + fetched / group) * qs0 +
+                              (next.kvh * group + fetched % group) * qs1, D * sizeof(T));
             } else {
-              load_row(src, row.data(), D);
-              for (int64_t d = 0; d < D; ++d) s.qt[d * padded + r] = row[d] * fscale;
+              prefetch_keys(kv, next.chunk, next.kvh, next_lo + fetched - next_queries, 1, D * sizeof(C));
             }
-            s.pos[r] = static_cast<float>(ctx + item.q0 + qi);
+          }
+        };
+        // queries as [D][cols] (fp32, scaled) or [D/2][cols] pairs (bf16, as they are); row r = query qi's
+        // head g at r = qi * group + g
+        const auto query_row = [&](int64_t r) { return q_ptr + (row0 + r / group) * qs0 + (h0 + r % group) * qs1; };
+        if (pairs) {
+#ifdef ASERVE_PREFILL_BF16
+          for (int64_t r0 = 0; r0 < rows; r0 += 16)  // 16 rows' words at a time, transposed in registers
+            for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+              __m512i x[16];
+              for (int64_t i = 0; i < 16; ++i)
+                x[i] = r0 + i < rows ? _mm512_loadu_si512(query_row(r0 + i) + 2 * p0) : _mm512_setzero_si512();
+              transpose16(x);
+              for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(s.qt2.data() + (p0 + i) * cols + r0, x[i]);
+            }
+#endif
+        } else {
+          std::fill(s.qt.begin(), s.qt.begin() + D * cols, 0.f);
+          for (int64_t r = 0; r < rows; ++r) {
+            load_row(query_row(r), row.data(), D);
+            for (int64_t d = 0; d < D; ++d) s.qt[d * cols + r] = row[d] * fscale;
           }
         }
+        for (int64_t r = 0; r < rows; ++r) s.pos[r] = static_cast<float>(ctx + item.q0 + r / group);
         std::fill(s.pos.begin() + rows, s.pos.end(), s.pos[rows - 1]);  // padding rows: copies of the last
         std::fill(s.m.begin(), s.m.end(), neg_inf);
         std::fill(s.l.begin(), s.l.end(), 0.f);
         std::fill(s.o.begin(), s.o.begin() + rows * D, 0.f);
         const int64_t first_pos = ctx + item.q0, last_pos = ctx + item.q0 + item.nq - 1;
-        const auto [lo, hi] = key_range(item);
         for (int64_t t0 = lo; t0 < hi; t0 += kKeyStep) {
           const int64_t nk = std::min<int64_t>(kKeyStep, hi - t0);
-          prefetch_keys(kv, item.chunk, item.kvh, t0 + kKeyStep, std::min<int64_t>(kKeyStep, hi - t0 - kKeyStep),
-                        D * sizeof(C));  // the next step's
           for (int64_t j = 0; j < nk; ++j) {
             krow[j] = kv.key(item.chunk, item.kvh, t0 + j);
             vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
           }
-          float* st = s.st.data();  // [nk][padded] scores, then probabilities
+          float* st = s.st.data();  // [nk][cols] scores, then probabilities
           if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
             const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
-            by_columns(padded, [&](int64_t c, auto nv) {
+            by_columns(cols, [&](int64_t c, auto nv) {
               by_rows(nk, [&](int64_t i, auto mr) {
-                score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, s.qt2.data() + c, padded, D / 2,
-                                                                          fscale, st + i * padded + c, padded);
+                fetch_next(fetch_a_tile);
+                score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, s.qt2.data() + c, cols, D / 2,
+                                                                          tile_scale, st + i * cols + c, cols);
               });
             });
 #endif
@@ -416,10 +480,11 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
                 vf[j] = s.vbuf.data() + j * D;
               }
             }
-            for (int64_t c = 0; c < padded; c += kCols)
+            for (int64_t c = 0; c < cols; c += kCols)
               by_rows(nk, [&](int64_t i, auto mr) {
-                score_tile<decltype(mr)::value>(kf.data() + i, s.qt.data() + c, padded, D, st + i * padded + c,
-                                                padded);
+                fetch_next(fetch_a_tile);
+                score_tile<decltype(mr)::value>(kf.data() + i, s.qt.data() + c, cols, D, st + i * cols + c,
+                                                cols);
               });
           }
           // softcap, mask and the online softmax, each across query rows: a vector holds W rows' scores for one
@@ -427,53 +492,68 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
           const fVec lowest(neg_inf);
           if (cap > 0.f)
             for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < padded; r += fVec::size()) {
-                const fVec x = fVec::loadu(st + j * padded + r);
-                ((x / fVec(cap)).tanh() * fVec(cap)).store(st + j * padded + r);
+              for (int64_t r = 0; r < cols; r += fVec::size()) {
+                const fVec x = fVec::loadu(st + j * cols + r);
+                ((x / fVec(cap)).tanh() * fVec(cap)).store(st + j * cols + r);
               }
           if ((causal && t0 + nk - 1 > first_pos) || (window > 0 && t0 <= last_pos - window)) {  // some keys masked
             for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < padded; r += fVec::size()) {
+              for (int64_t r = 0; r < cols; r += fVec::size()) {
                 const fVec key(static_cast<float>(t0 + j)), pos = fVec::loadu(s.pos.data() + r);
                 fVec masked = key > pos;
                 if (window > 0) masked = masked | (key <= pos - fVec(static_cast<float>(window)));
-                fVec::blendv(fVec::loadu(st + j * padded + r), lowest, masked).store(st + j * padded + r);
+                fVec::blendv(fVec::loadu(st + j * cols + r), lowest, masked).store(st + j * cols + r);
               }
           }
-          online_softmax(st, nk, padded, s.m.data(), s.l.data(), s.corr.data());
+          online_softmax(st, nk, cols, softmax_scale, s.m.data(), s.l.data(), s.corr.data());
           if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
             pair_values(reinterpret_cast<const BF16* const*>(vrow.data()), nk, D, s.vt2.data());
-            pair_probabilities(st, nk, padded, s.pt2.data());
+            pair_probabilities(st, nk, cols, s.pt2.data());
             const int64_t key_pairs = (nk + 1) / 2;
             by_rows(rows, [&](int64_t r, auto mr) {
               by_columns(D, [&](int64_t c, auto nv) {
+                fetch_next(fetch_a_tile);
                 output_tile_bf16<decltype(mr)::value, decltype(nv)::value>(
-                    s.pt2.data() + r, padded, s.vt2.data() + c, D, key_pairs, s.o.data() + r * D + c, D,
+                    s.pt2.data() + r, cols, s.vt2.data() + c, D, key_pairs, s.o.data() + r * D + c, D,
                     s.corr.data() + r);
               });
             });
 #endif
           } else {
             by_rows(rows, [&](int64_t r, auto mr) {
+              fetch_next(fetch_a_tile);
               for (int64_t c = 0; c < full_cols; c += kCols)
-                output_tile<decltype(mr)::value>(st + r, padded, vf.data(), c, nk, s.o.data() + r * D + c, D,
+                output_tile<decltype(mr)::value>(st + r, cols, vf.data(), c, nk, s.o.data() + r * D + c, D,
                                                  s.corr.data() + r);
               for (int64_t i = r; i < r + decltype(mr)::value; ++i)  // head dims past the last full tile
                 for (int64_t c = full_cols; c < D; ++c) {
                   float acc = s.o[i * D + c] * s.corr[i];
-                  for (int64_t j = 0; j < nk; ++j) acc += st[j * padded + i] * vf[j][c];
+                  for (int64_t j = 0; j < nk; ++j) acc += st[j * cols + i] * vf[j][c];
                   s.o[i * D + c] = acc;
                 }
             });
           }
+          fetch_next((t0 - lo) / kKeyStep + 1 == walk_steps ? to_fetch : (to_fetch + walk_steps - 1) / walk_steps *
+                     ((t0 - lo) / kKeyStep + 1) - fetched);  // what this step's share has left
         }
-        for (int64_t qi = 0; qi < item.nq; ++qi)
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = qi * group + g;
-            scale_row(s.o.data() + r * D, vscale / s.l[r], D);
-            store_row(s.o.data() + r * D, o_ptr + (row0 + qi) * os0 + (h0 + g) * os1, D);
+        for (int64_t r = 0; r < rows; ++r) {
+          T* dst = o_ptr + (row0 + r / group) * os0 + (h0 + r % group) * os1;
+          const float* src = s.o.data() + r * D;
+#ifdef ASERVE_PREFILL_BF16
+          if constexpr (std::is_same_v<T, BF16>) {
+            if (pairs) {  // scaled and rounded to bf16 in one pass
+              const __m512 inv = _mm512_set1_ps(vscale / s.l[r]);
+              for (int64_t c = 0; c < D; c += 16)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv))));
+              continue;
+            }
           }
+#endif
+          scale_row(s.o.data() + r * D, vscale / s.l[r], D);
+          store_row(src, dst, D);
+        }
       }
     }
   });

@@ -100,6 +100,17 @@ inline __m512 load_bf16_as_float(const void* p) {
 }
 #endif
 
+// One cache line fetched into L2 ahead of use, where this call stands: an asm statement, which the compiler keeps
+// in place and in order. GCC moves __builtin_prefetch freely, and prefill attention's prefetches, spread between
+// tiles, ran 25-35% slower that way (they bunched up).
+inline void prefetch_line_l2(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
 }
