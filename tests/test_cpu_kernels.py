@@ -5,7 +5,7 @@ Decode attention over the paged cache at block sizes 1/16/32, with GQA and witho
 the same cache (chunks with and without cached context, causal within the chunk), checked against the same
 reference (each of a chunk's queries is a decode query over its own causal prefix); the same kernel over the step's
 own rows (varlen attention: an encoder's bidirectional layers) against SDPA; RMSNorm, rotary embedding
-(full and partial) and SiLU-and-mul. fp32 must agree to rounding; bf16/fp16 within their precision.
+(full and partial), SiLU-and-mul and an encoder's add-then-LayerNorm. fp32 must agree to rounding; bf16/fp16 within their precision.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from aserve.attention.kv_quant import FP8_FORMATS, dequantize, quantize
-from aserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from aserve.models.layers import RMSNorm, RotaryEmbedding, add_layer_norm, silu_and_mul
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather_index, write_kv
 from conftest import scattered_tables
@@ -329,6 +329,27 @@ def test_rms_norm_rotary_and_silu_match_torch_path(dtype):
         assert got_sum is residual
         torch.testing.assert_close(got_sum, want_sum, atol=0, rtol=0)  # one rounding of the same sum
         torch.testing.assert_close(got_normed, want_normed, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [768, 40])  # whole vectors, and a tail
+def test_add_layer_norm_matches_torch_path(dtype, dim):
+    """An encoder's post-norm, LayerNorm(x + residual), written over x; the sum rounded to the dtype first, as the
+    torch path's add rounds it. Rows of x strided (a slice of a wider product)."""
+    gen = torch.Generator().manual_seed(dim)
+    norm = torch.nn.LayerNorm(dim, eps=1e-12)
+    norm.weight.data, norm.bias.data = torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)
+    norm = norm.to(dtype)
+    wide = (torch.randn(9, dim + 8, generator=gen) * 3 + 1).to(dtype)
+    x, residual = wide[:, :dim], torch.randn(9, dim, generator=gen).to(dtype)
+    with torch.inference_mode():
+        want = torch_path(lambda: add_layer_norm(x.clone(), residual, norm))
+        got = add_layer_norm(x, residual, norm)
+    assert got.data_ptr() == wide.data_ptr()  # in place
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.aserve.add_layer_norm(x, residual, norm.weight, norm.bias[:-1], 1e-12)
 
 
 def test_kernels_are_built_per_cpu_kind(monkeypatch):

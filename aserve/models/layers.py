@@ -1,6 +1,7 @@
 """Building blocks shared by the model families: linear layers, RMSNorm, rotary position embeddings, activations.
 
-On the CPU, RMSNorm, the rotary embedding and SiLU-and-mul run as aserve's fused kernels (ops.cpu_kernels)
+On the CPU, RMSNorm, the rotary embedding, SiLU-and-mul and an encoder's add-then-LayerNorm run as aserve's fused
+kernels (ops.cpu_kernels)
 when those are built; the torch code beside each is the fallback and the reference they are tested against.
 """
 from __future__ import annotations
@@ -64,8 +65,25 @@ class Linear(nn.Module):
             return cpu_gemm.packed_linear_then(x, self.packed, "add", residual, self.bias)
         return self(x) + residual
 
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        """norm(self(x) + residual), an encoder's post-norm: the add in oneDNN's epilogue where it multiplies, else
+        the add and the norm in one pass of aserve's kernel (add_layer_norm)."""
+        if self._fusable() and not self.packed.aserve:
+            return norm(self.forward_add(x, residual))
+        return add_layer_norm(self(x), residual, norm)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.output_sizes}, bias={self.bias is not None}, {self.method.name}"
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """norm(x + residual), written over `x` (which the caller gives up) where aserve's kernel runs."""
+    if (x.dim() == 2 and x.stride(1) == 1 and residual.shape == x.shape and residual.stride(1) == 1
+            and x.dtype == residual.dtype == norm.weight.dtype and norm.bias is not None
+            and cpu_kernels.usable(x)):
+        torch.ops.aserve.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+        return x
+    return norm(x + residual)
 
 
 class RMSNorm(nn.Module):

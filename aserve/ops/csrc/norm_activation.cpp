@@ -139,6 +139,88 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return rms_norm_any(x, nullptr, weight, eps);
 }
 
+// ---- LayerNorm after a residual add (an encoder's post-norm), in place -------------------------------------
+// x = LayerNorm(T(x + residual)): the sum rounded to T as the torch path's add rounds it, its mean and then its
+// variance over the row in fp32 (two passes over the row kept in fp32 scratch, so no cancellation), and
+// (sum - mean) * rstd * weight + bias rounded once. One read of x and of residual and one write of x, against
+// an add then torch's layer_norm: three reads and two writes of rows that no longer fit the caches.
+template <typename T>
+void add_layer_norm_impl(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, const at::Tensor& bias,
+                         double eps) {
+  using bVec = at::vec::Vectorized<T>;
+  constexpr int64_t W = fVec::size(), step = bVec::size();  // fp32: one fVec a step; 16-bit types: two
+  const int64_t rows = x.size(0), dim = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  T* x_ptr = x.data_ptr<T>();
+  const T* r_ptr = residual.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(dim), b(dim), sum(dim);
+    load_row(weight.data_ptr<T>(), w.data(), dim);
+    load_row(bias.data_ptr<T>(), b.data(), dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = x_ptr + r * xs;
+      const T* res = r_ptr + r * rs;
+      fVec acc(0.f);
+      float total = 0.f;
+      int64_t i = 0;
+      for (; i + step <= dim; i += step) {  // the sum, rounded to T and widened back, kept in fp32 scratch
+        if constexpr (std::is_same_v<T, float>) {
+          const fVec v = fVec::loadu(row + i) + fVec::loadu(res + i);
+          v.store(sum.data() + i);
+          acc = acc + v;
+        } else {
+          auto [xlo, xhi] = at::vec::convert_to_float<T>(bVec::loadu(row + i));
+          auto [rlo, rhi] = at::vec::convert_to_float<T>(bVec::loadu(res + i));
+          auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(xlo + rlo, xhi + rhi));
+          lo.store(sum.data() + i);
+          hi.store(sum.data() + i + W);
+          acc = acc + lo + hi;
+        }
+      }
+      for (; i < dim; ++i) {
+        sum[i] = static_cast<float>(static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(res[i])));
+        total += sum[i];
+      }
+      const float mean = (total + reduce_sum(acc)) / static_cast<float>(dim);
+      const fVec mean_v(mean);
+      acc = fVec(0.f);
+      total = 0.f;
+      for (i = 0; i + W <= dim; i += W) {
+        const fVec d = fVec::loadu(sum.data() + i) - mean_v;
+        acc = at::vec::fmadd(d, d, acc);
+      }
+      for (; i < dim; ++i) total += (sum[i] - mean) * (sum[i] - mean);
+      const float rstd = 1.f / std::sqrt((total + reduce_sum(acc)) / static_cast<float>(dim) + static_cast<float>(eps));
+      const fVec rstd_v(rstd);
+      auto normed = [&](int64_t at) {
+        return at::vec::fmadd((fVec::loadu(sum.data() + at) - mean_v) * rstd_v, fVec::loadu(w.data() + at),
+                              fVec::loadu(b.data() + at));
+      };
+      for (i = 0; i + step <= dim; i += step) {
+        if constexpr (std::is_same_v<T, float>) {
+          normed(i).store(row + i);
+        } else {
+          at::vec::convert_from_float<T>(normed(i), normed(i + W)).store(row + i);
+        }
+      }
+      for (; i < dim; ++i) row[i] = static_cast<T>((sum[i] - mean) * rstd * w[i] + b[i]);
+    }
+  });
+}
+
+void add_layer_norm(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, const at::Tensor& bias,
+                    double eps) {
+  check_norm_args("add_layer_norm", x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
+              "add_layer_norm: residual must be x's shape and dtype, with unit inner stride");
+  TORCH_CHECK(bias.sizes() == weight.sizes() && bias.is_contiguous() && bias.scalar_type() == x.scalar_type(),
+              "add_layer_norm: bias must be a contiguous [dim] vector of x's dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat: return add_layer_norm_impl<float>(x, residual, weight, bias, eps);
+    case at::kBFloat16: return add_layer_norm_impl<c10::BFloat16>(x, residual, weight, bias, eps);
+    default: return add_layer_norm_impl<c10::Half>(x, residual, weight, bias, eps);
+  }
+}
+
 // ---- rotary embedding (rotate-half convention), in place ---------------------------------------------------
 // x[t, h, :rotary_dim] = x * cos + rotate_half(x) * sin with cos/sin rows [max_pos, rotary_dim] taken at
 // positions[t]; features past rotary_dim (partial rotary) are left as they are.
@@ -283,6 +365,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("add_layer_norm(Tensor(a!) x, Tensor residual, Tensor weight, Tensor bias, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int rotary_dim) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
@@ -290,6 +373,7 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("add_layer_norm", &add_layer_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
 }
