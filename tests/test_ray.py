@@ -56,12 +56,23 @@ def assert_cpus_given_back() -> None:
     (dict(tensor_parallel_size=2, pipeline_parallel_size=2), 1, 2),
 ])
 def test_ray_ranks_equal_one_rank(cluster, pp_models, reference, shape, cpus, nodes):
+    """Greedy tokens equal one rank's; seeded ones equal the multi-process backend's with the same split. Tensor
+    parallelism sums a layer's halves in another order than one rank does (logprobs within ~1e-6 on these tiny
+    models, whose distributions are nearly flat), so a seeded draw may land on the other side of a boundary."""
+    if shape.get("tensor_parallel_size", 1) > 1:
+        local = LLM(str(pp_models["qwen3"]), **shape, **OPTIONS)
+        try:
+            seeded = generate(local, SEEDED)
+        finally:
+            local.engine.executor.shutdown()
+    else:
+        seeded = reference["qwen3"]["seeded"]
     llm = LLM(str(pp_models["qwen3"]), distributed_executor_backend="ray", ray_cpus_per_rank=cpus, **shape,
               **OPTIONS)
     try:
         assert llm.engine.executor.plan.nnodes == nodes
         assert generate(llm, GREEDY) == reference["qwen3"]["greedy"]
-        assert generate(llm, SEEDED) == reference["qwen3"]["seeded"]
+        assert generate(llm, SEEDED) == seeded
         llm.engine.check_idle()
     finally:
         llm.engine.executor.shutdown()
