@@ -1,5 +1,6 @@
 """`aserve bench embed`: offline embedding throughput (sentences/s) on random prompts of random lengths, and with
-`--compare-sentence-transformers` the same token ids through sentence-transformers in this process, and the ratio.
+`--compare-sentence-transformers` the same token ids through sentence-transformers in this process, and the ratio
+(`--rounds N`: the two alternated N times, each round's ratio and their median).
 With `--base-url`, the same prompts sent instead to a running server's POST /v1/embeddings (any OpenAI-compatible
 one: aserve's or vLLM's), one prompt a request from `--concurrency` clients at once; `--model` then names the folder
 the prompts' vocabulary comes from.
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     parser.add_argument("--compare-sentence-transformers", action="store_true",
                         help="then embed the same token ids with sentence-transformers and print the ratio")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --compare-sentence-transformers: alternate the two this many times and print "
+                             "each round's ratio and their median (a VM's speed drifts within a run)")
     parser.add_argument("--base-url", default=None,
                         help="measure a running server's /v1/embeddings instead (e.g. http://127.0.0.1:8000)")
     parser.add_argument("--concurrency", type=int, default=32, help="with --base-url: clients sending at once")
@@ -130,16 +134,20 @@ def main(args: argparse.Namespace) -> None:
                                      set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids))
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.embed(requests[:8], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    llm.embed(requests, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    ours = len(prompts) / elapsed
-    print(f"aserve: {ours:.2f} sentences/s, {sum(map(len, prompts)) / elapsed:.2f} tokens/s "
-          f"({args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens)", flush=True)
-    if args.compare_sentence_transformers:
-        from aserve.bench.throughput import engine_model_dir
+    ratios = []
+    for _ in range(max(1, args.rounds) if args.compare_sentence_transformers else 1):
+        start = time.perf_counter()
+        llm.embed(requests, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        ours = len(prompts) / elapsed
+        print(f"aserve: {ours:.2f} sentences/s, {sum(map(len, prompts)) / elapsed:.2f} tokens/s "
+              f"({args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens)", flush=True)
+        if args.compare_sentence_transformers:
+            from aserve.bench.throughput import engine_model_dir
 
-        dtype = engine.dtype
-        del llm, engine
-        theirs = run_sentence_transformers(engine_model_dir(args.model), prompts, args.batch_size, dtype)
-        print(f"sentences/s ratio aserve/sentence-transformers = {ours / theirs:.2f}")
+            theirs = run_sentence_transformers(engine_model_dir(args.model), prompts, args.batch_size, engine.dtype)
+            ratios.append(ours / theirs)
+            print(f"sentences/s ratio aserve/sentence-transformers = {ratios[-1]:.2f}", flush=True)
+    if len(ratios) > 1:
+        print(f"median ratio over {len(ratios)} rounds = {statistics.median(ratios):.2f} "
+              f"({' / '.join(f'{r:.2f}' for r in ratios)})")
