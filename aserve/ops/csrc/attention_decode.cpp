@@ -106,7 +106,7 @@ inline void token_offsets(const int64_t* table, int64_t block_size, int64_t row_
 }
 
 inline void prefetch(const void* row, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) prefetch_line_l1(static_cast<const char*>(row) + i);
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_line<1>(static_cast<const char*>(row) + i);
 }
 
 // The next work item's key and value rows, fetched into the L2 cache while this item is computed. One
@@ -129,8 +129,8 @@ struct Ahead {
     for (const int64_t stop = std::min(n, pos + per_step); pos < stop; ++pos) {
       const int64_t at = offsets[pos] * elem;
       for (int64_t i = 0; i < row_bytes; i += 64) {
-        prefetch_line_l2(k + at + i);
-        prefetch_line_l2(v + at + i);
+        prefetch_line<2>(k + at + i);
+        prefetch_line<2>(v + at + i);
       }
     }
   }

@@ -323,7 +323,7 @@ template <typename C> struct FlatRows {
 // Rows fetched into L2 ahead of use: an item's queries and keys lie anywhere in memory (items go by cost, not
 // address; the cache's blocks are scattered), too far apart for the hardware prefetchers.
 inline void prefetch_l2(const void* row, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) prefetch_line_l2(static_cast<const char*>(row) + i);
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_line<2>(static_cast<const char*>(row) + i);
 }
 
 template <typename Rows>
