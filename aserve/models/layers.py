@@ -1,8 +1,8 @@
 """Building blocks shared by the model families: linear layers, RMSNorm, rotary position embeddings, activations.
 
 On the CPU, RMSNorm, the rotary embedding, SiLU-and-mul and an encoder's add-then-LayerNorm run as aserve's fused
-kernels (ops.cpu_kernels)
-when those are built; the torch code beside each is the fallback and the reference they are tested against.
+kernels (ops.cpu_kernels) when those are built; the torch code beside each is the fallback and the reference they
+are tested against.
 """
 from __future__ import annotations
 
@@ -78,9 +78,9 @@ class Linear(nn.Module):
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     """norm(x + residual), written over `x` (which the caller gives up) where aserve's kernel runs."""
-    if (x.dim() == 2 and x.stride(1) == 1 and residual.shape == x.shape and residual.stride(1) == 1
-            and x.dtype == residual.dtype == norm.weight.dtype and norm.bias is not None
-            and cpu_kernels.usable(x)):
+    if (norm.weight is not None and norm.bias is not None and x.dim() == 2 and x.stride(1) == 1
+            and residual.shape == x.shape and residual.stride(1) == 1
+            and x.dtype == residual.dtype == norm.weight.dtype and cpu_kernels.usable(x)):
         torch.ops.aserve.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
         return x
     return norm(x + residual)
