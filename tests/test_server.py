@@ -246,7 +246,11 @@ def test_generate_route_streams_nul_delimited_json(server, client):
             buffer += data
             *complete, buffer = buffer.split(b"\0")
             chunks.extend(json.loads(c) for c in complete if c)
-    assert buffer == b"" and len(chunks) >= 2
+    # How many chunks arrive is timing: cumulative outputs the client has not read yet are merged into the next
+    # (12 tokens after a prefix-cache hit can all land in one). Each chunk extends the one before it.
+    assert buffer == b"" and chunks
+    for before, after in zip(chunks, chunks[1:]):
+        assert all(b.startswith(a) for a, b in zip(before["text"], after["text"]))
     assert chunks[-1]["text"] == plain["text"]  # cumulative, like vLLM's api_server
 
 
