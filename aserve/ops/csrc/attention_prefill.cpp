@@ -412,6 +412,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
         const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + kKeyStep - 1) / kKeyStep);
         const int64_t tiles_a_step = (kKeyStep + 5) / 6 * ((cols + 63) / 64) + (rows + 5) / 6 * ((D + 63) / 64);
         const int64_t fetch_a_tile = (to_fetch + walk_steps * tiles_a_step - 1) / (walk_steps * tiles_a_step);
+        const int64_t fetch_a_step = (to_fetch + walk_steps - 1) / walk_steps;
         int64_t fetched = 0;
         const auto fetch_next = [&](int64_t n) {
           for (; n > 0 && fetched < to_fetch; --n, ++fetched) {
@@ -534,8 +535,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
                 }
             });
           }
-          fetch_next((t0 - lo) / kKeyStep + 1 == walk_steps ? to_fetch : (to_fetch + walk_steps - 1) / walk_steps *
-                     ((t0 - lo) / kKeyStep + 1) - fetched);  // what this step's share has left
+          fetch_next(fetch_a_step * ((t0 - lo) / kKeyStep + 1) - fetched);  // what this step's share has left
         }
         for (int64_t r = 0; r < rows; ++r) {
           T* dst = o_ptr + (row0 + r / group) * os0 + (h0 + r % group) * os1;
