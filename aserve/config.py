@@ -99,8 +99,9 @@ class EngineConfig:
     quantization: str | None = option(None, "weights: int8 quantizes a 16/32-bit checkpoint at load (weight-only, "
                                             "per-output-channel scales); gptq and awq 4-bit checkpoints are "
                                             "recognised from config.json without it", choices=QUANTIZATION_METHODS)
-    quantize_lm_head: bool = option(False, "with --quantization int8: the logits projection too (a quantized copy "
-                                           "when it is tied to the embedding)")
+    quantize_lm_head: bool = option(False, "the logits projection in int8 too: with --quantization int8, or the "
+                                           "dense head of a GPTQ/AWQ checkpoint (a quantized copy when it is tied "
+                                           "to the embedding)")
     speculative_config: dict | str | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": N}", json=True)

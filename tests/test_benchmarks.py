@@ -26,6 +26,13 @@ def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(
     assert ran.returncode == 0, ran.stderr
     assert re.search(r"Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s",
                      ran.stdout.splitlines()[-1])
+    formats = subprocess.run([sys.executable, str(BENCH / "batch1_formats.py"), "--model", str(out), "--rounds", "1",
+                              "--input-len", "8", "--output-len", "4", "--dtype", "float32", "--formats",
+                              "dense,gptqh"], capture_output=True, text=True, timeout=600)
+    assert formats.returncode == 0, formats.stderr
+    assert formats.stdout.startswith("batch1_formats: CPU capability")
+    assert re.search(r"median output tok/s \(ratio to dense\): dense [0-9.]+ \(1.00x\), gptqh [0-9.]+ \([0-9.]+x\)",
+                     formats.stdout)
 
 
 def test_comparison_scripts_parse_and_ask_for_vllm_when_it_is_missing(tmp_path):

@@ -293,6 +293,23 @@ def test_quantize_lm_head_quantizes_the_head_only(model_dirs, family):
     torch.testing.assert_close(model.compute_logits(hidden), dense.compute_logits(hidden), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])
+def test_quantize_lm_head_makes_a_gptq_models_dense_head_int8(model_dirs, tmp_path, family):
+    """GPTQ/AWQ quantizers leave the head dense; --quantize-lm-head gives it (or a tied head's own copy) int8
+    weights, the int4 layers and the embedding staying as they were."""
+    quantized_dir, _ = write_quantized(model_dirs[family], tmp_path / "gptq", "gptq", 32)
+    plain = load_model(quantized_dir, dtype="float32").model
+    model = load_model(quantized_dir, dtype="float32", quantize_lm_head=True).model
+    head = model.lm_head if model.lm_head is not None else model.packed_head
+    assert isinstance(head, Linear) and head.method.name == "int8"
+    heads = ("lm_head", "packed_head")
+    assert {layer.method.name for name, layer in linears(model).items() if name not in heads} == {
+        layer.method.name for name, layer in linears(plain).items() if name not in heads} == {"gptq int4"}
+    assert model.embed_tokens.weight.dtype == torch.float32
+    hidden = torch.randn(3, 64)
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=0.05, atol=0.05)
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 def broken_copy(model_dirs, tmp_path, **config_changes):

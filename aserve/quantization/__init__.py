@@ -3,7 +3,8 @@ checkpoint's config.json, and checked before any weight is read.
 
 - `int8`: weight-only, one symmetric scale per output channel, quantized at load from a 16/32-bit checkpoint.
 - `gptq`, `awq`: 4-bit checkpoints quantized elsewhere (AutoGPTQ / GPTQModel, AutoAWQ), recognised by the
-  `quantization_config` of config.json and repacked at load for torch's int4 CPU kernel.
+  `quantization_config` of config.json and repacked at load for aserve's int4 kernels (torch's without them).
+  Their quantizers leave the logits projection dense; `quantize_lm_head` makes it int8 at load, as `int8` does.
 
 This module reads only dictionaries (no torch), so a front end can refuse a wrong flag at once; the formats
 themselves live in base (the seam), int8, gptq, awq and int4 (what GPTQ and AWQ become), and loading applies
@@ -11,7 +12,7 @@ them to a built model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 METHODS = ("int8", "gptq", "awq")  # --quantization's choices
 PREQUANTIZED = ("gptq", "awq")
@@ -25,14 +26,15 @@ class QuantSpec:
     group_size: int = -1  # inputs sharing one scale and zero; -1: all of a row's inputs
     desc_act: bool = False  # GPTQ's act-order: g_idx assigns inputs to groups out of order
     zero_plus_one: bool = False  # GPTQ's v1 checkpoints store each zero point minus one
-    quantize_lm_head: bool = False  # int8: the logits projection too
+    quantize_lm_head: bool = False  # the logits projection too: int8, or GPTQ/AWQ's dense head as int8
 
     def describe(self) -> str:
         if self.method == "int8":
             return "int8 weight-only (per-output-channel scales" + (", LM head too)" if self.quantize_lm_head else ")")
         group = "per row" if self.group_size == -1 else f"group size {self.group_size}"
         act = ", desc_act" if self.desc_act else ""
-        return f"{self.method} int{self.bits} ({group}{act})"
+        head = ", a dense LM head as int8" if self.quantize_lm_head else ""
+        return f"{self.method} int{self.bits} ({group}{act}{head})"
 
 
 def resolve(config: dict, quantization: str | None = None, quantize_lm_head: bool = False) -> QuantSpec | None:
@@ -50,10 +52,8 @@ def resolve(config: dict, quantization: str | None = None, quantize_lm_head: boo
         if quantization not in (None, method):
             raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized with {method} "
                              f"(config.json quantization_config); drop the flag or pass --quantization {method}")
-        if quantize_lm_head:
-            raise ValueError("--quantize-lm-head applies to --quantization int8; a pre-quantized checkpoint's "
-                             "head is what the checkpoint stores")
-        return _gptq(found) if method == "gptq" else _awq(found)
+        spec = _gptq(found) if method == "gptq" else _awq(found)
+        return replace(spec, quantize_lm_head=quantize_lm_head)
     if quantization in PREQUANTIZED:
         raise ValueError(f"--quantization {quantization} loads checkpoints quantized with {quantization}, and this "
                          "config.json has no quantization_config; use --quantization int8 to quantize at load, or "
@@ -62,7 +62,7 @@ def resolve(config: dict, quantization: str | None = None, quantize_lm_head: boo
     if quantization == "int8":
         return QuantSpec("int8", quantize_lm_head=quantize_lm_head)
     if quantize_lm_head:
-        raise ValueError("--quantize-lm-head needs --quantization int8")
+        raise ValueError("--quantize-lm-head needs --quantization int8 or a GPTQ/AWQ checkpoint")
     return None
 
 

@@ -5,7 +5,7 @@
 For int8 every linear layer but the logits projection is quantized (that one too with `quantize_lm_head`; when
 it is tied to the embedding, a quantized copy serves as the head and the embedding stays as it is). For GPTQ and
 AWQ the checkpoint says which: the layers whose tensors include a `qweight` (quantizers leave the head, and
-whatever their config excluded, dense).
+whatever their config excluded, dense); `quantize_lm_head` makes a dense head int8 as above.
 """
 from __future__ import annotations
 
@@ -67,18 +67,22 @@ def attach(model: nn.Module, spec: QuantSpec, dtype: torch.dtype, checkpoint_nam
     method = make_method(spec, dtype)
     for name in chosen:
         linears[name].set_method(method, dtype)
+    if spec.quantize_lm_head and "lm_head" in linears and "lm_head" not in chosen:  # GPTQ/AWQ's dense head
+        linears["lm_head"].set_method(Int8LinearMethod(), dtype)
     return method
 
 
 def finish(model: nn.Module, spec: QuantSpec, method: LinearMethod, dtype: torch.dtype) -> None:
-    """Quantize or repack every filled layer; with int8 and `quantize_lm_head`, give a tied head its own int8 copy."""
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.method is method]
+    """Quantize or repack every filled layer; with `quantize_lm_head`, give a tied head its own int8 copy."""
+    head = getattr(model, "lm_head", None)
+    layers = [m for m in model.modules() if isinstance(m, Linear) and (m.method is method or m is head and
+                                                                       isinstance(m.method, Int8LinearMethod))]
     dense_bytes = sum(m.in_features * m.out_features for m in layers) * torch.finfo(dtype).bits // 8
     for layer in layers:
-        method.process_after_loading(layer)
-    if (spec.method == "int8" and spec.quantize_lm_head and getattr(model, "lm_head", 1) is None
-            and model.output_weight() is not None):
-        model.packed_head = quantized_copy(model.output_weight(), method)
+        layer.method.process_after_loading(layer)
+    if spec.quantize_lm_head and getattr(model, "lm_head", 1) is None and model.output_weight() is not None:
+        model.packed_head = quantized_copy(model.output_weight(),
+                                           method if spec.method == "int8" else Int8LinearMethod())
         layers.append(model.packed_head)
         dense_bytes += model.packed_head.in_features * model.packed_head.out_features * torch.finfo(dtype).bits // 8
     stored = sum(layer.method.weight_bytes(layer) for layer in layers)

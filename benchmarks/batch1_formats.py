@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Batch-1 decode speed of each weight format, in one process, alternated round by round.
+
+One prompt of --input-len tokens, --output-len greedy tokens (ignore_eos), through an engine per format: dense, int8,
+int8 with its head (--quantize-lm-head), GPTQ int4 and GPTQ with an int8 head. Each round runs every format once,
+in turn, so a VM whose speed drifts slows all of them alike; the last lines are each format's median rate and its
+ratio to the first format's, and every round's ratios.
+
+    python benchmarks/batch1_formats.py --model /tmp/bench-model [--gptq DIR] [--rounds 5] [--formats dense,gptqh]
+
+Without --gptq, a round-to-nearest GPTQ copy is written to a temporary folder first (aserve.bench.quantize_rtn, as
+`aserve bench quality` writes it; group size 64 for the bench model).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+
+FORMATS = {  # name: (uses the GPTQ copy, engine options)
+    "dense": (False, {}),
+    "int8": (False, {"quantization": "int8"}),
+    "int8h": (False, {"quantization": "int8", "quantize_lm_head": True}),
+    "gptq": (True, {}),
+    "gptqh": (True, {"quantize_lm_head": True}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a 16/32-bit checkpoint (the bench model)")
+    parser.add_argument("--gptq", help="its GPTQ copy (default: written to a temporary folder)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    names = args.formats.split(",")
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown:
+        parser.error(f"unknown format {unknown[0]!r}; choose from {', '.join(FORMATS)}")
+
+    from aserve import LLM, SamplingParams
+    from aserve.hardware import cpu_info
+
+    logging.disable(logging.INFO)
+    with tempfile.TemporaryDirectory() as scratch:
+        gptq = args.gptq
+        if gptq is None and any(FORMATS[n][0] for n in names):
+            from aserve.bench.quantize_rtn import write_rtn_checkpoint
+
+            gptq = f"{scratch}/gptq"
+            write_rtn_checkpoint(args.model, gptq, "gptq")
+        engines = {n: LLM(gptq if FORMATS[n][0] else args.model, dtype=args.dtype, disable_log_stats=True,
+                          **FORMATS[n][1]) for n in names}
+        first = next(iter(engines.values()))
+        print(f"batch1_formats: {cpu_info().describe()}, dtype {str(first.engine.dtype).replace('torch.', '')}; "
+              f"1 x {args.input_len}/{args.output_len}, {args.rounds} rounds")
+        prompt = {"prompt_token_ids": [1000 + i % 30000 for i in range(args.input_len)]}
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        rates: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(args.rounds):
+            for name, llm in engines.items():
+                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm
+                start = time.perf_counter()
+                llm.generate([prompt], params, use_tqdm=False)
+                rates[name].append(args.output_len / (time.perf_counter() - start))
+            print("round: " + ", ".join(f"{n} {r[-1]:.1f}" for n, r in rates.items()), flush=True)
+    base = rates[names[0]]
+    print(f"median output tok/s (ratio to {names[0]}): " + ", ".join(
+        f"{n} {statistics.median(r):.1f} ({statistics.median(r) / statistics.median(base):.2f}x)"
+        for n, r in rates.items()))
+    print("ratios by round: " + ", ".join(f"{n} " + " / ".join(f"{a / b:.2f}" for a, b in zip(r, base))
+                                          for n, r in rates.items()))
+
+
+if __name__ == "__main__":
+    main()
