@@ -506,6 +506,40 @@ def test_count_nonfinite_rows_counts_what_isfinite_finds(dtype):
         torch.ops.aserve.count_nonfinite_rows(logits.t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torch_argmax(dtype):
+    """The first of equal maxima, as torch.argmax gives it: ties within a vector lane and across lanes, the max in
+    the scalar tail or first, -inf and +inf entries, all -inf, NaN anywhere (torch: the first NaN), short rows,
+    strided rows; and the sampler's greedy tokens take it."""
+    from aserve.worker.sampler import greedy
+
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(2)
+    wide = (torch.randn(24, 1100, generator=gen) * 3).to(dtype)
+    rows = wide[:, :1003]
+    rows[0, :] = 1.0  # all equal: index 0
+    rows[1, 40] = rows[1, 7] = rows[1, 990] = 50.0  # ties in different lanes and vectors
+    rows[2, 1001] = 60.0  # in the tail
+    rows[3, 0] = 70.0
+    rows[4, :] = float("-inf")
+    rows[5, 300] = float("inf")
+    rows[6, 300] = float("inf")
+    rows[6, 20] = float("inf")
+    rows[7, 900] = float("nan")
+    rows[8, 2] = float("nan")
+    rows[8, 500] = float("nan")
+    rows[9, 1002] = float("nan")
+    rows[10, 17:33] = 80.0  # one whole vector of equal maxima
+    rows[11, :500] = float("-inf")
+    with torch.inference_mode():
+        for x in (rows, rows.contiguous(), rows[:, :5], rows[:, :16], rows[:, :17], rows[:, :1]):
+            assert torch.equal(torch.ops.aserve.argmax_rows(x), x.argmax(dim=-1)), x.shape
+            assert torch.equal(greedy(x), x.argmax(dim=-1))
+        assert torch.ops.aserve.argmax_rows(rows[:0]).shape == (0,)
+    with pytest.raises(RuntimeError, match="unit inner stride"):
+        torch.ops.aserve.argmax_rows(rows.t())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sample_inverse_cdf_reads_16_bit_logits_as_their_fp32_widening(dtype):
     """16-bit logits are drawn from in place: the same tokens as from their exact fp32 copy, masked entries and

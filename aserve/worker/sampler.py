@@ -85,6 +85,15 @@ def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def greedy(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima), as torch.argmax gives it. aserve's CPU kernel reads the
+    row once in its own dtype: torch's argmax over a bf16 row of 49152 logits took ~165 us, 5% of a GPTQ batch-1
+    step (AMD EPYC Zen 5)."""
+    if x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0 and cpu_kernels.usable(x):
+        return torch.ops.aserve.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def draw(x: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling, one uniform draw per row instead of one per vocabulary entry: the first token whose
     cumulative softmax mass passes the draw. aserve's CPU kernel does it in one pass over each row; the torch path
@@ -238,7 +247,7 @@ def draw_proposals(logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list
     if bad:
         logits[list(bad)] = 0.0
     steer(logits, reqs)
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy(logits)
     q: list = [None] * len(reqs)
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if random_rows:
@@ -267,7 +276,7 @@ def sample(logits: torch.Tensor, reqs: list[RequestState],
 
     random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if len(random_rows) < n:
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy(logits)
     else:
         tokens = torch.empty(n, dtype=torch.long, device=device)
     if random_rows:
