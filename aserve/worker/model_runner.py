@@ -197,7 +197,7 @@ class ModelRunner:
         if self.pools:  # the pooling runner: generation steps never walk the batch for it
             result.pooled = self._pool(batch, hidden)
         if sample_reqs:  # else only prefill chunks that do not reach the end of their prompts
-            logits = self.model.compute_logits(hidden[sample_rows.to(self.device)])
+            logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows.to(self.device)])
             if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples (see append_sampled)
                 return result
             # Sampling stays on the logits' device; only token ids and the logprobs asked for come back.
@@ -290,7 +290,7 @@ class ModelRunner:
 
     def _prepare(self, batch: list[tuple[RequestState, int]], spec_token_ids: dict[str, list[int]]):
         """The step's flat inputs. A request checking proposals runs its next token and the proposals after it, and
-        samples at each of those positions (a ProposalRow each)."""
+        samples at each of those positions (a ProposalRow each). The rows to sample are None where they are all."""
         token_ids: list[int] = []
         starts, counts, sample_rows, sample_reqs = [], [], [], []
         for req, n in batch:
@@ -310,7 +310,9 @@ class ModelRunner:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)
         positions, meta = self.flat_batch([req.block_table for req, _ in batch], starts, counts)
-        return torch.tensor(token_ids), positions, meta, torch.tensor(sample_rows, dtype=torch.long), sample_reqs
+        every_row = len(sample_rows) == len(token_ids)  # each row samples (rows ascend): no gather of the hidden states
+        rows = None if every_row else torch.tensor(sample_rows, dtype=torch.long)
+        return torch.tensor(token_ids), positions, meta, rows, sample_reqs
 
     def flat_batch(self, block_tables: list[list[int]], starts: list[int], counts: list[int]):
         """Positions and attention metadata of a flat batch: row i runs counts[i] tokens from position starts[i]
@@ -319,13 +321,17 @@ class ModelRunner:
         width = max(map(len, block_tables))
         null = [self.null_block]
         tables = torch.tensor([table + null * (width - len(table)) for table in block_tables], dtype=torch.long)
-        starts_t = torch.tensor(starts)
-        counts_t = torch.tensor(counts)
-        row_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
-        first_token = torch.cumsum(counts_t, 0) - counts_t
-        positions = starts_t[row_of_token] + torch.arange(int(counts_t.sum())) - first_token[row_of_token]
-        slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
         num_decode = sum(1 for n in counts if n == 1)
+        if num_decode == len(counts):  # decode rows only: a token each, at its start (a tenth of a batch-1 step's
+            positions = torch.tensor(starts)  # Python went to the general index arithmetic below)
+            slot_mapping = torch.tensor([table[p // bs] * bs + p % bs for table, p in zip(block_tables, starts)])
+        else:
+            starts_t = torch.tensor(starts)
+            counts_t = torch.tensor(counts)
+            row_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+            first_token = torch.cumsum(counts_t, 0) - counts_t
+            positions = starts_t[row_of_token] + torch.arange(int(counts_t.sum())) - first_token[row_of_token]
+            slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
         layout = BatchLayout(positions, slot_mapping, tables, starts, counts, num_decode, bs, self.num_physical_blocks)
         return positions, self.backend.build_metadata(layout, self.num_kv_heads)
 
