@@ -66,7 +66,7 @@ def reference(query, k_cache, v_cache, tables, lengths, num_physical, block_size
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # the unrolled sizes and the runtime-sized path
 def test_decode_attention_matches_torch_path(block_size, heads, dtype, head_dim):
     gen = torch.Generator().manual_seed(block_size * 100 + heads[0])
-    lengths = [1, 7, block_size, block_size + 1, 3 * block_size - 1, 70]
+    lengths = [1, 7, block_size, block_size + 1, 3 * block_size - 1, 70, 128, 129, 300]  # 128 and up: in parts
     query, k_cache, v_cache, tables, lens, num_physical = paged_case(lengths, block_size, heads, head_dim, dtype, gen)
     scale = head_dim ** -0.5
     out = torch.empty_like(query)
@@ -76,11 +76,14 @@ def test_decode_attention_matches_torch_path(block_size, heads, dtype, head_dim)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("batch", [1, 2, 40])  # few requests split each group of query heads across threads
-@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0), (17, 50.0)])
+@pytest.mark.parametrize("batch", [1, 2, 40])
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0), (17, 50.0), (200, None),
+                                            (150, 20.0)])
 def test_decode_attention_windows_softcap_and_batch_sizes(batch, window, softcap):
+    """Contexts up to 400 tokens: those over 128 are attended in parts whose softmaxes are merged; windows of
+    more than a part keep several."""
     gen = torch.Generator().manual_seed(batch)
-    lengths = [int(x) for x in torch.randint(1, 90, (batch,), generator=gen)]
+    lengths = [int(x) for x in torch.randint(1, 400, (batch,), generator=gen)]
     query, k_cache, v_cache, tables, lens, num_physical = paged_case(lengths, 16, (8, 2), 32, torch.float32, gen)
     out = torch.empty_like(query)
     with torch.inference_mode():
@@ -90,6 +93,23 @@ def test_decode_attention_windows_softcap_and_batch_sizes(batch, window, softcap
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_gives_a_request_the_same_bits_in_any_batch(dtype):
+    """How a request's context is cut into parts depends on its length alone: alone, or among others (long
+    and short, more threads' worth), its output is the same to the bit."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [300, 5, 129, 700, 64]
+    query, k_cache, v_cache, tables, lens, _ = paged_case(lengths, 16, (9, 3), 64, dtype, gen)
+    batched = torch.empty_like(query)
+    with torch.inference_mode():
+        torch.ops.aserve.paged_decode_attention(batched, query, k_cache, v_cache, tables, lens, 0.125, 0, 0.0)
+        for i in range(len(lengths)):
+            alone = torch.empty_like(query[i:i + 1])
+            torch.ops.aserve.paged_decode_attention(alone, query[i:i + 1], k_cache, v_cache, tables[i:i + 1],
+                                                    lens[i:i + 1], 0.125, 0, 0.0)
+            assert torch.equal(alone, batched[i:i + 1]), lengths[i]
+
+
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 40])  # the unrolled sizes' vector widening and the scalar one
@@ -97,7 +117,7 @@ def test_decode_attention_reads_an_fp8_cache(fmt, dtype, head_dim):
     """FP8 bytes with per-tensor scales, dequantized in the kernel: the torch path on the dequantized cache."""
     gen = torch.Generator().manual_seed(head_dim)
     f = FP8_FORMATS[fmt]
-    lengths = [1, 16, 17, 70, 31]
+    lengths = [1, 16, 17, 70, 31, 260]
     query, k_cache, v_cache, tables, lens, num_physical = paged_case(lengths, 16, (6, 2), head_dim, torch.float32, gen)
     k_scale, v_scale = 0.01, 0.02  # values up to ~4 land at 400 / 200: e4m3's top range and subnormals both occur
     k_bits, v_bits = quantize(k_cache, k_scale, f), quantize(v_cache * 1.5, v_scale, f)

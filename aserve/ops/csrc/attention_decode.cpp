@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -370,6 +371,12 @@ template <int HeadDim>
 void value_sum_bf16(const uint16_t*, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
 #endif
 
+// Tokens a work item attends to at most: longer contexts are split in parts of this size, their softmaxes merged.
+// Batch 1 had too few (request, kv head) items for two threads: splitting the query heads instead read every key
+// and value once per head, and ran slower on two threads than one (bench model, 9 heads over 3: 29.6 against 25.0 us
+// at 1024 tokens, Zen 5).
+constexpr int64_t kPartTokens = 128;
+
 // T: the query's and output's type; C: the cache's (T, or an FP8 tag with k_scale / v_scale folded in).
 template <typename T, typename C, int HeadDim>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
@@ -379,10 +386,6 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
-  // Split each group of query heads when there are too few (request, kv head) pairs to keep every thread busy.
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = batch * num_kv_heads >= 2 * threads ? 1 : group;
-  const int64_t heads_per_item = group / splits;
   const T* q_ptr = query.data_ptr<T>();
   const C* k_ptr = reinterpret_cast<const C*>(k_cache.const_data_ptr());
   const C* v_ptr = reinterpret_cast<const C*>(v_cache.const_data_ptr());
@@ -395,77 +398,158 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale * k_scale);
   const float vscale = static_cast<float>(v_scale);
 
+  // Work items: (request, kv head, part of its context of at most kPartTokens), each for all the kv head's query
+  // heads. A request's parts depend on its context alone, never on the batch or the threads, so its output is the
+  // same in any batch: one part's output is written as it is, several parts' softmaxes are merged in one order.
+  // Only the scheduling depends on the batch: with enough (request, kv head) pairs for the threads, a thread runs
+  // all of a pair's parts and merges them itself; with few (batch 1), the parts go to the threads one by one and
+  // are merged after.
+  struct Item { int64_t b, kvh, first, stop, part; };  // part: the item's slot among the partial results, or -1
+  struct Pair { int64_t item, count; };  // a (request, kv head)'s items, consecutive
+  std::vector<Item> items;
+  std::vector<Pair> pairs;
+  items.reserve(batch * num_kv_heads);
+  pairs.reserve(batch * num_kv_heads);
+  int64_t partials = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t parts = std::max<int64_t>(1, (len - first + kPartTokens - 1) / kPartTokens);
+    for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+      pairs.push_back({static_cast<int64_t>(items.size()), parts});
+      for (int64_t p = 0; p < parts; ++p)
+        items.push_back({b, kvh, first + p * kPartTokens, std::min(len, first + (p + 1) * kPartTokens),
+                         parts > 1 ? partials++ : -1});
+    }
+  }
+  // A split part's normalized sums per query head ([partials][group][head_dim]), and its softmax's max and total.
+  thread_local std::vector<float> part_acc, part_stats;
+  part_acc.resize(partials * group * head_dim);
+  part_stats.resize(partials * group * 2);
+  float* const acc_out = part_acc.data();
+  float* const stats_out = part_stats.data();
+
 #ifdef ASERVE_BF16_DOT
   constexpr bool bf16_dot = std::is_same_v<T, BF16> && std::is_same_v<C, BF16> && HeadDim > 0;
 #else
   constexpr bool bf16_dot = false;
 #endif
-  at::parallel_for(0, batch * num_kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(heads_per_item * head_dim), row(head_dim), acc(heads_per_item * head_dim), scores;
-    std::vector<T> qb(bf16_dot ? heads_per_item * head_dim : 0);
+  // One thread's scratch, and the items it runs in turn (the next one's rows found and prefetched meanwhile).
+  struct Worker {
+    std::vector<float> q, row, acc, scores, merged;
+    std::vector<T> qb;
     std::vector<uint16_t> probs;
     std::vector<int64_t> offsets, next_offsets;
+    int64_t ready = -1;  // the item whose rows next_offsets holds
+  };
+  auto make_worker = [&] {
+    Worker w;
+    w.q.resize(group * head_dim), w.row.resize(head_dim), w.acc.resize(group * head_dim);
+    w.merged.resize(head_dim), w.qb.resize(bf16_dot ? group * head_dim : 0);
+    return w;
+  };
+  auto rows_of = [&](int64_t i, std::vector<int64_t>& offs) {
+    const Item& it = items[i];
+    offs.resize(it.stop - it.first);
+    token_offsets(tables + it.b * table_width, block_size, head_dim, it.first, it.stop, offs.data());
+  };
+  // Item i; `next`: the item this thread runs after it, or -1.
+  auto run_item = [&](Worker& w, int64_t i, int64_t next) {
+    const Item& it = items[i];
+    if (w.ready != i) rows_of(i, w.next_offsets);
+    std::swap(w.offsets, w.next_offsets);
+    const int64_t b = it.b, kvh = it.kvh, n = it.stop - it.first, h0 = kvh * group;
+    const C* k_head = k_ptr + kvh * head_stride;
+    const C* v_head = v_ptr + kvh * head_stride;
+    const int64_t* offsets = w.offsets.data();
+    w.scores.resize(group * n);
+    float* scores = w.scores.data();
     Ahead ahead;
-    struct Rows { int64_t b, kvh, n; };  // a work item's request, kv head and token count
-    auto rows_of = [&](int64_t item, std::vector<int64_t>& offs) {
-      const int64_t b = item / (num_kv_heads * splits), kvh = (item / splits) % num_kv_heads, len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      offs.resize(len - first);
-      token_offsets(tables + b * table_width, block_size, head_dim, first, len, offs.data());
-      return Rows{b, kvh, len - first};
-    };
-    Rows next = end > begin ? rows_of(begin, next_offsets) : Rows{};
-    for (int64_t item = begin; item < end; ++item) {
-      const Rows cur = next;
-      std::swap(offsets, next_offsets);  // this item's rows, found while the one before ran
-      const int64_t b = cur.b, kvh = cur.kvh, n = cur.n;
-      const int64_t h0 = kvh * group + (item % splits) * heads_per_item;
-      const C* k_head = k_ptr + kvh * head_stride;
-      const C* v_head = v_ptr + kvh * head_stride;
-      scores.resize(heads_per_item * n);
-      ahead = Ahead{};
-      if (item + 1 < end) {
-        next = rows_of(item + 1, next_offsets);
-        if (next.b != b || next.kvh != kvh)  // (a split item shares its rows with the one before)
-          ahead = Ahead(k_ptr + next.kvh * head_stride, v_ptr + next.kvh * head_stride, next_offsets.data(),
-                        next.n, sizeof(C), head_dim * sizeof(C), n);
-      }
-      for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
-      if constexpr (bf16_dot) {
-        for (int64_t g = 0; g < heads_per_item; ++g)
-          std::memcpy(qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
-        key_scores_bf16<HeadDim>(qb.data(), heads_per_item, k_head, v_head, offsets.data(), n, fscale, scores.data(),
-                                 ahead);
-      } else {
-        for (int64_t g = 0; g < heads_per_item; ++g) {
-          load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, q.data() + g * head_dim, head_dim);
-          scale_row(q.data() + g * head_dim, fscale, head_dim);
-        }
-        key_scores<C, HeadDim>(q.data(), heads_per_item, head_dim, k_head, v_head, offsets.data(), n, scores.data(),
-                               row.data(), ahead);
-      }
-      if (cap > 0.f)  // soft-capping
-        for (int64_t i = 0; i < heads_per_item * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
-      for (int64_t g = 0; g < heads_per_item; ++g) {  // softmax in place
-        float* s = scores.data() + g * n;
-        const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
-        at::vec::map([peak](fVec x) { return (x - fVec(peak)).exp(); }, s, s, n);
-        const float total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
-        scale_row(s, 1.f / total, n);
-      }
-      if constexpr (bf16_dot) {
-        probs.resize(heads_per_item * n);
-        at::vec::convert(scores.data(), reinterpret_cast<BF16*>(probs.data()), heads_per_item * n);
-        value_sum_bf16<HeadDim>(probs.data(), heads_per_item, v_head, offsets.data(), n, acc.data(), ahead);
-      } else {
-        value_sum<C, HeadDim>(scores.data(), heads_per_item, head_dim, v_head, offsets.data(), n, acc.data(),
-                              row.data(), ahead);
-      }
-      if (vscale != 1.f) scale_row(acc.data(), vscale, heads_per_item * head_dim);
-      for (int64_t g = 0; g < heads_per_item; ++g)
-        store_row(acc.data() + g * head_dim, o_ptr + b * o_stride0 + (h0 + g) * o_stride1, head_dim);
+    w.ready = -1;
+    if (next >= 0) {
+      const Item& following = items[next];
+      rows_of(next, w.next_offsets);
+      w.ready = next;
+      ahead = Ahead(k_ptr + following.kvh * head_stride, v_ptr + following.kvh * head_stride, w.next_offsets.data(),
+                    following.stop - following.first, sizeof(C), head_dim * sizeof(C), n);
     }
+    for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
+    if constexpr (bf16_dot) {
+      for (int64_t g = 0; g < group; ++g)
+        std::memcpy(w.qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
+      key_scores_bf16<HeadDim>(w.qb.data(), group, k_head, v_head, offsets, n, fscale, scores, ahead);
+    } else {
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, w.q.data() + g * head_dim, head_dim);
+        scale_row(w.q.data() + g * head_dim, fscale, head_dim);
+      }
+      key_scores<C, HeadDim>(w.q.data(), group, head_dim, k_head, v_head, offsets, n, scores, w.row.data(), ahead);
+    }
+    if (cap > 0.f)  // soft-capping
+      for (int64_t j = 0; j < group * n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
+    for (int64_t g = 0; g < group; ++g) {  // softmax in place
+      float* s = scores + g * n;
+      const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
+      at::vec::map([peak](fVec x) { return (x - fVec(peak)).exp(); }, s, s, n);
+      const float total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
+      scale_row(s, 1.f / total, n);
+      if (it.part >= 0) {
+        stats_out[(it.part * group + g) * 2] = peak;
+        stats_out[(it.part * group + g) * 2 + 1] = total;
+      }
+    }
+    float* sums = it.part >= 0 ? acc_out + it.part * group * head_dim : w.acc.data();
+    if constexpr (bf16_dot) {
+      w.probs.resize(group * n);
+      at::vec::convert(scores, reinterpret_cast<BF16*>(w.probs.data()), group * n);
+      value_sum_bf16<HeadDim>(w.probs.data(), group, v_head, offsets, n, sums, ahead);
+    } else {
+      value_sum<C, HeadDim>(scores, group, head_dim, v_head, offsets, n, sums, w.row.data(), ahead);
+    }
+    if (vscale != 1.f) scale_row(sums, vscale, group * head_dim);
+    if (it.part < 0)
+      for (int64_t g = 0; g < group; ++g)
+        store_row(sums + g * head_dim, o_ptr + b * o_stride0 + (h0 + g) * o_stride1, head_dim);
+  };
+  // A split pair's heads: out = sum_p w_p acc_p / sum_p w_p, w_p = total_p exp(max_p - max), parts in order.
+  auto merge = [&](Worker& w, const Pair& pair) {
+    const Item& lead = items[pair.item];
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < pair.count; ++p) top = std::max(top, stats_out[(items[pair.item + p].part * group + g) * 2]);
+      float weights = 0.f;
+      std::fill(w.merged.begin(), w.merged.end(), 0.f);
+      for (int64_t p = 0; p < pair.count; ++p) {
+        const int64_t part = items[pair.item + p].part;
+        const float weight = stats_out[(part * group + g) * 2 + 1] * std::exp(stats_out[(part * group + g) * 2] - top);
+        weights += weight;
+        axpy(weight, acc_out + (part * group + g) * head_dim, w.merged.data(), head_dim);
+      }
+      scale_row(w.merged.data(), 1.f / weights, head_dim);
+      store_row(w.merged.data(), o_ptr + lead.b * o_stride0 + (lead.kvh * group + g) * o_stride1, head_dim);
+    }
+  };
+  const auto num_items = static_cast<int64_t>(items.size()), num_pairs = static_cast<int64_t>(pairs.size());
+  if (num_pairs >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
+      Worker w = make_worker();
+      const int64_t last = pairs[end - 1].item + pairs[end - 1].count;
+      for (int64_t pr = begin; pr < end; ++pr) {
+        const Pair& pair = pairs[pr];
+        for (int64_t i = pair.item; i < pair.item + pair.count; ++i) run_item(w, i, i + 1 < last ? i + 1 : -1);
+        if (pair.count > 1) merge(w, pair);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    Worker w = make_worker();
+    for (int64_t i = begin; i < end; ++i) run_item(w, i, i + 1 < end ? i + 1 : -1);
   });
+  if (partials > 0) {
+    Worker w = make_worker();
+    for (const Pair& pair : pairs)
+      if (pair.count > 1) merge(w, pair);
+  }
 }
 
 // Head sizes the unrolled path takes: multiples of two 16-bit vectors (32 lanes with AVX-512, 16 with AVX2).
