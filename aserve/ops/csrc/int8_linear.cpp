@@ -377,6 +377,10 @@ inline void int4_tile_bf16(const uint8_t* w, const uint32_t* xpairs, int64_t K, 
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
   prefetch_scales<1>(sz, t, groups, 0);
+  if (!last) {  // the next tile's scales, all its groups, into L2
+    const char* p = reinterpret_cast<const char*>(sz + (t + 1) * groups * 2 * kInt8Tile);
+    for (int64_t b = 0; b < groups * 2 * kInt8Tile * 2; b += 64) aserve_kernels::prefetch_line<2>(p + b);
+  }
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
     __m512 acc[kChains][M];
