@@ -130,8 +130,8 @@ def test_the_sampler_on_a_device_brings_back_only_its_results(monkeypatch, bad_r
 
 def test_on_the_cpu_the_draw_still_takes_the_cpu_kernel(monkeypatch):
     """The device-agnostic code leaves the CPU path as it was: the uniforms stay where they are drawn and the
-    inverse-CDF draw is aserve's CPU kernel, not the torch path a GPU takes; so is the finite-logits check
-    before it."""
+    inverse-CDF draw is aserve's CPU kernel, not the torch path a GPU takes; so are the finite-logits check
+    before it and the greedy rows' argmax."""
     if not sampler.cpu_kernels.available():
         pytest.skip("aserve's CPU kernels are not built here")
     asked = []
@@ -139,7 +139,7 @@ def test_on_the_cpu_the_draw_still_takes_the_cpu_kernel(monkeypatch):
     monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *tensors: asked.append(usable(*tensors)) or asked[-1])
     with torch.inference_mode():  # as the model runner calls it
         assert len(run(logits_for_test())) == len(ROWS)
-    assert asked == [True, True]  # the check, then one draw for the three random rows together, on the kernels
+    assert asked == [True, True, True]  # the check, the argmax, one draw for the three random rows, all on the kernels
 
 
 def test_the_grammar_bitmask_is_uploaded_to_the_logits(monkeypatch):
