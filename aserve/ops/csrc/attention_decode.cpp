@@ -515,7 +515,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     const Item& lead = items[pair.item];
     for (int64_t g = 0; g < group; ++g) {
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < pair.count; ++p) top = std::max(top, stats_out[(items[pair.item + p].part * group + g) * 2]);
+      for (int64_t p = 0; p < pair.count; ++p)
+        top = std::max(top, stats_out[(items[pair.item + p].part * group + g) * 2]);
       float weights = 0.f;
       std::fill(w.merged.begin(), w.merged.end(), 0.f);
       for (int64_t p = 0; p < pair.count; ++p) {
