@@ -2,6 +2,7 @@
 and the report prints every figure it promises. No timing is asserted (figures depend on the machine)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -58,6 +59,10 @@ def test_work_counted_is_the_work_done(model_dirs):
     assert work.attention_flops == cost.attention_flops * pairs
     assert work.bytes_read == 5 * cost.weight_bytes + cost.kv_bytes * 3 * (20 + sum(range(21, 25)))
     assert 0 < work.roofline_seconds and work.compute_bound_steps <= work.steps
+    seconds, compute_bound = work.bound(peaks)  # what the report computes after the run, with the final peaks
+    assert seconds == pytest.approx(work.roofline_seconds) and compute_bound == work.compute_bound_steps
+    faster = dataclasses.replace(peaks, bandwidth_gbs=2 * peaks.bandwidth_gbs)
+    assert work.bound(faster)[0] < seconds
     assert set(run.split) == {"GEMM", "attention", "other ops", "Python and scheduling"}
     assert all(seconds >= 0 for seconds in run.split.values()) and run.split["GEMM"] > 0
     assert sum(run.split.values()) == pytest.approx(run.profiled_wall, rel=0.05)
@@ -84,6 +89,7 @@ def test_roofline_command_prints_every_figure(model_dirs, capsys):
     out = capsys.readouterr().out
     for pattern in (r"flags: [a-z0-9_ ]+\)", r"peak GEMM: \d+ GFLOP/s",
                     r"memory bandwidth: [\d.]+ GB/s .*the slowest [\d.]+\)",
+                    r"memory bandwidth after the run: [\d.]+ GB/s .*the fractions below use [\d.]+",
                     r"GEMM: [\d.]+ GFLOP, \d+ GFLOP/s over the whole run = \d+% of the peak",
                     r"= \d+% of the bandwidth", r"reached \d+% of the machine's limit", r"\| GEMM \| [\d.]+ \| \d+% \|",
                     r"\| Python and scheduling \|", r"inside the GEMMs: \d+ GFLOP/s"):
