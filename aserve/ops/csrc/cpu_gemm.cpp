@@ -19,7 +19,8 @@
 //    (each chunk reloads and stores the outputs, and the x block is copied once per chunk);
 //  - while it works through one panel a thread prefetches the next panel into L1, one line every few k steps
 //    inside the micro-kernel (with weights in DRAM: 140-155 GFLOP/s at M = 64 where a burst of prefetches before
-//    each tile gave 128-134, and 20.5 GB/s at M = 1 against 15);
+//    each tile gave 128-134, and 20.5 GB/s at M = 1 against 15, Zen 4); the bf16 GEMM does not at up to
+//    kRowsWithoutPrefetch rows, where on Zen 5 the hardware prefetchers alone stream faster;
 //  - threads split the panels: each reads only its share of the weights.
 // Summation is in fp32, each output's K products in order (one FMA chain per kc chunk): what F.linear computes
 // up to the order of the sums.
