@@ -180,16 +180,23 @@ class Work:
     gemm_flops: float = 0.0
     attention_flops: float = 0.0
     bytes_read: float = 0.0
-    roofline_seconds: float = 0.0
-    compute_bound_steps: int = 0
     step_costs: list = field(default_factory=list)  # per step: GEMM FLOPs, weight bytes, attention FLOPs, K/V bytes
+    peaks: Peaks | None = None  # what roofline_seconds and compute_bound_steps hold the run to
 
     def bound(self, peaks: Peaks) -> tuple[float, int]:
         """The run's least possible time at `peaks`, and how many steps' linear layers are compute-bound there."""
         bounds = [step_bound(cost, peaks) for cost in self.step_costs]
         return sum(seconds for seconds, _ in bounds), sum(compute_bound for _, compute_bound in bounds)
 
-    def add_step(self, chunks: list[tuple[int, int, bool]], cost: ModelCost, peaks: Peaks | None) -> None:
+    @property
+    def roofline_seconds(self) -> float:
+        return self.bound(self.peaks)[0] if self.peaks is not None else 0.0
+
+    @property
+    def compute_bound_steps(self) -> int:
+        return self.bound(self.peaks)[1] if self.peaks is not None else 0
+
+    def add_step(self, chunks: list[tuple[int, int, bool]], cost: ModelCost) -> None:
         """One step: (context before, new tokens, samples) per request."""
         tokens = sum(n for _, n, _ in chunks)
         rows = sum(samples for _, _, samples in chunks)
@@ -205,10 +212,6 @@ class Work:
         self.attention_flops += attention
         self.bytes_read += read
         self.step_costs.append((gemm, cost.weight_bytes, attention, kv))
-        if peaks is not None:
-            seconds, compute_bound = step_bound(self.step_costs[-1], peaks)
-            self.roofline_seconds += seconds
-            self.compute_bound_steps += compute_bound
 
 
 @dataclass
@@ -223,7 +226,7 @@ class Run:
 @contextlib.contextmanager
 def counting_work(engine, cost: ModelCost, peaks: Peaks | None):
     """Count every step the engine's executor runs inside the block into the Work it yields."""
-    work = Work()
+    work = Work(peaks=peaks)
     executor = engine.executor
     execute = executor.execute
 
@@ -232,7 +235,7 @@ def counting_work(engine, cost: ModelCost, peaks: Peaks | None):
         chunks = [(req.num_computed_tokens, n, req.num_computed_tokens + n >= req.num_tokens)
                   for req, n in engine.scheduler.scheduled if req.request_id in ids]
         if chunks:
-            work.add_step(chunks, cost, peaks)
+            work.add_step(chunks, cost)
         return execute(sched, *args, **kwargs)
 
     executor.execute = counted  # an instance attribute over the class's method, deleted after

@@ -379,7 +379,8 @@ inline void int4_tile_bf16(const uint8_t* w, const uint32_t* xpairs, int64_t K, 
   prefetch_scales<1>(sz, t, groups, 0);
   if (!last) {  // the next tile's scales, all its groups, into L2
     const char* p = reinterpret_cast<const char*>(sz + (t + 1) * groups * 2 * kInt8Tile);
-    for (int64_t b = 0; b < groups * 2 * kInt8Tile * 2; b += 64) aserve_kernels::prefetch_line<2>(p + b);
+    const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(c10::BFloat16)};
+    for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
   }
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
