@@ -316,12 +316,33 @@ void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF1
   }
 }
 
+// out[i] = exp(s[i] - peak) as bf16 bits, for i < n, and a zero after an odd n's last; returns the fp32 sum of the
+// exponentials (before rounding), the softmax's total.
+inline float exp_to_bf16(const float* s, float peak, int64_t n, uint16_t* out) {
+  const fVec top(peak);
+  fVec total(0.f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const fVec e = (fVec::loadu(s + i) - top).exp();
+    total = total + e;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const fVec e = _mm512_maskz_mov_ps(m, (fVec(_mm512_maskz_loadu_ps(m, s + i)) - top).exp());
+    total = total + e;
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (n % 2 == 1) out[n] = 0;
+  return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, total);
+}
+
 // acc[h] = sum_t p[h][t] * v[t] for NH heads (p as bf16 bits, rows n apart), their sums in registers. Tokens go
 // in pairs; an odd last one is paired with a zero row. Lane i of chunk c's low/high sums holds dim
 // 32c + 8(i/4) + i%4 (+ 4 for the high ones), the order unpacklo/unpackhi leave, put back in order at the end.
 template <int HeadDim, int NH>
-void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int64_t* offsets, float* acc,
-                     Ahead& ahead) {
+void value_pass_bf16(const uint16_t* p, int64_t stride, int64_t n, const BF16* v_head, const int64_t* offsets,
+                     float* acc, Ahead& ahead) {
   constexpr int C = HeadDim / 32;
   alignas(64) static const BF16 zero_row[HeadDim] = {};
   __m512 sums[NH][2 * C];
@@ -333,9 +354,11 @@ void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int
     const BF16* a = v_head + offsets[i];
     const BF16* b = two ? v_head + offsets[i + 1] : zero_row;
     __m512i weights[NH];
-    for (int h = 0; h < NH; ++h)
-      weights[h] = _mm512_set1_epi32(
-          static_cast<int32_t>(p[h * n + i] | (two ? uint32_t(p[h * n + i + 1]) << 16 : 0u)));
+    for (int h = 0; h < NH; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, p + h * stride + i, sizeof(pair));
+      weights[h] = _mm512_set1_epi32(pair);
+    }
     for (int c = 0; c < C; ++c) {
       const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
       const __m512bh lo = as_bh(_mm512_unpacklo_epi16(ra, rb)), hi = as_bh(_mm512_unpackhi_epi16(ra, rb));
@@ -357,18 +380,19 @@ void value_pass_bf16(const uint16_t* p, int64_t n, const BF16* v_head, const int
 
 // acc[g] = sum_t p[g][t] * v[t]: the heads in passes whose sums fill half the registers.
 template <int HeadDim>
-void value_sum_bf16(const uint16_t* p, int64_t heads, const BF16* v_head, const int64_t* offsets, int64_t n,
-                    float* acc, Ahead& ahead) {
+void value_sum_bf16(const uint16_t* p, int64_t stride, int64_t heads, const BF16* v_head, const int64_t* offsets,
+                    int64_t n, float* acc, Ahead& ahead) {
   constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // 4 heads at 64 dims, 2 at 128, 1 at 256
   head_groups<HG>(heads, [&](auto nh, int64_t g) {
-    value_pass_bf16<HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim, ahead);
+    value_pass_bf16<HeadDim, decltype(nh)::value>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
   });
 }
 #else  // declared only, so the branches that would call them compile away
 template <int HeadDim>
 void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
+float exp_to_bf16(const float*, float, int64_t, uint16_t*);
 template <int HeadDim>
-void value_sum_bf16(const uint16_t*, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
+void value_sum_bf16(const uint16_t*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
 #endif
 
 // Tokens a work item attends to at most: longer contexts are split in parts of this size, their softmaxes merged.
@@ -435,7 +459,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #endif
   // One thread's scratch, and the items it runs in turn (the next one's rows found and prefetched meanwhile).
   struct Worker {
-    std::vector<float> q, row, acc, scores, merged;
+    std::vector<float> q, row, acc, scores, merged, totals;
     std::vector<T> qb;
     std::vector<uint16_t> probs;
     std::vector<int64_t> offsets, next_offsets;
@@ -444,7 +468,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   auto make_worker = [&] {
     Worker w;
     w.q.resize(group * head_dim), w.row.resize(head_dim), w.acc.resize(group * head_dim);
-    w.merged.resize(head_dim), w.qb.resize(bf16_dot ? group * head_dim : 0);
+    w.merged.resize(head_dim), w.qb.resize(bf16_dot ? group * head_dim : 0), w.totals.resize(group);
     return w;
   };
   auto rows_of = [&](int64_t i, std::vector<int64_t>& offs) {
@@ -486,12 +510,24 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
     if (cap > 0.f)  // soft-capping
       for (int64_t j = 0; j < group * n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
-    for (int64_t g = 0; g < group; ++g) {  // softmax in place
+    // Softmax. bf16 cache: exp(s - max) rounded to bf16 in the same pass that sums it, into rows of even length
+    // (the value pass reads a pair of tokens' probabilities as one word), and the value sums divided by the total
+    // after. Else in place, normalized before the value pass.
+    const int64_t stride = (n + 1) / 2 * 2;
+    if constexpr (bf16_dot) w.probs.resize(group * stride);
+    float* totals = w.totals.data();
+    for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * n;
       const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
-      at::vec::map([peak](fVec x) { return (x - fVec(peak)).exp(); }, s, s, n);
-      const float total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
-      scale_row(s, 1.f / total, n);
+      float total;
+      if constexpr (bf16_dot) {
+        total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride);
+      } else {
+        at::vec::map([peak](fVec x) { return (x - fVec(peak)).exp(); }, s, s, n);
+        total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
+        scale_row(s, 1.f / total, n);
+      }
+      totals[g] = total;
       if (it.part >= 0) {
         stats_out[(it.part * group + g) * 2] = peak;
         stats_out[(it.part * group + g) * 2 + 1] = total;
@@ -499,13 +535,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
     float* sums = it.part >= 0 ? acc_out + it.part * group * head_dim : w.acc.data();
     if constexpr (bf16_dot) {
-      w.probs.resize(group * n);
-      at::vec::convert(scores, reinterpret_cast<BF16*>(w.probs.data()), group * n);
-      value_sum_bf16<HeadDim>(w.probs.data(), group, v_head, offsets, n, sums, ahead);
+      value_sum_bf16<HeadDim>(w.probs.data(), stride, group, v_head, offsets, n, sums, ahead);
+      for (int64_t g = 0; g < group; ++g) scale_row(sums + g * head_dim, vscale / totals[g], head_dim);
     } else {
       value_sum<C, HeadDim>(scores, group, head_dim, v_head, offsets, n, sums, w.row.data(), ahead);
+      if (vscale != 1.f) scale_row(sums, vscale, group * head_dim);
     }
-    if (vscale != 1.f) scale_row(sums, vscale, group * head_dim);
     if (it.part < 0)
       for (int64_t g = 0; g < group; ++g)
         store_row(sums + g * head_dim, o_ptr + b * o_stride0 + (h0 + g) * o_stride1, head_dim);
