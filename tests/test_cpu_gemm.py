@@ -115,6 +115,35 @@ def test_aserve_gemm_equals_linear(aserve_gemm, rows, out_features, in_features,
     torch.testing.assert_close(got.double(), expected, **tol)
 
 
+@pytest.mark.parametrize("kind", ["gelu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 40, 33), (13, 96, 576), (64, 33, 2100), (7, 50, 5000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aserve_gemm_applies_gelu_as_it_writes(aserve_gemm, kind, rows, out_features, in_features, dtype):
+    """GELU in the epilogue equals torch's GELU of the fp32 product: after the last of several K chunks only (2100,
+    5000 > 2048 in fp32), on panel tails, and in bf16 before the one rounding (so nearer than GELU of the rounded
+    product)."""
+    from aserve.ops.cpu_gemm import pack_weight, packed_linear, packed_linear_gelu
+
+    if dtype == torch.bfloat16 and not torch.ops.aserve.gemm_packs_bf16():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(rows + out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    packed = pack_weight(weight)
+    approximate = "none" if kind == "gelu" else "tanh"
+    expected = torch.nn.functional.gelu(torch.nn.functional.linear(x.double(), weight.double(), b.double()),
+                                        approximate=approximate)
+    got = packed_linear_gelu(x, packed, b, kind)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -8)
+    torch.testing.assert_close(got.double(), expected, **tol)
+    separate = torch.nn.functional.gelu(packed_linear(x, packed, b).double(), approximate=approximate)
+    assert (got.double() - expected).abs().max() <= (separate.to(dtype).double() - expected).abs().max() + 1e-6
+    with pytest.raises(RuntimeError, match="activation must be 0"):
+        torch.ops.aserve.gemm_packed(x, packed.data, b, out_features, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm, dtype):
     from aserve.ops.cpu_gemm import pack_weight, packed_linear

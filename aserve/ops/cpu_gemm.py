@@ -119,16 +119,16 @@ def packed_linear_then(x: torch.Tensor, packed: PackedWeight, op: str, other: to
 
 
 GELU_ALGORITHMS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's names: erf, tanh
+ASERVE_GELU = {"gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}  # gemm_packed's activation codes: erf, tanh
 
 
 def packed_linear_gelu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
-    """GELU(`x @ W^T + bias`), `kind` a models.layers activation name of GELU. oneDNN applies it in the GEMM's
-    epilogue: over a BERT-base MLP's [4096, 3072] bf16 product, 9.2 ms with the GEMM against 27 ms for the GEMM
-    then torch's GELU (Sapphire Rapids, 2 threads); aserve's GEMM applies torch's after."""
+    """GELU(`x @ W^T + bias`), `kind` a models.layers activation name of GELU, in the GEMM's epilogue: over a
+    BERT-base MLP's [4096, 3072] bf16 product oneDNN took 9.2 ms with it against 27 ms for the GEMM then torch's
+    GELU (Sapphire Rapids, 2 threads). aserve's GEMM applies it to the fp32 sums before rounding them."""
     if not packed.aserve:
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "gelu", [], GELU_ALGORITHMS[kind])
-    product = packed_linear(x, packed, bias)
-    return torch.nn.functional.gelu(product, approximate="none" if GELU_ALGORITHMS[kind] == "none" else "tanh")
+    return torch.ops.aserve.gemm_packed(x, packed.data, bias, packed.out_features, ASERVE_GELU[kind])
 
 
 def can_pack(dtype: torch.dtype) -> bool:

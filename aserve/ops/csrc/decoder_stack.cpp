@@ -42,7 +42,7 @@ struct Kernels {
   using Prefill = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        double, int64_t, double, double, double, int64_t);
   using Activation = Tensor(const Tensor&);
-  using Gemm = Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t);
+  using Gemm = Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t);  // last: activation
   using Int8Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t);
   using GemmInt8 = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t);
   using Int4Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
@@ -73,7 +73,7 @@ struct Projection {
   Tensor operator()(const Kernels& k, const Tensor& x) const {
     switch (kind) {
       case kDense:
-        return k.gemm.call(x, weight, bias, out_features);
+        return k.gemm.call(x, weight, bias, out_features, 0);
       case kInt8:
         if (x.size(0) <= kernel_rows)
           return with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
