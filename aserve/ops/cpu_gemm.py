@@ -119,7 +119,7 @@ def packed_linear_then(x: torch.Tensor, packed: PackedWeight, op: str, other: to
 
 
 GELU_ALGORITHMS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # oneDNN's names: erf, tanh
-ASERVE_GELU = {"gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}  # gemm_packed's activation codes: erf, tanh
+GEMM_ACTIVATION_CODES = {"gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}  # gemm_packed's activation codes: erf, tanh
 
 
 def packed_linear_gelu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
@@ -128,7 +128,7 @@ def packed_linear_gelu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor
     GELU (Sapphire Rapids, 2 threads). aserve's GEMM applies it to the fp32 sums before rounding them."""
     if not packed.aserve:
         return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "gelu", [], GELU_ALGORITHMS[kind])
-    return torch.ops.aserve.gemm_packed(x, packed.data, bias, packed.out_features, ASERVE_GELU[kind])
+    return torch.ops.aserve.gemm_packed(x, packed.data, bias, packed.out_features, GEMM_ACTIVATION_CODES[kind])
 
 
 def can_pack(dtype: torch.dtype) -> bool:
