@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Batch-1 decode speed of each weight format, in one process, alternated round by round.
+"""Decode speed of each weight format at one batch size, in one process, alternated round by round.
 
-One prompt of --input-len tokens, --output-len greedy tokens (ignore_eos), through an engine per format: dense, int8,
-int8 with its head (--quantize-lm-head), GPTQ int4 and GPTQ with an int8 head. Each round runs every format once,
-in turn, so a VM whose speed drifts slows all of them alike; the last lines are each format's median rate and its
-ratio to the first format's, and every round's ratios.
+--batch prompts (distinct, so nothing is shared through the prefix cache) of --input-len tokens, --output-len greedy
+tokens each (ignore_eos), through an engine per format: dense, int8, int8 with its head (--quantize-lm-head), GPTQ
+int4 and GPTQ with an int8 head. Each round runs every format once, in turn, so a VM whose speed drifts slows all of
+them alike; the last lines are each format's median output rate and its ratio to the first format's, and every
+round's ratios.
 
-    python benchmarks/batch1_formats.py --model /tmp/bench-model [--gptq DIR] [--rounds 5] [--formats dense,gptqh]
+    python benchmarks/weight_formats.py --model /tmp/bench-model [--gptq DIR] [--rounds 5] [--formats dense,gptqh]
+    python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,int8
 
 Without --gptq, a round-to-nearest GPTQ copy is written to a temporary folder first (aserve.bench.quantize_rtn, as
 `aserve bench quality` writes it; group size 64 for the bench model).
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--gptq", help="its GPTQ copy (default: written to a temporary folder)")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--dtype", default="auto")
@@ -57,17 +60,18 @@ def main() -> None:
         engines = {n: LLM(gptq if FORMATS[n][0] else args.model, dtype=args.dtype, disable_log_stats=True,
                           **FORMATS[n][1]) for n in names}
         first = next(iter(engines.values()))
-        print(f"batch1_formats: {cpu_info().describe()}, dtype {str(first.engine.dtype).replace('torch.', '')}; "
-              f"1 x {args.input_len}/{args.output_len}, {args.rounds} rounds")
-        prompt = {"prompt_token_ids": [1000 + i % 30000 for i in range(args.input_len)]}
+        print(f"weight_formats: {cpu_info().describe()}, dtype {str(first.engine.dtype).replace('torch.', '')}; "
+              f"{args.batch} x {args.input_len}/{args.output_len}, {args.rounds} rounds")
+        prompts = [{"prompt_token_ids": [1000 + (b * 7919 + i) % 30000 for i in range(args.input_len)]}
+                   for b in range(args.batch)]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         rates: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(args.rounds):
             for name, llm in engines.items():
-                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm
+                llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm
                 start = time.perf_counter()
-                llm.generate([prompt], params, use_tqdm=False)
-                rates[name].append(args.output_len / (time.perf_counter() - start))
+                llm.generate(prompts, params, use_tqdm=False)
+                rates[name].append(args.batch * args.output_len / (time.perf_counter() - start))
             print("round: " + ", ".join(f"{n} {r[-1]:.1f}" for n, r in rates.items()), flush=True)
     base = rates[names[0]]
     print(f"median output tok/s (ratio to {names[0]}): " + ", ".join(
