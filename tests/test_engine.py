@@ -50,6 +50,19 @@ def resident_pages(tensor: torch.Tensor) -> list[bool]:
     return [bool(f & 1) for f in flags]
 
 
+def test_zero_blocks_zeroes_those_blocks_in_every_layer_and_nothing_else(model_dirs):
+    """Freshly handed-out blocks are zeroed (a NaN an earlier owner left must not reach a new one): every layer's K
+    and V of every KV head, those blocks only."""
+    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB", device="cpu")
+    runner = llm.engine.executor.worker.runner
+    runner.kv_cache.fill_(float("nan"))
+    runner.zero_blocks([2, 5])
+    per_block = runner.kv_cache.movedim(runner.block_dim, 0)
+    assert not per_block[[2, 5]].isnan().any() and not per_block[[2, 5]].any()
+    keep = [b for b in range(per_block.shape[0]) if b not in (2, 5)]
+    assert per_block[keep].isnan().all()
+
+
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mincore"), reason="needs mincore(2) (Linux)")
 def test_kv_cache_prefault_faults_in_the_first_blocks_only(model_dirs):
     """The blocks the pool hands out first are faulted in at start-up (kv_cache_prefault_tokens), in every layer's

@@ -160,6 +160,16 @@ class ModelRunner:
             else:
                 state.block_table.extend(diff.new_block_ids)
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero these blocks in every layer. On the CPU one block at a time: index_fill_ over the block dimension
+        took 26 us a block against 4-5 us for a block's view zeroed (bench model's cache, bf16), the ~4 fresh blocks
+        of a 64-request decode step 106 against 17 us."""
+        if self.device.type != "cpu":
+            self.kv_cache.index_fill_(self.block_dim, torch.tensor(block_ids, device=self.device), 0)
+            return
+        for block_id in block_ids:
+            self.kv_cache.select(self.block_dim, block_id).zero_()
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, intermediate: tuple | None = None) -> ModelRunnerOutput:
         """One step. A pipeline stage after the first takes `intermediate` from the stage before it."""
@@ -168,7 +178,7 @@ class ModelRunner:
         if sched.swap_out:
             self.swap_out(sched.swap_out)
         if sched.blocks_to_zero and self.keeps_kv:  # after swap-out: a victim's block may be handed to someone else in the same step
-            self.kv_cache.index_fill_(self.block_dim, torch.tensor(sched.blocks_to_zero, device=self.device), 0)
+            self.zero_blocks(sched.blocks_to_zero)
         if sched.swap_in:
             self.swap_in(sched.swap_in)
         if sched.copies:
