@@ -277,6 +277,29 @@ def test_write_kv_stores_the_bytes_the_torch_path_stores(dtype, fmt):
                                   f.code if f else 0)
 
 
+@pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
+def test_write_kv_rounds_every_fp8_case_as_torch_does(fmt):
+    """Every FP8 value, the midpoints between neighbours (ties go to even) and the floats either side of them,
+    subnormals, +-0, NaN and values past the format's range, through the 16-at-a-time path and the tail: the bytes
+    torch's conversion stores."""
+    f = FP8_FORMATS[fmt]
+    exact = torch.arange(256, dtype=torch.uint8).view(f.dtype).float()
+    exact = exact[exact.isfinite()].unique()
+    mids = (exact[1:] + exact[:-1]) / 2
+    values = torch.cat([exact, mids, mids.nextafter(torch.tensor(float("inf"))),
+                        mids.nextafter(torch.tensor(float("-inf"))), -mids,
+                        torch.tensor([0.0, -0.0, float("nan"), -float("nan"), 1e30, -1e30, 1e-30, -1e-30,
+                                      f.max * 1.01, -f.max * 1.03])])
+    dim = 53  # each row: three vectors of 16, then a tail of 5 one at a time
+    key = torch.cat([values, torch.zeros(-values.numel() % dim)]).view(-1, 1, dim)
+    tokens = key.shape[0]
+    slots = torch.arange(tokens)
+    ours = [torch.zeros(1, tokens, 1, dim, dtype=torch.uint8) for _ in range(2)]
+    with torch.inference_mode():
+        torch.ops.aserve.write_kv(key, key, ours[0], ours[1], slots, 1.0, 1.0, f.code)
+    assert torch.equal(ours[0].view(tokens, dim), quantize(key, 1.0, f).view(tokens, dim))
+
+
 def test_decode_attention_reads_strided_query_and_writes_into_a_view():
     """The backend passes a slice of the fused QKV output as the query and a slice of its output buffer."""
     gen = torch.Generator().manual_seed(3)

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -22,6 +23,35 @@
 namespace {
 
 using namespace aserve_kernels;
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 floats, already divided by the scale and saturated to the format's range (or NaN), as FP8 bytes rounded to
+// nearest even: the bytes c10's scalar Float8_e4m3fn / Float8_e5m2 conversions give (the FP8 test checks every
+// rounding case), 16 at a time. The scalar conversion, one value at a time, was 4% of an FP8 prefill (bench model,
+// 64 x 512 tokens: 0.40 s of write_kv against 0.03 s for a bf16 cache's copies).
+// Normals: the fp32 mantissa rounded to Mant bits by adding half an ulp less one plus the kept lowest bit, the
+// exponent rebiased; below the smallest normal, the value as a multiple of the smallest subnormal, rounded to nearest
+// even by the conversion to int32 (a result of 2^Mant is the smallest normal's bits, as it should be); NaN keeps its
+// sign, over 0x7F.
+template <int Mant, int Bias>
+inline __m128i fp8_bytes(__m512 x) {
+  constexpr int shift = 23 - Mant;
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(magnitude, shift), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(magnitude, _mm512_add_epi32(_mm512_set1_epi32((1 << (shift - 1)) - 1),
+                                                                          lowest_kept));
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, shift), _mm512_set1_epi32((127 - Bias) << Mant));
+  const __m512 a = _mm512_castsi512_ps(magnitude);
+  const __m512i subnormal = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.f, Bias - 1 + Mant))),
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.f, 1 - Bias)), _CMP_LT_OQ);
+  __m512i out = _mm512_mask_blend_epi32(small, normal, subnormal);
+  out = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), out, _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(out, sign));
+}
+#endif
 
 template <typename T, typename C>
 void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -40,7 +70,19 @@ void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
     } else {
       using F8 = std::conditional_t<std::is_same_v<C, E4M3>, c10::Float8_e4m3fn, c10::Float8_e5m2>;
       const float top = static_cast<float>(std::numeric_limits<F8>::max());
-      for (int64_t i = 0; i < dim; ++i) {
+      int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      alignas(64) float row[16];
+      const __m512 hi = _mm512_set1_ps(top), lo = _mm512_set1_ps(-top), scale = _mm512_set1_ps(inv);
+      for (; i + 16 <= dim; i += 16) {
+        load_row(src + i, row, 16);
+        // saturated as std::clamp does: NaN stays NaN (min/max return their second operand when one is NaN)
+        const __m512 x = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_mul_ps(_mm512_load_ps(row), scale)));
+        const __m128i bytes = std::is_same_v<C, E4M3> ? fp8_bytes<3, 7>(x) : fp8_bytes<2, 15>(x);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
+      }
+#endif
+      for (; i < dim; ++i) {
         const float x = std::clamp(static_cast<float>(src[i]) * inv, -top, top);
         dst[i].bits = F8(x).x;
       }
