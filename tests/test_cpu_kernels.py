@@ -468,7 +468,8 @@ def test_gemm_int8_matches_the_dequantized_product(dtype):
 def test_int4_kernels_match_the_dequantized_product(dtype):
     """GPTQ/AWQ layers on aserve's int4 kernels: int4_linear (1-8 rows) and gemm_int4 (any rows) equal x @ (q * s -
     s * z)^T with the stored (dtype-rounded) s and s * z, for group sizes 32/64/128 and a whole row, output widths
-    that end mid-tile and mid-panel, a batch over one row block and inputs past the fp32 GEMM's k chunk."""
+    that end mid-tile and mid-panel, a batch over one row block and inputs past the fp32 GEMM's k chunk; int4_linear
+    the same for rows that are a view into wider ones."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes
 
@@ -493,6 +494,11 @@ def test_int4_kernels_match_the_dequantized_product(dtype):
         if rows <= 8:
             got = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
             assert got.dtype == dtype and (got.float() - expected).abs().max() <= bound, (out_features, rows)
+            # rows read where they are: a view one element into wider rows (an odd offset and stride)
+            wide = torch.zeros(rows, in_features + 3, dtype=dtype)
+            wide[:, 1:in_features + 1] = x
+            again = torch.ops.aserve.int4_linear(wide[:, 1:in_features + 1], tiles, sz, group, out_features)
+            assert torch.equal(again, got), (out_features, rows)
         got = torch.ops.aserve.gemm_int4(x, tiles, sz, group, bias, out_features)
         assert got.dtype == dtype and (got.float() - expected - bias.float()).abs().max() <= bound, (out_features, rows)
     with pytest.raises(RuntimeError, match="group size"):

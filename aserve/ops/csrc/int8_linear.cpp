@@ -171,18 +171,26 @@ inline const B* next_run(const B* w, int64_t t, int64_t end, int64_t rows) {
   return t + R < end ? w + (t + R) * rows * kInt8Tile : nullptr;
 }
 
+// x's M rows of K inputs as fp32, in this thread's scratch (reused by the next call: no allocation a call).
+template <typename T> inline const float* rows_as_float(const at::Tensor& x, int M, int64_t K) {
+  thread_local std::vector<float> rows;
+  rows.resize(M * K);
+  const T* src = x.data_ptr<T>();
+  for (int m = 0; m < M; ++m) load_row(src + m * x.stride(0), rows.data() + m * K, K);
+  return rows.data();
+}
+
 template <typename T, int M>
 void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales, at::Tensor& out) {
   constexpr int kTiles = tiles_at_once(M);
   const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
-  std::vector<float> xf(M * K);
-  for (int m = 0; m < M; ++m) load_row(x.data_ptr<T>() + m * x.stride(0), xf.data() + m * K, K);
+  const float* xf = rows_as_float<T>(x, M, K);
   const int8_t* w = tiled.data_ptr<int8_t>();
   const T* sc = scales.data_ptr<T>();
   T* o = out.data_ptr<T>();
   by_tile_runs<kTiles>(tiles, [&](auto r, int64_t t, int64_t end) {
     constexpr int R = decltype(r)::value;
-    int8_tiles<T, M, R>(w, xf.data(), K, sc, o, N, t, next_run<R>(w, t, end, K));
+    int8_tiles<T, M, R>(w, xf, K, sc, o, N, t, next_run<R>(w, t, end, K));
   });
 }
 
@@ -277,6 +285,31 @@ inline VecF vec_fnma(VecF a, VecF b, VecF c) {  // c - a * b
 #endif
 }
 
+// x's M rows of K inputs and their sums per group (M x K / group), as fp32 in this thread's scratch, kept between
+// calls: a batch-1 GPTQ step makes ~120, and their two allocations and a division per input, in a serial loop, were
+// 6.6% of the step on the calling thread while the other waited (perf, bench model, Zen 5).
+struct RowsAndSums {
+  const float* rows;
+  const float* sums;
+};
+template <typename T>
+inline RowsAndSums rows_and_group_sums(const at::Tensor& x, int M, int64_t K, int64_t group) {
+  thread_local std::vector<float> sums;
+  const float* rows = rows_as_float<T>(x, M, K);
+  const int64_t groups = K / group;
+  sums.resize(M * groups);
+  for (int64_t i = 0; i < M * groups; ++i) {  // row i / groups' group i % groups: `group` inputs from i * group
+    const float* p = rows + i * group;
+    fVec acc(0.f);
+    int64_t k = 0;
+    for (; k + fVec::size() <= group; k += fVec::size()) acc = acc + fVec::loadu(p + k);
+    float sum = reduce_sum(acc);
+    for (; k < group; ++k) sum += p[k];
+    sums[i] = sum;
+  }
+  return {rows, sums.data()};
+}
+
 constexpr int int4_tiles_at_once(int M) {  // out and two group sums for R tiles x M rows, 2M broadcasts, 2 widened
   for (int r = 4; r > 1; r /= 2)
     if (3 * r * M * kTileVecs + 2 * M + 2 * kTileVecs + 4 <= kRegisters) return r;  // + 4: the fold's scales
@@ -367,8 +400,8 @@ inline __m512i int4_pairs_bf16(const uint8_t* p, __m512i codes) {
 constexpr int kChains = 4;  // summed as (0 + 1) + (2 + 3) at each group's end
 
 template <int M>
-inline void int4_tile_bf16(const uint8_t* w, const uint32_t* xpairs, int64_t K, int64_t group, const c10::BFloat16* sz,
-                           const float* xsum, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
+inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_stride, int64_t K, int64_t group,
+                           const c10::BFloat16* sz, const float* xsum, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
   const int64_t groups = K / group, pairs = K / 2;
   const __m512i codes = int4_codes_bf16();
   const uint8_t* tile = w + t * pairs * kInt8Tile;
@@ -393,7 +426,9 @@ inline void int4_tile_bf16(const uint8_t* w, const uint32_t* xpairs, int64_t K, 
       const __m512i wv = int4_pairs_bf16(tile + kk * kInt8Tile, codes);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int>(xpairs[m * pairs + kk]));
+        uint32_t pair;  // (x[2kk], x[2kk + 1]), read where x is
+        std::memcpy(&pair, x + m * x_stride + 2 * kk, sizeof pair);
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(pair));
         acc[c][m] = _mm512_dpbf16_ps(acc[c][m], reinterpret_cast<const __m512bh&>(wv),
                                      reinterpret_cast<const __m512bh&>(xv));
       }
@@ -429,36 +464,26 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
                       at::Tensor& out) {
 #if defined(ASERVE_INT4_BF16_DOT)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group, pairs = K / 2;
-    std::vector<uint32_t> xp(M * pairs);
-    std::vector<float> xsum(M * groups, 0.f);
-    for (int m = 0; m < M; ++m) {
-      const c10::BFloat16* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
-      std::memcpy(xp.data() + m * pairs, row, pairs * sizeof(uint32_t));
-      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += static_cast<float>(row[k]);
-    }
+    const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), stride = x.stride(0);
+    const float* xsum = rows_and_group_sums<c10::BFloat16>(x, M, K, group).sums;
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
     const uint8_t* w = tiled.data_ptr<uint8_t>();
     const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
     c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        int4_tile_bf16<M>(w, xp.data(), K, group, sz, xsum.data(), o, N, t, t + 1 == end);
+      for (int64_t t = begin; t < end; ++t) int4_tile_bf16<M>(w, xb, stride, K, group, sz, xsum, o, N, t, t + 1 == end);
     });
     return;
   }
 #endif
   constexpr int kTiles = int4_tiles_at_once(M);
-  const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group;
-  std::vector<float> xf(M * K), xsum(M * groups, 0.f);
-  for (int m = 0; m < M; ++m) {
-    load_row(x.data_ptr<T>() + m * x.stride(0), xf.data() + m * K, K);
-    for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group] += xf[m * K + k];
-  }
+  const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
+  const RowsAndSums xs = rows_and_group_sums<T>(x, M, K, group);
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
   const T* sz = scales_zeros.data_ptr<T>();
   by_tile_runs<kTiles>(tiles, [&](auto r, int64_t t, int64_t end) {
-    int4_tiles<T, M, decltype(r)::value>(w, xf.data(), K, group, sz, xsum.data(), o, N, t,
+    int4_tiles<T, M, decltype(r)::value>(w, xs.rows, K, group, sz, xs.sums, o, N, t,
                                          next_run<decltype(r)::value>(w, t, end, K / 2));
   });
 }
