@@ -5,10 +5,12 @@
 tokens each (ignore_eos), through an engine per format: dense, int8, int8 with its head (--quantize-lm-head), GPTQ
 int4 and GPTQ with an int8 head. Each round runs every format once, in turn, so a VM whose speed drifts slows all of
 them alike; the last lines are each format's median output rate and its ratio to the first format's, and every
-round's ratios.
+round's ratios. A format named with "@4k" (dense@4k) is the same engine with its weights left in 4 KiB pages
+(ASERVE_HUGE_PAGE_WEIGHTS=0 while it loads), to measure what the 2 MiB pages give.
 
     python benchmarks/weight_formats.py --model /tmp/bench-model [--gptq DIR] [--rounds 5] [--formats dense,gptqh]
     python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,int8
+    python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@4k,gptqh,gptqh@4k
 
 Without --gptq, a round-to-nearest GPTQ copy is written to a temporary folder first (aserve.bench.quantize_rtn, as
 `aserve bench quality` writes it; group size 64 for the bench model).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -28,6 +31,23 @@ FORMATS = {  # name: (uses the GPTQ copy, engine options)
     "gptq": (True, {}),
     "gptqh": (True, {"quantize_lm_head": True}),
 }
+
+
+def load(name: str, model: str, gptq: str | None, dtype: str):
+    """The engine of format `name`; with "@4k", its weights left in 4 KiB pages."""
+    from aserve import LLM
+
+    uses_gptq, options = FORMATS[name.removesuffix("@4k")]
+    before = os.environ.get("ASERVE_HUGE_PAGE_WEIGHTS")
+    if name.endswith("@4k"):
+        os.environ["ASERVE_HUGE_PAGE_WEIGHTS"] = "0"
+    try:
+        return LLM(gptq if uses_gptq else model, dtype=dtype, disable_log_stats=True, **options)
+    finally:
+        if before is None:
+            os.environ.pop("ASERVE_HUGE_PAGE_WEIGHTS", None)
+        else:
+            os.environ["ASERVE_HUGE_PAGE_WEIGHTS"] = before
 
 
 def main() -> None:
@@ -42,23 +62,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     names = args.formats.split(",")
-    unknown = [n for n in names if n not in FORMATS]
+    unknown = [n for n in names if n.removesuffix("@4k") not in FORMATS]
     if unknown:
-        parser.error(f"unknown format {unknown[0]!r}; choose from {', '.join(FORMATS)}")
+        parser.error(f"unknown format {unknown[0]!r}; choose from {', '.join(FORMATS)} (each also with @4k)")
 
-    from aserve import LLM, SamplingParams
+    from aserve import SamplingParams
     from aserve.hardware import cpu_info
 
     logging.disable(logging.INFO)
     with tempfile.TemporaryDirectory() as scratch:
         gptq = args.gptq
-        if gptq is None and any(FORMATS[n][0] for n in names):
+        if gptq is None and any(FORMATS[n.removesuffix("@4k")][0] for n in names):
             from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
             gptq = f"{scratch}/gptq"
             write_rtn_checkpoint(args.model, gptq, "gptq")
-        engines = {n: LLM(gptq if FORMATS[n][0] else args.model, dtype=args.dtype, disable_log_stats=True,
-                          **FORMATS[n][1]) for n in names}
+        engines = {n: load(n, args.model, gptq, args.dtype) for n in names}
         first = next(iter(engines.values()))
         print(f"weight_formats: {cpu_info().describe()}, dtype {str(first.engine.dtype).replace('torch.', '')}; "
               f"{args.batch} x {args.input_len}/{args.output_len}, {args.rounds} rounds")

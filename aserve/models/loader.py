@@ -154,6 +154,12 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
         if packed:
             log.info("prepacked %d linear layers for %s (%s)", packed, gemm_name(torch_dtype),
                      str(torch_dtype).replace("torch.", ""))
+    if device.type == "cpu":
+        from aserve.worker.host_memory import weights_in_huge_pages
+
+        moved = weights_in_huge_pages(model)
+        if moved:
+            log.info("weights: %.1f MiB in memory advised for 2 MiB pages", moved / 2**20)
 
     eos: set[int] = set()
     for source in (config, _optional_json(model_dir / "generation_config.json")):
