@@ -136,15 +136,18 @@ def weights_in_huge_pages(model: torch.nn.Module) -> int:
         log.debug("madvise(MADV_HUGEPAGE) refused (%s); weights stay where they are", exc)
         return 0
     target = arena.untyped_storage()
+    pending = list(storages.values())[::-1]  # popped in module order, each old storage let go once moved
+    del storages
     with torch.no_grad():
-        for storage, tensors in storages.values():
+        while pending:
+            storage, tensors = pending.pop()
             nbytes = storage.nbytes()
-            source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-            arena[offset:offset + nbytes].copy_(source)
+            arena[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)))
             for tensor in tensors:  # offset is a multiple of 64: of every element size
                 tensor.set_(target, offset // tensor.element_size() + tensor.storage_offset(), tensor.size(),
                             tensor.stride())
             offset += -(-nbytes // 64) * 64
+            del storage, tensors  # the old memory goes now, not after the whole model: the peak is one tensor more
     return total
 
 
