@@ -195,7 +195,7 @@ def test_weights_move_into_one_mapping_for_huge_pages(monkeypatch):
     still views of one copy, a tied parameter moved once; ASERVE_HUGE_PAGE_WEIGHTS=0 moves nothing."""
     from typing import NamedTuple
 
-    from aserve.worker import host_memory
+    from aserve.models import weight_pages
 
     class Packed(NamedTuple):
         tensor: torch.Tensor
@@ -213,21 +213,21 @@ def test_weights_move_into_one_mapping_for_huge_pages(monkeypatch):
         outer.extra = {"ids": torch.arange(6, dtype=torch.int32)}
         return outer
 
-    monkeypatch.setattr(host_memory, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(weight_pages, "transparent_huge_pages", lambda: "madvise")
     monkeypatch.setenv("ASERVE_HUGE_PAGE_WEIGHTS", "0")
     kept = build()
-    ptrs = [t.data_ptr() for t in host_memory.module_tensors(kept)]
-    assert host_memory.weights_in_huge_pages(kept) == 0 and ptrs == [t.data_ptr() for t in host_memory.module_tensors(kept)]
+    ptrs = [t.data_ptr() for t in weight_pages.module_tensors(kept)]
+    assert weight_pages.weights_in_huge_pages(kept) == 0 and ptrs == [t.data_ptr() for t in weight_pages.module_tensors(kept)]
     monkeypatch.delenv("ASERVE_HUGE_PAGE_WEIGHTS")
     model, expected = build(), build()
-    moved = host_memory.weights_in_huge_pages(model)
-    tensors = host_memory.module_tensors(model)
+    moved = weight_pages.weights_in_huge_pages(model)
+    tensors = weight_pages.module_tensors(model)
     assert len(tensors) == 6  # inner.weight (= head.weight), inner.bias, table, packed.tensor, tail, extra["ids"]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in host_memory.module_tensors(expected)}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in weight_pages.module_tensors(expected)}
     assert len(storages) == 5 and moved == sum(-(-n // 64) * 64 for n in storages.values())
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one mapping holds them all
     assert all(t.data_ptr() % 64 == 0 for t in tensors if t is not model.tail)
-    for got, want in zip(tensors, host_memory.module_tensors(expected)):
+    for got, want in zip(tensors, weight_pages.module_tensors(expected)):
         assert got.dtype == want.dtype and torch.equal(got, want)
     assert model.head.weight is model.inner.weight and isinstance(model.inner.weight, torch.nn.Parameter)
     assert model.tail.data_ptr() == model.inner.weight.data_ptr() + 2 * 8 * 4
@@ -242,16 +242,16 @@ def test_weights_move_into_one_mapping_for_huge_pages(monkeypatch):
 def test_a_loaded_model_decodes_the_same_from_huge_pages(model_dirs, monkeypatch):
     """load_model puts a CPU model's weights in one mapping advised for 2 MiB pages where the kernel has them;
     greedy tokens are those of the model left where loading put it."""
-    from aserve.worker import host_memory
+    from aserve.models import weight_pages
 
-    if host_memory.transparent_huge_pages() in (None, "never"):
+    if weight_pages.transparent_huge_pages() in (None, "never"):
         pytest.skip("no transparent huge pages on this machine")
     moved = LLM(model=str(model_dirs["llama-gqa-tied"]), dtype="float32")
-    tensors = host_memory.module_tensors(moved.engine.executor.worker.runner.model)
+    tensors = weight_pages.module_tensors(moved.engine.executor.worker.runner.model)
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     monkeypatch.setenv("ASERVE_HUGE_PAGE_WEIGHTS", "0")
     plain = LLM(model=str(model_dirs["llama-gqa-tied"]), dtype="float32")
     assert len({t.untyped_storage().data_ptr()
-                for t in host_memory.module_tensors(plain.engine.executor.worker.runner.model)}) > 1
+                for t in weight_pages.module_tensors(plain.engine.executor.worker.runner.model)}) > 1
     got, want = (llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (moved, plain))
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

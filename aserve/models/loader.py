@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from aserve.hardware import native, resolve_dtype
-from aserve.models import parallel
+from aserve.models import parallel, weight_pages
 from aserve.models.interface import CausalLM, ModelShape
 from aserve.models.registry import (BARE_ARCHITECTURES, DECODER_CLASSIFIERS, architecture, model_class, read_config,
                                     read_json)
@@ -155,9 +155,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
             log.info("prepacked %d linear layers for %s (%s)", packed, gemm_name(torch_dtype),
                      str(torch_dtype).replace("torch.", ""))
     if device.type == "cpu":
-        from aserve.worker.host_memory import weights_in_huge_pages
-
-        moved = weights_in_huge_pages(model)
+        moved = weight_pages.weights_in_huge_pages(model)
         if moved:
             log.info("weights: %.1f MiB in memory advised for 2 MiB pages", moved / 2**20)
 
