@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import aserve.attention.torch_backend as torch_backend
+from aserve.attention import kv_quant
 from aserve import LLM, SamplingParams
 from aserve.models.flat_forward import UNBUILT, FlatForward
 from aserve.ops import cpu_gemm
@@ -102,14 +103,35 @@ def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, monkeypa
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
+@pytest.mark.parametrize("scales", ["estimated", "fixed"])
+def test_fp8_caches_take_the_flat_forward_bit_for_bit(model_dirs, monkeypatch, scales, loop):
+    """An FP8 cache runs through the flat forward as through the modules: write_kv, decode and prefill attention
+    by the format's code and each layer's scales. Scales estimated from each layer's first batch
+    (--calculate-kv-scales) are taken in the Python loop's first step and handed to the C++ loop after it; fixed
+    ones (1.0 here, as without a checkpoint's) from the first step."""
+    if loop == "python":
+        monkeypatch.setenv("ASERVE_NATIVE_LOOP", "0")
+    options = dict(kv_cache_dtype="fp8", calculate_kv_scales=scales == "estimated")
+    tokens, hidden, used, model = run(model_dirs["llama-untied"], "float32", flat=True, **options)
+    assert isinstance(model.flat, FlatForward) and used == len(hidden) > 0
+    assert (model.flat.stack is not None) == (loop == "native")
+    if loop == "native":  # told of the format, with the scales as they stand after the first step
+        assert model.flat.stack_kv_format == kv_quant.resolve("fp8").code > 0
+    ref_tokens, ref_hidden, ref_used, ref_model = run(model_dirs["llama-untied"], "float32", flat=False, **options)
+    assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+    got = [(layer.attn.k_scale, layer.attn.v_scale) for layer in model.flat.layers]
+    want = [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in ref_model.layers]
+    assert got == want and (scales == "fixed") == all(s == (1.0, 1.0) for s in got)
+
+
 def test_flat_forward_stays_out_of_what_it_does_not_run(model_dirs, monkeypatch):
-    """Another layer type (Gemma 2), an FP8 cache, a gradient being recorded, a projection that is not one of
-    aserve's linear layers and ASERVE_FLAT_FORWARD=0 all leave the modules' forward in charge; an unpacked dense
-    weight (as with ASERVE_PREPACK=0) runs in the loop through its method."""
+    """Another layer type (Gemma 2), a gradient being recorded, a projection that is not one of aserve's linear
+    layers and ASERVE_FLAT_FORWARD=0 all leave the modules' forward in charge; an unpacked dense weight (as with
+    ASERVE_PREPACK=0) runs in the loop through its method."""
     *_, used, model = run(model_dirs["gemma2"], "float32", flat=True)
     assert not isinstance(model.flat, FlatForward) and used == 0  # its own forward never builds one
-    *_, used, model = run(model_dirs["llama-gqa-tied"], "float32", flat=True, kv_cache_dtype="fp8")
-    assert isinstance(model.flat, FlatForward) and used == 0
     assert not FlatForward.takes(object())
     with torch.enable_grad():  # the kernels have no autograd
         assert not FlatForward.takes(type("Meta", (), {"backend": torch_backend.TorchAttentionBackend()})())

@@ -77,13 +77,15 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=("int8", "gptq", "awq"), default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or an FP8 format (fp8, fp8_e4m3, fp8_e5m2)")
     parser.add_argument("--compare", choices=("flat", "native", "gemm"), default="flat")
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
-    engine = LLM(args.model, dtype=args.dtype, quantization=args.quantization, disable_log_stats=True).engine
+    engine = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                 disable_log_stats=True).engine
     model = engine.runner.model
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(1000, engine.vocab_size) for _ in range(args.prompt_len)]  # noqa: E731

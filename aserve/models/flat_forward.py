@@ -4,10 +4,11 @@ Through the modules (llama.DecoderLayer and what it calls), every op of every la
 takes: the device, the dtype, the cache format, whether the kernels are built, whether the weight is packed;
 then nn.Module's call machinery runs around it. On the CPU that Python is a fixed few milliseconds a step. Where
 every answer is the same for the whole model (the CPU kernels built, every linear layer one of aserve's, dense
-or quantized, a cache in the model's dtype, one rank), `FlatForward` asks once, at the model's first step, and a
-step whose attention the kernels take (decode rows and prefill chunks, over a cache in the model's dtype) is the
-same ops in the same order with nothing between them: bit for bit the modules' output (tests/test_flat_forward.py).
-Anything else (an FP8 cache, another layer type) goes through the modules as before. The model says what its layers
+or quantized, one rank), `FlatForward` asks once, at the model's first step, and a step whose attention the kernels
+take (decode rows and prefill chunks, over a cache in the model's dtype or FP8: the kernels read and write FP8 bytes
+by the format's code and each layer's scales) is the same ops in the same order with nothing between them: bit for
+bit the modules' output (tests/test_flat_forward.py). Anything else (another layer type, another attention backend)
+goes through the modules as before. The model says what its layers
 are: it builds one `FlatLayer` per layer (llama.LlamaForCausalLM.flat_layers), all the loop reads of them.
 
 Where every projection is one of aserve's own kernels (`LinearMethod.native_projection`: dense packed, int8, int4),
@@ -30,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from aserve.attention import Attention
+from aserve.attention import Attention, kv_quant
 from aserve.attention.torch_backend import TorchAttentionBackend
 from aserve.models.layers import RMSNorm
 from aserve.ops import cpu_kernels
@@ -104,6 +105,7 @@ class FlatForward:
         self.layers = layers
         self.stack = native_stack(layers, model.rope)  # the same loop in C++, where it runs every projection
         self.stack_caches = None  # the kv_caches list whose tensors the stack holds
+        self.stack_kv_format = 0  # the cache format the stack was told of (an FP8 format's code; 0: the model's dtype)
 
     @classmethod
     def build(cls, model: nn.Module) -> "FlatForward | None":
@@ -123,11 +125,22 @@ class FlatForward:
 
     @staticmethod
     def takes(meta) -> bool:
-        """Whether the kernels take this step's attention: a cache in the model's dtype read by the torch backend,
-        with no gradient recorded (the kernels have none). Decode rows and prefill chunks alike."""
+        """Whether the kernels take this step's attention: a cache (in the model's dtype, or FP8) read by the torch
+        backend, with no gradient recorded (the kernels have none). Decode rows and prefill chunks alike."""
         backend = getattr(meta, "backend", None)
-        return (not torch.is_grad_enabled() and isinstance(backend, TorchAttentionBackend)
-                and backend.kv_format is None)
+        return not torch.is_grad_enabled() and isinstance(backend, TorchAttentionBackend)
+
+    def stack_takes(self, fmt: kv_quant.FP8Format | None) -> bool:
+        """Whether the C++ loop can run a step over a cache of format `fmt`: any, once every layer has its FP8
+        scales (a layer estimating its own from its first batch does so in the Python loop), told to the stack once."""
+        code = 0 if fmt is None else fmt.code
+        if code == self.stack_kv_format:
+            return True
+        if any(layer.attn.kv_scales_pending for layer in self.layers):
+            return False
+        self.stack.set_kv_format(code, [s for layer in self.layers for s in (layer.attn.k_scale, layer.attn.v_scale)])
+        self.stack_kv_format = code
+        return True
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, intermediate=None):
         """As the model's forward: `intermediate` from the pipeline stage before, and a stage before the last
@@ -138,7 +151,10 @@ class FlatForward:
         slots, cos, sin, rotary_dim = meta.slot_mapping, self.rope.cos, self.rope.sin, self.rope.rotary_dim
         x, residual = (nn.functional.embedding(input_ids, self.embed), None) if intermediate is None else intermediate
         loras = self.layers[0].loras
-        if self.stack is not None and (loras is None or loras[0].step.token_slot is None):
+        fmt = meta.backend.kv_format  # an FP8 cache's format, else None
+        code = 0 if fmt is None else fmt.code
+        if (self.stack is not None and (loras is None or loras[0].step.token_slot is None)
+                and self.stack_takes(fmt)):
             if kv_caches is not self.stack_caches:
                 self.stack.set_caches([cache for pair in kv_caches for cache in pair])
                 self.stack_caches = kv_caches
@@ -164,14 +180,16 @@ class FlatForward:
                 q = ops.rms_norm(q.reshape(-1, D), q_norm.weight, q_norm.eps).view(T, H, D)
                 k = ops.rms_norm(k.reshape(-1, D), k_norm.weight, k_norm.eps).view(T, Hkv, D)
             ops.rotary_embedding(positions, q, k, cos, sin, rotary_dim)
-            ops.write_kv(k, v, k_cache, v_cache, slots, attn.k_scale, attn.v_scale, 0)
+            if fmt is not None and attn.kv_scales_pending:  # as kv_quant.write: from the layer's first batch
+                kv_quant.estimate_scales(attn, k, v, fmt)
+            ops.write_kv(k, v, k_cache, v_cache, slots, attn.k_scale, attn.v_scale, code)
             out, window = torch.empty(T, H, D, dtype=x.dtype), attn.sliding_window or 0
             if nd:
                 ops.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context,
-                                           attn.scale, window, 0.0, attn.k_scale, attn.v_scale, 0)
+                                           attn.scale, window, 0.0, attn.k_scale, attn.v_scale, code)
             if prefill is not None:
                 ops.paged_prefill_attention(out[nd:], q[nd:], k_cache, v_cache, *prefill, attn.scale, window, 0.0,
-                                            attn.k_scale, attn.v_scale, 0)
+                                            attn.k_scale, attn.v_scale, code)
             out = out.view(T, H * D)
             o = o_proj(out)
             x = ops.add_rms_norm(o if loras is None else loras[1].forward(out, o), residual, norm_post.weight,

@@ -106,6 +106,7 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<Projection> projections;
   std::vector<Layer> layers;
   std::vector<Tensor> caches;  // layer i's keys at 2i, values at 2i + 1
+  int64_t kv_format = 0;       // the caches' storage: 0 the model's dtype, else an FP8 format's code (kv_quant)
 
   DecoderStack(Tensor cos, Tensor sin, int64_t rotary_dim)
       : cos(std::move(cos)), sin(std::move(sin)), rotary_dim(rotary_dim) {}
@@ -134,6 +135,14 @@ struct DecoderStack : torch::CustomClassHolder {
   void set_caches(std::vector<Tensor> flat) {
     TORCH_CHECK(flat.size() == 2 * layers.size(), "DecoderStack: a key and a value cache per layer");
     caches = std::move(flat);
+  }
+
+  // An FP8 cache: its format's code and every layer's key and value scales (k0, v0, k1, v1, ...), as they stand
+  // once each layer has them (a layer may estimate its own from its first batch, after the stack was built).
+  void set_kv_format(int64_t format, std::vector<double> scales) {
+    TORCH_CHECK(scales.size() == 2 * layers.size(), "DecoderStack: a key and a value scale per layer");
+    for (size_t i = 0; i < layers.size(); ++i) layers[i].k_scale = scales[2 * i], layers[i].v_scale = scales[2 * i + 1];
+    kv_format = format;
   }
 
   // The layers over a step's rows (decode rows first, then prefill chunks): (the last layer's output, the running
@@ -166,14 +175,15 @@ struct DecoderStack : torch::CustomClassHolder {
         key = k.rms_norm.call(key.reshape({-1, L.head_dim}), L.k_norm, L.k_eps).view({T, L.kv_heads, L.head_dim});
       }
       k.rotary.call(positions, q, key, cos, sin, rotary_dim);
-      k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, 0);
+      k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, kv_format);
       Tensor out = at::empty({T, L.heads, L.head_dim}, x.options());
       if (num_decode > 0)
         k.decode.call(out.slice(0, 0, num_decode), q.slice(0, 0, num_decode), k_cache, v_cache, *decode_tables,
-                      *decode_context, L.scale, L.window, 0.0, L.k_scale, L.v_scale, 0);
+                      *decode_context, L.scale, L.window, 0.0, L.k_scale, L.v_scale, kv_format);
       if (prefill)
         k.prefill.call(out.slice(0, num_decode), q.slice(0, num_decode), k_cache, v_cache, *prefill_tables,
-                       *prefill_starts, *prefill_contexts, L.scale, L.window, 0.0, L.k_scale, L.v_scale, 0);
+                       *prefill_starts, *prefill_contexts, L.scale, L.window, 0.0, L.k_scale, L.v_scale,
+                       kv_format);
       out = out.view({T, L.heads * L.head_dim});
       x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
       x = projections[L.down](k, k.silu_and_mul.call(projections[L.gate_up](k, x)));
@@ -190,5 +200,6 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
       .def("add_projection", &DecoderStack::add_projection)
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_caches", &DecoderStack::set_caches)
+      .def("set_kv_format", &DecoderStack::set_kv_format)
       .def("forward", &DecoderStack::forward);
 }
