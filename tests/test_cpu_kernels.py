@@ -199,6 +199,26 @@ def test_prefill_attention_reads_an_fp8_cache(fmt, dtype):
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_prefill_over_fp8_equals_prefill_over_the_same_values_in_bf16(fmt, head_dim):
+    """Every FP8 value is a bf16 value, so bf16 queries over an FP8 cache (unit scales) give the bits that a bf16
+    cache holding the dequantized values gives: with AVX512-BF16 both run the bf16 tiles (the FP8 rows made bf16 a
+    key step at a time), elsewhere both widen to fp32. Subnormal and extreme FP8 values included; head_dim 40
+    takes the fp32 tiles."""
+    gen = torch.Generator().manual_seed(head_dim)
+    f = FP8_FORMATS[fmt]
+    query, k_cache, v_cache, tables, starts, contexts, *_ = prefill_case(CHUNKS, 16, (6, 2), head_dim,
+                                                                         torch.float32, gen)
+    k_bits, v_bits = quantize(k_cache * 40, 1.0, f), quantize(v_cache * 1e-3, 1.0, f)  # wide and subnormal values
+    k_bf16, v_bf16 = (dequantize(b, 1.0, f, torch.bfloat16) for b in (k_bits, v_bits))
+    assert torch.equal(k_bf16.float(), dequantize(k_bits, 1.0, f, torch.float32))  # exact in bf16
+    query = query.bfloat16()
+    got = run_prefill(query, k_bits, v_bits, tables, starts, contexts, 0.125, 0, 0.0, 1.0, 1.0, f.code)
+    want = run_prefill(query, k_bf16, v_bf16, tables, starts, contexts, 0.125, 0, 0.0, 1.0, 1.0, 0)
+    assert torch.equal(got, want)
+
+
 def test_prefill_attention_refuses_tables_shorter_than_the_chunk():
     gen = torch.Generator().manual_seed(0)
     query, k_cache, v_cache, tables, starts, contexts, *_ = prefill_case([(4, 40)], 16, (2, 2), 32,

@@ -60,14 +60,7 @@ template <typename T, int D> inline void widen(const T* p, fVec* out) {
     for (int c = 0; c < D / fVec::size(); ++c) {
       const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p) + c * fVec::size();
 #if defined(CPU_CAPABILITY_AVX512)
-      __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-      if constexpr (std::is_same_v<T, E5M2>) {
-        w = _mm256_slli_epi16(w, 8);
-      } else {
-        w = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
-                            _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-      }
-      out[c] = _mm512_cvtph_ps(w);
+      out[c] = fp8_16_as_float<T>(bytes);
 #elif defined(CPU_CAPABILITY_AVX2)
       __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
       if constexpr (std::is_same_v<T, E5M2>) {

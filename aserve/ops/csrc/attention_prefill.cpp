@@ -253,6 +253,23 @@ inline void pair_values(const BF16* const* v, int64_t nk, int64_t D, uint32_t* v
   }
 }
 
+// FP8 rows (tag C) of D bytes as bf16 rows of their values in dst ([rows][D]): exact, every FP8 value is a bf16
+// value. The bf16 tiles then take an FP8 cache as they take a bf16 one holding the same values. (e4m3 widens as
+// its value times 2^-8, kFp8Unit below undoes it: scaled down, the smallest products fell below fp32's normal
+// range, which vdpbf16ps flushes to zero, and differed from a bf16 cache's.)
+template <typename C> constexpr float kFp8Unit = std::is_same_v<C, E4M3> ? 256.f : 1.f;
+template <typename C> inline void fp8_rows_as_bf16(const C* const* rows, int64_t n, int64_t D, BF16* dst) {
+  const __m512 unit = _mm512_set1_ps(kFp8Unit<C>);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(rows[j]);
+    for (int64_t c = 0; c < D; c += 32) {
+      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(fp8_16_as_float<C>(src + c + 16), unit),
+                                                _mm512_mul_ps(fp8_16_as_float<C>(src + c), unit));
+      _mm512_storeu_si512(dst + j * D + c, reinterpret_cast<const __m512i&>(pair));
+    }
+  }
+}
+
 // pt[j][0..padded) = probabilities of keys 2j and 2j+1 (st rows, fp32) rounded to bf16 pairs; an odd last key
 // is paired with zeros.
 inline void pair_probabilities(const float* st, int64_t nk, int64_t padded, uint32_t* pt) {
@@ -338,10 +355,12 @@ inline void prefetch_keys(const Rows& kv, int64_t chunk, int64_t kvh, int64_t fi
 struct PrefillScratch {
   std::vector<float> qt, o, st, kbuf, vbuf, m, l, corr, pos;  // pos: each query row's position, as fp32
   std::vector<uint32_t> qt2, pt2, vt2;  // the bf16 path's pairs: queries, probabilities, values
-  PrefillScratch(int64_t rows, int64_t padded, int64_t D, bool pairs)
+  std::vector<c10::BFloat16> k16, v16;  // the bf16 path over an FP8 cache: a step's keys and values as bf16
+  PrefillScratch(int64_t rows, int64_t padded, int64_t D, bool pairs, bool fp8)
       : qt(pairs ? 0 : D * padded), o(rows * D), st(kKeyStep * padded), kbuf(pairs ? 0 : kKeyStep * D),
         vbuf(pairs ? 0 : kKeyStep * D), m(padded), l(padded), corr(padded), pos(padded),
-        qt2(pairs ? D / 2 * padded : 0), pt2(pairs ? kKeyStep / 2 * padded : 0), vt2(pairs ? kKeyStep / 2 * D : 0) {}
+        qt2(pairs ? D / 2 * padded : 0), pt2(pairs ? kKeyStep / 2 * padded : 0), vt2(pairs ? kKeyStep / 2 * D : 0),
+        k16(pairs && fp8 ? kKeyStep * D : 0), v16(pairs && fp8 ? kKeyStep * D : 0) {}
 };
 
 // T: the query's and output's type; C: the keys' and values' (T, or an FP8 tag with k_scale / v_scale folded in);
@@ -358,14 +377,17 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   const T* q_ptr = query.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
   const float cap = static_cast<float>(softcap), neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t full_cols = D / kCols * kCols;
-#ifdef ASERVE_PREFILL_BF16
-  const bool pairs = std::is_same_v<T, BF16> && std::is_same_v<C, BF16> && D % 32 == 0 && D <= 512;
+#ifdef ASERVE_PREFILL_BF16  // an FP8 cache too, its rows made bf16 a key step at a time (fp8_rows_as_bf16)
+  const bool pairs = std::is_same_v<T, BF16> && (std::is_same_v<C, BF16> || is_fp8<C>) && D % 32 == 0 && D <= 512;
+  if constexpr (is_fp8<C>) {  // the rows hold their values, not e4m3's 2^-8 of them: the scales without the 2^8
+    if (pairs) k_scale /= kFp8Unit<C>, v_scale /= kFp8Unit<C>;
+  }
 #else
   const bool pairs = false;
 #endif
+  const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
   // where the scale is applied: the fp32 path scales its queries; bf16 pairs' scores are scaled in the softmax's
   // exponent unless a softcap needs them scaled first
   const float tile_scale = pairs && cap > 0.f ? fscale : 1.f, softmax_scale = pairs && cap == 0.f ? fscale : 1.f;
@@ -390,9 +412,12 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
 
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    PrefillScratch s(max_rows, padded, D, pairs);
+    PrefillScratch s(max_rows, padded, D, pairs, is_fp8<C>);
     std::vector<float> row(D);
     std::vector<const C*> krow(kKeyStep), vrow(kKeyStep);
+    std::vector<const c10::BFloat16*> k16(kKeyStep), v16(kKeyStep);  // FP8 with pairs: the scratch's rows
+    for (int64_t j = 0; pairs && is_fp8<C> && j < kKeyStep; ++j)
+      k16[j] = s.k16.data() + j * D, v16[j] = s.v16.data() + j * D;
     std::vector<const float*> kf(kKeyStep), vf(kKeyStep);
     for (int64_t t = begin; t < end; ++t) {
       for (size_t it = t; it < items.size(); it += threads) {
@@ -461,6 +486,11 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
           if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
             const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
+            if constexpr (is_fp8<C>) {
+              fp8_rows_as_bf16(krow.data(), nk, D, s.k16.data());
+              fp8_rows_as_bf16(vrow.data(), nk, D, s.v16.data());
+              keys = k16.data();
+            }
             by_columns(cols, [&](int64_t c, auto nv) {
               by_rows(nk, [&](int64_t i, auto mr) {
                 fetch_next(fetch_a_tile);
@@ -509,7 +539,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
           online_softmax(st, nk, cols, softmax_scale, s.m.data(), s.l.data(), s.corr.data());
           if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
-            pair_values(reinterpret_cast<const BF16* const*>(vrow.data()), nk, D, s.vt2.data());
+            const BF16* const* values = is_fp8<C> ? v16.data() : reinterpret_cast<const BF16* const*>(vrow.data());
+            pair_values(values, nk, D, s.vt2.data());
             pair_probabilities(st, nk, cols, s.pt2.data());
             const int64_t key_pairs = (nk + 1) / 2;
             by_rows(rows, [&](int64_t r, auto mr) {

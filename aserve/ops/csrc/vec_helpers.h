@@ -98,6 +98,18 @@ inline __m512 bf16_bits_to_float(__m256i bits) {
 inline __m512 load_bf16_as_float(const void* p) {
   return bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 FP8 bytes (tag T) as fp32 lanes through fp16 bit patterns (fp8_to_fp16_bits, 16 at a time): exact, e4m3's
+// values times 2^-8.
+template <typename T> inline __m512 fp8_16_as_float(const void* p) {
+  __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (std::is_same_v<T, E5M2>) {
+    w = _mm256_slli_epi16(w, 8);
+  } else {
+    w = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  }
+  return _mm512_cvtph_ps(w);
+}
 #endif
 
 // One cache line fetched ahead of use, into L1 (Level 1) or L2 (Level 2), where the call stands: an asm statement,
