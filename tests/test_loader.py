@@ -210,7 +210,8 @@ def test_weights_move_into_one_mapping_for_huge_pages(monkeypatch):
         outer.register_buffer("table", torch.arange(7, dtype=torch.float64))
         outer.packed = Packed(torch.randn(3, 4).bfloat16(), 3)
         outer.tail = inner.weight.detach()[2:]  # a view into the tied weight's storage
-        outer.extra = {"ids": torch.arange(6, dtype=torch.int32)}
+        with torch.inference_mode():  # an inference tensor moves too
+            outer.extra = {"ids": torch.arange(6, dtype=torch.int32)}
         return outer
 
     monkeypatch.setattr(weight_pages, "transparent_huge_pages", lambda: "madvise")

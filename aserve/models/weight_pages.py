@@ -83,7 +83,7 @@ def weights_in_huge_pages(model: torch.nn.Module) -> int:
     target = arena.untyped_storage()
     pending = list(storages.values())[::-1]  # popped in module order, each old storage let go once moved
     del storages
-    with torch.no_grad():
+    with torch.inference_mode():  # set_ on a tensor made under inference mode is refused outside it
         while pending:
             storage, tensors = pending.pop()
             nbytes = storage.nbytes()
