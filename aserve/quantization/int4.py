@@ -2,11 +2,12 @@
 a scale s and an integer zero point z, the weight being w = (q - z) * s.
 
 On the CPU, where aserve's kernels are built and the activations are fp32 (or bf16 with AVX512-BF16), they run on
-aserve's own (`AserveInt4Method`): the codes tiled two k to a byte, 16 outputs side by side ([ceil(out/16), in/2,
-16]), and per tile and group the 16 scales s and s * z; up to 3 rows `int4_linear` (csrc/int8_linear.cpp) sums
-x * q per group in registers (bf16: each byte's two codes made a bf16 pair through a table, 32 products per
-vdpbf16ps) and folds in s * sum(x q) - s * z * sum(x); above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel
-once per row block into the dense GEMM's layout. Any even group size that divides the inputs.
+aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
+(`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 3 rows
+`int4_linear` (csrc/int8_linear.cpp) sums x * q per group in registers (bf16: an output's two codes of a pair of
+inputs made a bf16 pair through a table, 32 products per vdpbf16ps) and folds in s * sum(x q) - s * z * sum(x);
+above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's layout. Any
+group size that is a multiple of 8 and divides the inputs.
 
 Otherwise they run on torch's int4 kernel `_weight_int4pack_mm_for_cpu` (the layout made by
 `_convert_weight_to_int4pack_for_cpu`). Its dequantization is w = (q - 8) * s + m, so each group's zero point
@@ -98,7 +99,7 @@ class Int4KernelMethod(LinearMethod):
 
 class AserveInt4Method(LinearMethod):
     """A GPTQ or AWQ layer on aserve's int4 kernels (csrc/int8_linear.cpp's int4_linear for up to KERNEL_MAX_ROWS
-    rows, cpu_gemm.cpp's gemm_int4 above): codes tiled two k to a byte ([ceil(out/16), in/2, 16]) and, per tile and
+    rows, cpu_gemm.cpp's gemm_int4 above): codes tiled in 64-byte blocks of 8 inputs (tile_int4) and, per tile and
     group, the 16 outputs' scales then scale * zero ([ceil(out/16), groups, 2, 16], in the model's dtype)."""
 
     KERNEL_MAX_ROWS = 3  # int4_linear up to here; from 4 rows gemm_int4 (bench shapes: 3.50 against 3.49 ms at 4)
@@ -135,7 +136,7 @@ def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias,
 
 def aserve_kernel_refusal(layer: nn.Module, group_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why aserve's int4 kernels cannot run this layer (None when they can): they take fp32 anywhere they are built,
-    bf16 with AVX512-BF16, and groups of an even number of inputs."""
+    bf16 with AVX512-BF16, and groups of a multiple of 8 inputs."""
     from aserve.ops import cpu_kernels
 
     if device.type != "cpu" or not cpu_kernels.available() or not hasattr(torch.ops.aserve, "gemm_int4"):
@@ -143,20 +144,24 @@ def aserve_kernel_refusal(layer: nn.Module, group_size: int, dtype: torch.dtype,
     if not (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.aserve.gemm_packs_bf16())):
         return f"aserve's int4 kernels take fp32, or bf16 with AVX512-BF16, not {str(dtype).replace('torch.', '')}"
     group = layer.in_features if group_size == -1 else group_size
-    if group % 2 or layer.in_features % group:
-        return f"group size {group} over {layer.in_features} inputs is not an even split"
+    if group % 8 or layer.in_features % group:
+        return f"group size {group} over {layer.in_features} inputs is not a split into multiples of 8"
     return None
 
 
 def tile_int4(codes: torch.Tensor) -> torch.Tensor:
-    """[out, in] codes 0..15 -> [ceil(out/16), in/2, 16] bytes, byte j of pair kk = q[j][2kk] | q[j][2kk + 1] << 4."""
+    """[out, in] codes 0..15 (in a multiple of 8) -> [ceil(out/16), in/2, 16] bytes, in blocks of 64 bytes for 8
+    inputs: in block b, little-endian 16-bit word 2j + p holds output j's codes of inputs 8b + 2s + p in its nibble
+    s (bits 4s..4s+3). One 64-byte load is 128 weights, and a word's nibble s is a pair row (s) of the block."""
     out, inp = codes.shape
     pad = -out % 16
-    c = codes.to(torch.uint8)
+    c = codes.to(torch.int32)
     if pad:
         c = torch.cat([c, c.new_zeros(pad, inp)])
-    c = c.view(-1, 16, inp // 2, 2)
-    return (c[..., 0] | (c[..., 1] << 4)).transpose(1, 2).contiguous()
+    c = c.view(-1, 16, inp // 8, 4, 2)  # [tile, j, b, s, p]
+    words = (c << (4 * torch.arange(4, dtype=torch.int32)).view(4, 1)).sum(3)  # [tile, j, b, p], 0..65535
+    words = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)
+    return words.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(-1, inp // 2, 16)
 
 
 def tile_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

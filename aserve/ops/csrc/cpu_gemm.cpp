@@ -681,10 +681,18 @@ void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale
   });
 }
 
-// GPTQ/AWQ int4 tiles ([ceil(N/16)][K/2][16] bytes, two k to a byte: int8_linear.cpp's int4 layout) two at a time
-// as a bf16 panel, dequantized on the way: w = q * s - s * z with each group's s and s * z ([tiles][groups][2][16],
-// bf16), rounded to bf16 once. A byte of a tile's pair row holds one output's codes for k = 2kk (low nibble) and
-// 2kk + 1: the panel's pair.
+// GPTQ/AWQ int4 tiles ([ceil(N/16)][K/8] blocks of 64 bytes: int8_linear.cpp's int4 layout) two at a time as a
+// bf16 panel, dequantized on the way: w = q * s - s * z with each group's s and s * z ([tiles][groups][2][16],
+// bf16), rounded to bf16 once. Pair row kk = 4b + s of block b: 32-bit word j holds output j's codes for k = 2kk at
+// bits 4s.. and 2kk + 1 at bits 16 + 4s..: the panel's pair.
+template <int S> inline void int4_pair_row(__m512i block, __m512 s, __m512 m, __m512i* row) {
+  const __m512i mask = _mm512_set1_epi32(15);
+  const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(block, 4 * S), mask));
+  const __m512 odd = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(block, 16 + 4 * S), mask));
+  const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s, m), _mm512_fmsub_ps(even, s, m));
+  *row = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
+}
+
 struct Int4Panels {
   const uint8_t* tiles;
   const uint16_t* scales_zeros;
@@ -698,12 +706,12 @@ struct Int4Panels {
       for (int64_t g = 0; g < groups; ++g) {
         const uint16_t* sz = scales_zeros + (t * groups + g) * 32;
         const __m512 s = widen(sz), m = widen(sz + 16);
-        for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; ++kk) {
-          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kk * 16)));
-          const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-          const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-          const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s, m), _mm512_fmsub_ps(even, s, m));
-          rows[kk * 2] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
+        for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: pair rows kk..kk+3
+          const __m512i block = _mm512_loadu_si512(src + kk * 16);
+          int4_pair_row<0>(block, s, m, rows + kk * 2);
+          int4_pair_row<1>(block, s, m, rows + (kk + 1) * 2);
+          int4_pair_row<2>(block, s, m, rows + (kk + 2) * 2);
+          int4_pair_row<3>(block, s, m, rows + (kk + 3) * 2);
         }
       }
     });
@@ -802,12 +810,12 @@ struct Int4Panels {
     scratch.resize(kc);
     const int64_t groups = K / group;
     const uint8_t* src = tiles + p * (K / 2) * kNR;
-    for (int64_t k = k0; k < k0 + kc; ++k) {
+    for (int64_t k = k0; k < k0 + kc; ++k) {  // k: pair row k / 2 = 4b + s of block b, half k & 1 of each word
       const float* sz = scales_zeros + (p * groups + k / group) * 2 * kNR;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (k / 2) * kNR));
-      const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(4 * (k & 1)));
+      const uint8_t* block = src + (k / 8) * 4 * kNR;
+      const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(16 * (k & 1) + 4 * ((k / 2) & 3)));
       for (int half = 0; half < 2; ++half) {
-        const __m256i b = _mm256_cvtepu8_epi32(half ? _mm_srli_si128(bytes, 8) : bytes);
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * half));
         const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(b, shift), _mm256_set1_epi32(15)));
         _mm256_store_ps(scratch[k - k0].v + 8 * half,
                         _mm256_fmsub_ps(q, _mm256_loadu_ps(sz + 8 * half), _mm256_loadu_ps(sz + kNR + 8 * half)));

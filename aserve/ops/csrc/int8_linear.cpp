@@ -230,27 +230,34 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& tiled, const at::T
 
 // ---- int4 (GPTQ, AWQ) ----------------------------------------------------------------------------------------
 // out[m, n] = T(sum_g (s[g, n] * sum_{k in g} x[m, k] q[n, k] - s[g, n] z[g, n] * sum_{k in g} x[m, k])): w = (q - z) * s
-// with 4-bit codes q and, per group of inputs and output, a scale s and zero point z. The codes are tiled like int8's
-// with two k to a byte, [ceil(N/16)][K/2][16] (byte j of pair kk: q[k = 2kk] in its low nibble, q[2kk + 1] in its
-// high one), so a 16-byte load is 32 weights; each group's sums of x q run in registers and are folded into the
-// output with the group's s and s * z ([ceil(N/16)][groups][2][16] in x's dtype) and the group's sum of x.
+// with 4-bit codes q and, per group of inputs and output, a scale s and zero point z. A tile's codes are
+// [K/8] blocks of 64 bytes (quantization.int4.tile_int4): in block b, 32-bit word j holds output j's codes of the
+// block's pair rows kk = 4b + s, q[2kk] in bits 4s..4s+3 and q[2kk + 1] in bits 16 + 4s..: one 64-byte load is 128
+// weights, and pair row s is a shift and a mask of it. Each group's sums of x q run in registers and are folded into
+// the output with the group's s and s * z ([ceil(N/16)][groups][2][16] in x's dtype) and the group's sum of x.
+// Groups are multiples of 8 inputs: whole blocks.
 
-// 16 bytes of a tile's pair row: the low nibbles (k even) and the high ones (k odd) as fp32.
-inline void widen_nibbles(const uint8_t* p, VecF* even, VecF* odd) {
+// Pair row s (0..3) of a tile's 64-byte block: the codes of even k and of odd k, as fp32.
+inline void widen_nibbles(const uint8_t* block, int s, VecF* even, VecF* odd) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  even[0] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-  odd[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  const __m512i words = _mm512_loadu_si512(block), mask = _mm512_set1_epi32(15);
+  even[0] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(words, _mm_cvtsi32_si128(4 * s)), mask));
+  odd[0] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(words, _mm_cvtsi32_si128(16 + 4 * s)), mask));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i lo = _mm256_cvtepu8_epi32(raw), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
-  even[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, _mm256_set1_epi32(15)));
-  even[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, _mm256_set1_epi32(15)));
-  odd[0] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-  odd[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+  const __m128i even_shift = _mm_cvtsi32_si128(4 * s), odd_shift = _mm_cvtsi32_si128(16 + 4 * s);
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int v = 0; v < 2; ++v) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * v));
+    even[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(words, even_shift), mask));
+    odd[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(words, odd_shift), mask));
+  }
 #else
   float e[kInt8Tile], o[kInt8Tile];
-  for (int i = 0; i < kInt8Tile; ++i) e[i] = static_cast<float>(p[i] & 15), o[i] = static_cast<float>(p[i] >> 4);
+  for (int i = 0; i < kInt8Tile; ++i) {
+    uint32_t word;
+    std::memcpy(&word, block + 4 * i, sizeof word);
+    e[i] = static_cast<float>((word >> (4 * s)) & 15), o[i] = static_cast<float>((word >> (16 + 4 * s)) & 15);
+  }
   for (int v = 0; v < kTileVecs; ++v) even[v] = VecF::loadu(e + v * kVecLanes), odd[v] = VecF::loadu(o + v * kVecLanes);
 #endif
 }
@@ -340,7 +347,7 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         VecF even[kTileVecs], odd[kTileVecs];
-        widen_nibbles(w + ((t0 + r) * pairs + kk) * kInt8Tile, even, odd);
+        widen_nibbles(w + ((t0 + r) * pairs + (kk & ~int64_t{3})) * kInt8Tile, static_cast<int>(kk & 3), even, odd);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m)
 #pragma GCC unroll 2
@@ -370,10 +377,11 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-// bf16 activations on a CPU with AVX512-BF16: a byte of a pair row is one output's (q[2kk], q[2kk+1]), exactly the pair
-// vdpbf16ps multiplies by (x[2kk], x[2kk+1]), so each byte becomes two bf16 codes in one 32-bit lane through a table
-// (vpermw: word index = the nibble; codes 0..15 are exact in bf16) and one instruction does 32 products: 4 + M
-// instructions per 32 weights against 7 + M FMAs widening to fp32.
+// bf16 activations on a CPU with AVX512-BF16: pair row s of a block holds, in each 32-bit word j, output j's
+// (q[2kk], q[2kk+1]) at nibble s of its two halves, exactly the pair vdpbf16ps multiplies by (x[2kk], x[2kk+1]): the
+// words shifted right by 4s index a table of bf16 codes (vpermw reads each 16-bit index's low 5 bits; the table
+// repeats its 16 codes, 0..15 exact in bf16, so the next nibble's bit does not matter), and one instruction does 32
+// products: a 64-byte load a block, then 2 + M instructions per 32 weights.
 #define ASERVE_INT4_BF16_DOT 1
 
 // Word i: the bf16 bits of i & 15. A constant, not a function-local static: the static's guard, checked in the tile
@@ -386,11 +394,8 @@ inline __m512i int4_codes_bf16() {
                           c[3], c[2], c[1], c[0]);
 }
 
-inline __m512i int4_pairs_bf16(const uint8_t* p, __m512i codes) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  // low word: the byte (its low nibble indexes the table; bit 4 is ignored by the 32-entry table's twin half), high
-  // word: the byte >> 4
-  return _mm512_permutexvar_epi16(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), codes);
+template <int S> inline __m512i int4_pairs_bf16(__m512i block, __m512i codes) {  // pair row S's bf16 code pairs
+  return _mm512_permutexvar_epi16(S == 0 ? block : _mm512_srli_epi16(block, 4 * S), codes);
 }
 
 // Tile t (16 outputs) against M rows. One tile at a time, its pair rows in order in kChains interleaved sums: each
@@ -422,8 +427,7 @@ inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_s
     for (int c = 0; c < kChains; ++c)
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_ps();
-    auto step = [&](int c, int64_t kk) __attribute__((always_inline)) {
-      const __m512i wv = int4_pairs_bf16(tile + kk * kInt8Tile, codes);
+    auto step = [&](int c, int64_t kk, __m512i wv) __attribute__((always_inline)) {
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         uint32_t pair;  // (x[2kk], x[2kk + 1]), read where x is
@@ -433,14 +437,14 @@ inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_s
                                      reinterpret_cast<const __m512bh&>(xv));
       }
     };
-    const int64_t k1 = (g + 1) * group / 2;
-    int64_t kk = g * group / 2;
-    for (; kk + kChains <= k1; kk += kChains) {
+    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: pair rows kk..kk+3, a chain each
       if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int c = 0; c < kChains; ++c) step(c, kk + c);
+      const __m512i block = _mm512_loadu_si512(tile + kk * kInt8Tile);
+      step(0, kk, int4_pairs_bf16<0>(block, codes));
+      step(1, kk + 1, int4_pairs_bf16<1>(block, codes));
+      step(2, kk + 2, int4_pairs_bf16<2>(block, codes));
+      step(3, kk + 3, int4_pairs_bf16<3>(block, codes));
     }
-    for (; kk < k1; ++kk) step(0, kk);
     float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
     load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
     const __m512 sv = _mm512_loadu_ps(s), mv = _mm512_loadu_ps(s + kInt8Tile);
