@@ -202,7 +202,7 @@ def test_int4_greedy_equals_the_dequantized_model(checkpoints, int4_kernels, cas
     """End to end, fp32 activations on aserve's int4 kernels or torch's: token for token the greedy output of the
     model whose weights are the dequantized values."""
     quantized_dir, reference_dir = checkpoints[case]
-    options = dict(dtype="float32", kv_cache_memory="16MiB")
+    options = dict(dtype="float32", kv_cache_memory="16MiB", device="cpu")  # int4 runs on the CPU only
     ours = LLM(str(quantized_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
     theirs = LLM(str(reference_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
@@ -385,7 +385,7 @@ def test_quality_tool_reports_no_loss_for_the_reference_and_some_for_int4(model_
         out = tmp_path / f"{len(option)}.json"
         quality.main(build_parser().parse_args(["bench", "quality", "--model", str(model_dirs[FAMILY]),
                                                 "--num-prompts", "6", "--max-tokens", "8", "--kv-cache-memory",
-                                                "16MiB", "--json", str(out), *option]))
+                                                "16MiB", "--device", "cpu", "--json", str(out), *option]))
         figures[len(option)] = json.loads(out.read_text())
     same, int4 = figures[0], figures[4]
     assert same["mean_kl"] == 0 and same["perplexity"] == same["perplexity_reference"]
