@@ -72,6 +72,19 @@ def caplog(caplog, monkeypatch):
     return caplog
 
 
+@pytest.fixture
+def pick_gemm(monkeypatch):
+    """pick_gemm("aserve" | "onednn"): the dense GEMM (cpu_gemm.gemm_for) for this test, whichever this CPU would
+    pick (oneDNN's on CPUs with AMX tiles, aserve's elsewhere)."""
+    from aserve.ops import cpu_gemm
+
+    def pick(name: str) -> None:
+        monkeypatch.setenv("ASERVE_GEMM", name)
+        cpu_gemm.gemm_for.cache_clear()
+    yield pick
+    cpu_gemm.gemm_for.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

@@ -78,16 +78,13 @@ def test_an_engine_with_packed_weights_gives_the_same_logprobs(model_dirs, monke
 
 
 @pytest.fixture
-def aserve_gemm(monkeypatch):
+def aserve_gemm(pick_gemm):
     """aserve's GEMM chosen for this test (the default where the kernels are built), whatever the environment."""
-    from aserve.ops import cpu_gemm, cpu_kernels
+    from aserve.ops import cpu_kernels
 
     if not (cpu_kernels.available() and hasattr(torch.ops.aserve, "gemm_packed")):
         pytest.skip("aserve's GEMM is not built here (no compiler, or a CPU without AVX2 and FMA)")
-    monkeypatch.setenv("ASERVE_GEMM", "aserve")
-    cpu_gemm.gemm_for.cache_clear()
-    yield
-    cpu_gemm.gemm_for.cache_clear()
+    pick_gemm("aserve")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 64, 131])  # every micro-kernel height, several row blocks

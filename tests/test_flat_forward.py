@@ -26,10 +26,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(5, lengths=(3, 40), seed=11)]
 
 
-def native_runs(dtype: str) -> bool:
-    """Whether the C++ loop (FlatForward.stack) runs dense layers in `dtype` here: where aserve's GEMM packs them
-    (fp32 wherever the kernels build, bf16 with AVX512-BF16); oneDNN's packed weights keep the Python loop."""
-    return dtype == "float32" or torch.ops.aserve.gemm_packs_bf16()
+def set_loop(loop: str, monkeypatch, pick_gemm) -> None:
+    """`native`: the C++ loop over whichever GEMM this CPU picks (oneDNN's with AMX tiles, aserve's elsewhere);
+    `native-onednn`: the C++ loop over oneDNN's packed weights on any CPU; `python`: ASERVE_NATIVE_LOOP=0."""
+    if loop == "python":
+        monkeypatch.setenv("ASERVE_NATIVE_LOOP", "0")
+    elif loop == "native-onednn":
+        pick_gemm("onednn")
 
 
 def run(path, dtype, flat: bool, **options):
@@ -57,21 +60,22 @@ def run(path, dtype, flat: bool, **options):
     return tokens, hidden, len(used), model
 
 
-@pytest.mark.parametrize("loop", ["native", "python"])
+@pytest.mark.parametrize("loop", ["native", "native-onednn", "python"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama-untied", "qwen3", "phi3"])
-def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, monkeypatch, family, dtype, loop):
+def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, monkeypatch, pick_gemm, family, dtype, loop):
     """Biases in every linear layer (llama-untied), q/k norms (qwen3), a sliding window and partial rotary
     (phi3). Prompts of 3 to 40 tokens: steps of prefill chunks alone, then mixed with decode rows, then decode
-    rows alone, every one through the flat path: its C++ loop (ops/csrc/decoder_stack.cpp) or, with
-    ASERVE_NATIVE_LOOP=0, the Python one."""
+    rows alone, every one through the flat path: its C++ loop (ops/csrc/decoder_stack.cpp) over either GEMM's
+    packed weights or, with ASERVE_NATIVE_LOOP=0, the Python one."""
     if not cpu_gemm.can_pack(getattr(torch, dtype)):
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU, so the flat path does not run in {dtype}")
-    if loop == "python":
-        monkeypatch.setenv("ASERVE_NATIVE_LOOP", "0")
+    set_loop(loop, monkeypatch, pick_gemm)
     tokens, hidden, used, model = run(model_dirs[family], dtype, flat=True)
     assert isinstance(model.flat, FlatForward) and used == len(hidden) > 0
-    assert (model.flat.stack is not None) == (loop == "native" and native_runs(dtype))
+    assert (model.flat.stack is not None) == loop.startswith("native")
+    if loop == "native-onednn":
+        assert not model.layers[0].mlp.down_proj.packed.aserve
     ref_tokens, ref_hidden, ref_used, _ = run(model_dirs[family], dtype, flat=False)
     assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
@@ -97,7 +101,7 @@ def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, monkeypa
     tokens, hidden, used, model = run(path, dtype, flat=True, **options)
     assert isinstance(model.flat, FlatForward) and used == len(hidden) > 0
     assert model.layers[0].mlp.down_proj.method.name.startswith(weights)
-    assert (model.flat.stack is not None) == (loop == "native" and native_runs(dtype))
+    assert (model.flat.stack is not None) == (loop == "native")
     ref_tokens, ref_hidden, ref_used, _ = run(path, dtype, flat=False, **options)
     assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))

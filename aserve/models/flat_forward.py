@@ -11,8 +11,8 @@ bit the modules' output (tests/test_flat_forward.py). Anything else (another lay
 goes through the modules as before. The model says what its layers
 are: it builds one `FlatLayer` per layer (llama.LlamaForCausalLM.flat_layers), all the loop reads of them.
 
-Where every projection is one of aserve's own kernels (`LinearMethod.native_projection`: dense packed, int8, int4),
-the same loop runs in C++ (`native_stack`, ops/csrc/decoder_stack.cpp), one call a step instead of ~16 op calls a
+Where every projection is one of the packed kernels (`LinearMethod.native_projection`: dense weights packed for
+aserve's GEMM or oneDNN's, int8, int4), the same loop runs in C++ (`native_stack`, ops/csrc/decoder_stack.cpp), one call a step instead of ~16 op calls a
 layer from Python; the Python loop below runs the steps that carry LoRA adapters, and models with other projections.
 Bench model, batch 1, `tools/step_ab.py --compare native --requests 1 --steps 200` (AMD EPYC Zen 5, avx2 avx512f
 avx512_bf16, 2 threads, bf16, commit 3ae7c96): 7.21 against 8.16 ms a step dense, 4.88 against 5.77 int8, 4.61 against 5.53 GPTQ;

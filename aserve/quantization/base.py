@@ -54,8 +54,8 @@ def replace_params(layer: nn.Module, **tensors: torch.Tensor | None) -> None:
 class NativeProjection(NamedTuple):
     """A layer as the C++ layer loop (ops/csrc/decoder_stack.cpp) multiplies by it: the arguments of
     DecoderStack.add_projection. The same kernels, chosen by rows the same way, as the method's `projection`."""
-    kind: int  # DENSE, INT8 or INT4 below
-    weight: torch.Tensor  # the packed weight, or the int8 / int4 tiles
+    kind: int  # DENSE, INT8, INT4 or ONEDNN below
+    weight: torch.Tensor  # the packed weight (aserve's GEMM or oneDNN's), or the int8 / int4 tiles
     scales: torch.Tensor | None  # int8: per-channel scales; int4: scales and scale * zero per group
     bias: torch.Tensor | None
     perm: torch.Tensor | None  # int4 act-order: the inputs' order
@@ -64,7 +64,7 @@ class NativeProjection(NamedTuple):
     kernel_rows: int  # int8 / int4: the row-at-a-time kernel up to here, the GEMM above
 
 
-DENSE, INT8, INT4 = 0, 1, 2  # decoder_stack.cpp's Kind
+DENSE, INT8, INT4, ONEDNN = 0, 1, 2, 3  # decoder_stack.cpp's Kind
 
 
 class LinearMethod:
@@ -133,9 +133,10 @@ class UnquantizedLinearMethod(LinearMethod):
         return super().projection(layer)
 
     def native_projection(self, layer):
-        if layer.packed is None or not layer.packed.aserve:  # oneDNN's packed weight: the Python loop calls it
+        if layer.packed is None:
             return None
-        return NativeProjection(DENSE, layer.packed.data, None, layer.bias, None, 0, layer.out_features, 0)
+        kind = DENSE if layer.packed.aserve else ONEDNN
+        return NativeProjection(kind, layer.packed.data, None, layer.bias, None, 0, layer.out_features, 0)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

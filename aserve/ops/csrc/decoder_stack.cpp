@@ -7,16 +7,18 @@
 // once. The result is the Python loop's bit for bit (tests/test_flat_forward.py); the Python loop stays for the
 // steps this does not run: LoRA adapters in the step, or a projection that is not one of the kinds below.
 //
-// A projection is one of aserve's own linear kernels, as the quantization methods bind them
-// (LinearMethod.native_projection): dense packed weights (gemm_packed), int8 tiles (int8_linear up to `kernel_rows`
-// rows, gemm_int8 above) or GPTQ/AWQ int4 tiles (int4_linear / gemm_int4, the inputs permuted first for act-order
-// checkpoints).
+// A projection is one of the linear kernels the quantization methods bind (LinearMethod.native_projection): dense
+// weights packed for aserve's GEMM (gemm_packed) or for oneDNN's (mkldnn::_linear_pointwise, the GEMM chosen on CPUs
+// with AMX tiles: cpu_gemm.gemm_for), int8 tiles (int8_linear up to `kernel_rows` rows, gemm_int8 above) or GPTQ/AWQ
+// int4 tiles (int4_linear / gemm_int4, the inputs permuted first for act-order checkpoints).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -28,6 +30,20 @@ using OptTensor = c10::optional<Tensor>;
 template <class Signature>
 c10::TypedOperatorHandle<Signature> handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// oneDNN's packed linear, called boxed: its schema (mkldnn::_linear_pointwise, registered by torch's CPU build where
+// oneDNN is in it) is torch's own, and its C++ signature has changed between releases where the boxed one has not.
+// None where torch has no oneDNN (no projection of that kind is then ever packed).
+std::optional<c10::OperatorHandle> onednn_linear_op() {
+  return c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+}
+
+Tensor call_onednn(const c10::OperatorHandle& op, const Tensor& x, const Tensor& weight, const OptTensor& bias) {
+  torch::jit::Stack stack{x, weight, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(stack);
+  return stack[0].toTensor();
 }
 
 // The kernels the loop calls, with the signatures their files register. Looked up when a stack is made: at load
@@ -60,9 +76,10 @@ struct Kernels {
   c10::TypedOperatorHandle<GemmInt8> gemm_int8 = handle<GemmInt8>("aserve::gemm_int8");
   c10::TypedOperatorHandle<Int4Linear> int4_linear = handle<Int4Linear>("aserve::int4_linear");
   c10::TypedOperatorHandle<GemmInt4> gemm_int4 = handle<GemmInt4>("aserve::gemm_int4");
+  std::optional<c10::OperatorHandle> onednn_linear = onednn_linear_op();
 };
 
-enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kOneDnn = 3 };
 
 // x [rows, in] -> x W^T + b, as the method's Python projection computes it (quantization/*.py).
 struct Projection {
@@ -74,6 +91,8 @@ struct Projection {
     switch (kind) {
       case kDense:
         return k.gemm.call(x, weight, bias, out_features, 0);
+      case kOneDnn:
+        return call_onednn(*k.onednn_linear, x, weight, bias);
       case kInt8:
         if (x.size(0) <= kernel_rows)
           return with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
@@ -113,8 +132,10 @@ struct DecoderStack : torch::CustomClassHolder {
 
   int64_t add_projection(int64_t kind, Tensor weight, OptTensor scales, OptTensor bias, OptTensor perm, int64_t group,
                          int64_t out_features, int64_t kernel_rows) {
-    TORCH_CHECK(kind >= kDense && kind <= kInt4, "DecoderStack: unknown projection kind ", kind);
-    TORCH_CHECK(kind == kDense || scales.has_value(), "DecoderStack: int8 and int4 projections need their scales");
+    TORCH_CHECK(kind >= kDense && kind <= kOneDnn, "DecoderStack: unknown projection kind ", kind);
+    TORCH_CHECK(kind != kOneDnn || kernels.onednn_linear.has_value(), "DecoderStack: torch has no oneDNN here");
+    TORCH_CHECK(kind == kDense || kind == kOneDnn || scales.has_value(),
+                "DecoderStack: int8 and int4 projections need their scales");
     projections.push_back({kind, out_features, group, kernel_rows, std::move(weight), scales.value_or(Tensor()),
                            perm.value_or(Tensor()), std::move(bias)});
     return static_cast<int64_t>(projections.size()) - 1;
