@@ -65,6 +65,30 @@ inline int64_t block_bytes() {
 // 2 rows 39-44 -> 48-49, 4 rows 41-42 -> 45.6; 8 rows level; 16 rows 38 -> 30 and 64 rows 14.0 -> 12.0 without.
 constexpr int64_t kRowsWithoutPrefetch = 4;
 
+// How a block's mc rows are cut into micro-kernel calls of at most MR rows (call r's copy of x at slot r, MR rows
+// wide): MR at a time, except that a short last call (under MR / 2 rows) is evened out with the one before it
+// (12 + 1 -> 7 + 6, 12 + 4 -> 8 + 8). A call of few rows has too few accumulator chains to cover the dot products'
+// latency, so one row after twelve cost nearly what twelve did: bench-model shapes, 120 bf16 layers (Zen 5, 2 threads),
+// gemm_int4 at 12 rows 4.91 ms, at 13 6.49. Every row's sums are the same however the rows are cut.
+template <int MR>
+struct RowCalls {
+  int64_t count, split, last_first;  // split: the last two calls' first has this many rows (0: not evened out)
+  explicit RowCalls(int64_t mc) : count((mc + MR - 1) / MR), split(0), last_first(0) {
+    const int64_t tail = mc - (count - 1) * MR;
+    if (count >= 2 && tail < MR / 2) {
+      split = (MR + tail + 1) / 2;
+      last_first = (count - 2) * MR + split;
+    }
+    rows_of_last = static_cast<int>(split ? MR + tail - split : tail);
+  }
+  int64_t first(int64_t r) const { return split && r == count - 1 ? last_first : r * MR; }
+  int rows(int64_t r) const {
+    if (r == count - 1) return rows_of_last;
+    return split && r == count - 2 ? static_cast<int>(split) : MR;
+  }
+  int rows_of_last;
+};
+
 // Fetches `lines` 64-byte lines, from `from` on, into L1 at an even pace over `steps` k steps of a micro-kernel.
 struct PacedPrefetch {
   const char* next;
@@ -159,15 +183,16 @@ using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, in
                        int64_t);
 constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / MR) blocks of [kc][MR]: MR 6 for the 256-bit tiles,
-// 12 for the 512-bit ones. A last block of fewer rows leaves the others unwritten: its tile<rows> never reads them
-// (writing them as zeros was most of a one-row GEMM's fixed cost).
+// x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / MR) blocks of [kc][MR], one per call (RowCalls): MR 6
+// for the 256-bit tiles, 12 for the 512-bit ones. A block of fewer rows leaves the others unwritten: its tile<rows>
+// never reads them (writing them as zeros was most of a one-row GEMM's fixed cost).
 template <int MR>
 void pack_rows(const float* x, int64_t ldx, int64_t m0, int64_t mc, int64_t k0, int64_t kc, float* out) {
-  for (int64_t r = 0; r < mc; r += MR) {
-    const int rows = static_cast<int>(std::min<int64_t>(MR, mc - r));
-    float* block = out + r * kc;
-    const float* src = x + (m0 + r) * ldx + k0;
+  const RowCalls<MR> calls(mc);
+  for (int64_t r = 0; r < calls.count; ++r) {
+    const int rows = calls.rows(r);
+    float* block = out + r * MR * kc;
+    const float* src = x + (m0 + calls.first(r)) * ldx + k0;
     for (int64_t k = 0; k < kc; ++k)
       for (int i = 0; i < rows; ++i) block[k * MR + i] = src[i * ldx + k];
   }
@@ -207,6 +232,7 @@ void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels
                  float* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation) {
   by_blocks<kMR>(x, ldx, M, K, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
                                    const float* packed) {
+    const RowCalls<kMR> calls(mc);
     const bool first = k0 == 0, last = k0 + kc == K;
     const int64_t total_lines = (kc * Panels::kBytesPerK + 63) / 64;  // of the next panel, shared out to the blocks
     for (int64_t p = p0; p < p1; ++p) {
@@ -217,8 +243,8 @@ void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels
       for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
         const int64_t from = r * total_lines / blocks;
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
-        const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
-        float* c = out + (m0 + r * kMR) * N + p * kNR;
+        const int rows = calls.rows(r);
+        float* c = out + (m0 + calls.first(r)) * N + p * kNR;
         kTiles[rows](packed + r * kMR * kc, panel, kc, c, N, cols, b, first, next != nullptr ? next + from * 64 : nullptr,
                      lines);
         if (last && act != kNoActivation)
@@ -298,6 +324,7 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const float* 
   const int64_t panels = (N + kNR - 1) / kNR;
   by_blocks<kMR>(x, ldx, M, K, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
                                    const float* packed) {
+    const RowCalls<kMR> calls(mc);
     const bool first = k0 == 0, last = k0 + kc == K;
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
@@ -310,10 +337,10 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const float* 
       const float* pb = bias != nullptr ? bias + p * kNR : nullptr;
       for (int64_t r = 0; r < blocks; ++r) {
         const int64_t from = r * total_lines / blocks, lines = (r + 1) * total_lines / blocks - from;
-        const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
+        const int rows = calls.rows(r);
         const char* pf = lines > 0 ? reinterpret_cast<const char*>(w + ((p + 2 + from / kc) * K + k0 + from % kc) * kNR)
                                    : nullptr;
-        float* c = out + (m0 + r * kMR) * N + p * kNR;
+        float* c = out + (m0 + calls.first(r)) * N + p * kNR;
         (np == 2 ? kTiles<2> : kTiles<1>)[rows](packed + r * kMR * kc, b0, b1, kc, c, N, cols, pb, first, pf, lines);
         if (last && act != kNoActivation)
           for (int i = 0; i < rows; ++i) activate(c + i * N, cols, act);
@@ -493,12 +520,11 @@ using TileFn = void (*)(const uint32_t*, const uint16_t*, int64_t, uint16_t*, in
 constexpr TileFn kTiles[kMR + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,  tile<5>, tile<6>,
                                     tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
 
-// Pairs [k, k + 16) of 12 rows as 16 groups of 12 at out[k * 12]: a 16 x 16 transpose of 32-bit words (the four
-// missing rows zero), the first 12 words of each column stored.
-inline void pack_16_pairs(const uint16_t* const* src, int64_t k, uint32_t* out) {
+// Pairs [k, k + 16) of `rows` (up to 12) rows as 16 groups of 12 at out[k * 12]: a 16 x 16 transpose of 32-bit words
+// (the missing rows zero), the first 12 words of each column stored.
+inline void pack_16_pairs(const uint16_t* const* src, int rows, int64_t k, uint32_t* out) {
   __m512i r[16], a[16], b[16];
-  for (int i = 0; i < kMR; ++i) r[i] = _mm512_loadu_si512(src[i] + 2 * k);
-  for (int i = kMR; i < 16; ++i) r[i] = _mm512_setzero_si512();
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_si512(src[i] + 2 * k) : _mm512_setzero_si512();
   for (int j = 0; j < 8; ++j) {  // within 128-bit lanes: words of rows 2j, 2j + 1
     a[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
     a[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
@@ -520,23 +546,26 @@ inline void pack_16_pairs(const uint16_t* const* src, int64_t k, uint32_t* out) 
   }
 }
 
-// x rows [m0, m0 + mc) as ceil(mc / 12) blocks of [kp][12] pairs (odd K's last half zero). Whole blocks go 16 pairs
-// at a time through pack_16_pairs: a word at a time, packing was a tenth of a [8192, 3072] x [3072, 768] product
-// (each thread packs every row for its panels; short N has few to share it). A last block of fewer rows leaves the
-// others unwritten, as tile<rows> never reads them: zero-filling them was 2 of a one-row GEMM's ~3 us fixed cost.
+// x rows [m0, m0 + mc) as ceil(mc / 12) blocks of [kp][12] pairs (odd K's last half zero), one per call (RowCalls).
+// Blocks of 6 rows or more go 16 pairs at a time through pack_16_pairs: a word at a time, packing was a tenth of a
+// [8192, 3072] x [3072, 768] product (each thread packs every row for its panels; short N has few to share it). A block
+// of fewer rows leaves the others unwritten, as tile<rows> never reads them: zero-filling them was 2 of a one-row
+// GEMM's ~3 us fixed cost.
 void pack_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t mc, int64_t K, uint32_t* out) {
   const int64_t kp = (K + 1) / 2, whole = K / 2;
-  for (int64_t r = 0; r < mc; r += kMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r));
-    uint32_t* block = out + r * kp;
+  const RowCalls<kMR> calls(mc);
+  for (int64_t r = 0; r < calls.count; ++r) {
+    const int rows = calls.rows(r);
+    const int64_t first = m0 + calls.first(r);
+    uint32_t* block = out + r * kMR * kp;
     int64_t done = 0;
-    if (rows == kMR) {
+    if (rows >= kMR / 2) {
       const uint16_t* src[kMR];
-      for (int i = 0; i < kMR; ++i) src[i] = x + (m0 + r + i) * ldx;
-      for (; done + 16 <= whole; done += 16) pack_16_pairs(src, done, block);
+      for (int i = 0; i < rows; ++i) src[i] = x + (first + i) * ldx;
+      for (; done + 16 <= whole; done += 16) pack_16_pairs(src, rows, done, block);
     }
     for (int i = 0; i < rows; ++i) {
-      const uint16_t* src = x + (m0 + r + i) * ldx;
+      const uint16_t* src = x + (first + i) * ldx;
       for (int64_t k = done; k < kp; ++k) {
         uint32_t pair = 0;
         if (k < whole) std::memcpy(&pair, src + 2 * k, sizeof(pair));
@@ -569,6 +598,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
     const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
     pack_rows(x, ldx, m0, mc, K, packed.data());
+    const RowCalls<kMR> calls(mc);
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* b = panels.get(p);
       const char* next = p + 1 < p1 && M > kRowsWithoutPrefetch ? panels.stored(p + 1) : nullptr;
@@ -578,8 +608,8 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
       for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
         const int64_t from = r * total_lines / blocks;
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
-        const int rows = static_cast<int>(std::min<int64_t>(kMR, mc - r * kMR));
-        kTiles[rows](packed.data() + r * kMR * kp, b, kp, out + (m0 + r * kMR) * N + p * kNR, N, cols, pb, ps,
+        const int rows = calls.rows(r);
+        kTiles[rows](packed.data() + r * kMR * kp, b, kp, out + (m0 + calls.first(r)) * N + p * kNR, N, cols, pb, ps,
                      next != nullptr ? next + from * 64 : nullptr, lines, act);
       }
     }
