@@ -715,11 +715,19 @@ void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale
 // bf16 panel, dequantized on the way: w = q * s - s * z with each group's s and s * z ([tiles][groups][2][16],
 // bf16), rounded to bf16 once. Pair row kk = 4b + s of block b: 32-bit word j holds output j's codes for k = 2kk at
 // bits 4s.. and 2kk + 1 at bits 16 + 4s..: the panel's pair.
-template <int S> inline void int4_pair_row(__m512i block, __m512 s, __m512 m, __m512i* row) {
-  const __m512i mask = _mm512_set1_epi32(15);
-  const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(block, 4 * S), mask));
-  const __m512 odd = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(block, 16 + 4 * S), mask));
-  const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s, m), _mm512_fmsub_ps(even, s, m));
+// A code q as the float 1 + q / 16 (its bits 0x3F800000 | q << 19), made by moving the nibble to bits 19..22 and one
+// vpternlogd (bits & 0x00780000 | 0x3F800000) where a shift, a mask and vcvtdq2ps did it: then
+// (1 + q / 16) * 16s - (16s + s z) = q s - s z, rounded once as fmsub(q, s, s z) rounds it (16s + s z is exact in
+// fp32: two bf16 values within 2^5 of each other).
+template <int Shift> inline __m512 nibble_as_float(__m512i block) {
+  const __m512i at = Shift >= 0 ? _mm512_slli_epi32(block, Shift) : _mm512_srli_epi32(block, -Shift);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(at, _mm512_set1_epi32(0x00780000),
+                                                       _mm512_set1_epi32(0x3F800000), 0xEA));  // (a & b) | c
+}
+
+template <int S> inline void int4_pair_row(__m512i block, __m512 s16, __m512 c, __m512i* row) {
+  const __m512 even = nibble_as_float<19 - 4 * S>(block), odd = nibble_as_float<3 - 4 * S>(block);
+  const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(odd, s16, c), _mm512_fmsub_ps(even, s16, c));
   *row = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
 }
 
@@ -735,13 +743,13 @@ struct Int4Panels {
       const uint8_t* src = tiles + t * kp * 16;
       for (int64_t g = 0; g < groups; ++g) {
         const uint16_t* sz = scales_zeros + (t * groups + g) * 32;
-        const __m512 s = widen(sz), m = widen(sz + 16);
+        const __m512 s16 = _mm512_mul_ps(widen(sz), _mm512_set1_ps(16.0f)), c = _mm512_add_ps(s16, widen(sz + 16));
         for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: pair rows kk..kk+3
           const __m512i block = _mm512_loadu_si512(src + kk * 16);
-          int4_pair_row<0>(block, s, m, rows + kk * 2);
-          int4_pair_row<1>(block, s, m, rows + (kk + 1) * 2);
-          int4_pair_row<2>(block, s, m, rows + (kk + 2) * 2);
-          int4_pair_row<3>(block, s, m, rows + (kk + 3) * 2);
+          int4_pair_row<0>(block, s16, c, rows + kk * 2);
+          int4_pair_row<1>(block, s16, c, rows + (kk + 1) * 2);
+          int4_pair_row<2>(block, s16, c, rows + (kk + 2) * 2);
+          int4_pair_row<3>(block, s16, c, rows + (kk + 3) * 2);
         }
       }
     });
