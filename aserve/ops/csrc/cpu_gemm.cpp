@@ -444,8 +444,18 @@ constexpr int kMR = 12;
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
-template <int MR>
-inline void micro_kernel(const uint32_t* a, const uint16_t* b, int64_t kp, __m512 (&acc)[kMR][2], const char* pf,
+// Where a micro-kernel's k step finds the panel's two weight vectors: a stored bf16 panel (Stored), or two int8 tiles
+// widened as it goes (WidenInt8, after Int8Panels below), which also leaves them in scratch for the block's other calls.
+struct Stored {
+  const uint16_t* b;
+  inline void operator()(int64_t k, __m512bh& b0, __m512bh& b1) const {
+    b0 = as_bh(_mm512_load_si512(b + k * 2 * kNR));
+    b1 = as_bh(_mm512_load_si512(b + k * 2 * kNR + kNR));
+  }
+};
+
+template <int MR, class Source>
+inline void micro_kernel(const uint32_t* a, const Source& source, int64_t kp, __m512 (&acc)[kMR][2], const char* pf,
                          int64_t lines) {
   __m512 r[MR][2];
 #pragma GCC unroll 12
@@ -453,7 +463,8 @@ inline void micro_kernel(const uint32_t* a, const uint16_t* b, int64_t kp, __m51
   PacedPrefetch ahead(pf, lines, kp);
   for (int64_t k = 0; k < kp; ++k) {
     ahead.at(k);
-    const __m512bh b0 = as_bh(_mm512_load_si512(b + k * 2 * kNR)), b1 = as_bh(_mm512_load_si512(b + k * 2 * kNR + kNR));
+    __m512bh b0, b1;
+    source(k, b0, b1);
     const uint32_t* ak = a + k * kMR;
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
@@ -470,9 +481,9 @@ inline __m512 widen(const uint16_t* p) { return aserve_kernels::load_bf16_as_flo
 
 // One MR x 32 tile of out (bf16), from the bias or zero; with `scale` (32 fp32 column scales: int8 weights), the sums
 // are scaled and then the bias added, in fp32, before the one rounding. `cols` < 32 only in the last panel.
-template <int MR>
-void tile(const uint32_t* a, const uint16_t* b, int64_t kp, uint16_t* c, int64_t ldc, int cols, const uint16_t* bias,
-          const float* scale, const char* pf, int64_t lines, int64_t act) {
+template <int MR, class Source>
+void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, int64_t ldc, int cols,
+             const uint16_t* bias, const float* scale, const char* pf, int64_t lines, int64_t act) {
   __m512 acc[kMR][2];
   alignas(64) uint16_t edge[kNR] = {};
   const uint16_t* init = bias;
@@ -485,7 +496,7 @@ void tile(const uint32_t* a, const uint16_t* b, int64_t kp, uint16_t* c, int64_t
     acc[i][0] = bias_first ? widen(init) : _mm512_setzero_ps();
     acc[i][1] = bias_first ? widen(init + 16) : _mm512_setzero_ps();
   }
-  micro_kernel<MR>(a, b, kp, acc, pf, lines);
+  micro_kernel<MR>(a, source, kp, acc, pf, lines);
   if (scale != nullptr) {
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     const __m512 b0 = init != nullptr ? widen(init) : _mm512_setzero_ps();
@@ -515,10 +526,18 @@ void tile(const uint32_t* a, const uint16_t* b, int64_t kp, uint16_t* c, int64_t
   }
 }
 
-using TileFn = void (*)(const uint32_t*, const uint16_t*, int64_t, uint16_t*, int64_t, int, const uint16_t*,
-                       const float*, const char*, int64_t, int64_t);
-constexpr TileFn kTiles[kMR + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,  tile<5>, tile<6>,
-                                    tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+template <int MR, class Source>
+void tile(const uint32_t* a, const void* source, int64_t kp, uint16_t* c, int64_t ldc, int cols, const uint16_t* bias,
+          const float* scale, const char* pf, int64_t lines, int64_t act) {
+  tile_of<MR>(a, *static_cast<const Source*>(source), kp, c, ldc, cols, bias, scale, pf, lines, act);
+}
+
+using TileFn = void (*)(const uint32_t*, const void*, int64_t, uint16_t*, int64_t, int, const uint16_t*, const float*,
+                        const char*, int64_t, int64_t);
+template <class Source>
+constexpr TileFn kTilesOf[kMR + 1] = {nullptr, tile<1, Source>, tile<2, Source>, tile<3, Source>, tile<4, Source>,
+                                      tile<5, Source>, tile<6, Source>, tile<7, Source>, tile<8, Source>,
+                                      tile<9, Source>, tile<10, Source>, tile<11, Source>, tile<12, Source>};
 
 // Pairs [k, k + 16) of `rows` (up to 12) rows as 16 groups of 12 at out[k * 12]: a 16 x 16 transpose of 32-bit words
 // (the missing rows zero), the first 12 words of each column stored.
@@ -579,6 +598,7 @@ void pack_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t mc, int64_t K
 // Where gemm_panels finds panel p ([kp][32][2] bf16), and what to prefetch for it: the packed weight itself
 // (DensePanels), or two int8 tiles widened into a scratch panel (Int8Panels, below).
 struct DensePanels {
+  static constexpr bool kWidensInFirstCall = false;
   const uint16_t* w;
   int64_t kp;
   int64_t bytes() const { return kp * 2 * kNR * 2; }  // a stored panel's
@@ -600,7 +620,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
     pack_rows(x, ldx, m0, mc, K, packed.data());
     const RowCalls<kMR> calls(mc);
     for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* b = panels.get(p);
+      const Stored stored{panels.get(p)};  // int8 panels: the scratch the block's first call widens them into
       const char* next = p + 1 < p1 && M > kRowsWithoutPrefetch ? panels.stored(p + 1) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
@@ -609,8 +629,16 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
         const int64_t from = r * total_lines / blocks;
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
         const int rows = calls.rows(r);
-        kTiles[rows](packed.data() + r * kMR * kp, b, kp, out + (m0 + calls.first(r)) * N + p * kNR, N, cols, pb, ps,
-                     next != nullptr ? next + from * 64 : nullptr, lines, act);
+        const char* pf = next != nullptr ? next + from * 64 : nullptr;
+        uint16_t* c = out + (m0 + calls.first(r)) * N + p * kNR;
+        if constexpr (Panels::kWidensInFirstCall) {
+          if (r == 0) {
+            const auto widen = panels.widen(p);
+            kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, N, cols, pb, ps, pf, lines, act);
+            continue;
+          }
+        }
+        kTilesOf<Stored>[rows](packed.data() + r * kMR * kp, &stored, kp, c, N, cols, pb, ps, pf, lines, act);
       }
     }
   }
@@ -679,25 +707,48 @@ inline const uint16_t* panel_of_tiles(int64_t p, int64_t kp, int64_t num_tiles, 
   return reinterpret_cast<const uint16_t*>(scratch.data());
 }
 
+// Pair row kk of an int8 tile ([K][16]) as bf16 pairs: rows 2kk and 2kk + 1 widened to fp32, narrowed together and
+// interleaved (an odd K's last pair has a zero odd row).
+inline __m512i int8_pair_row(const int8_t* tile, int64_t kk, int64_t whole) {
+  const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 2 * kk * 16))));
+  const __m512 odd = kk < whole ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (2 * kk + 1) * 16))))
+                                : _mm512_setzero_ps();
+  const __m512bh words = _mm512_cvtne2ps_pbh(odd, even);
+  return _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
+}
+
+// A block's first call over an int8 panel widens its two tiles as it multiplies (the conversions beside its dot
+// products) and leaves each pair row in scratch, where the block's other calls read it as a stored panel.
+struct WidenInt8 {
+  const int8_t *t0, *t1;  // t1 null past the last tile: zeros
+  int64_t whole;
+  __m512i* rows;
+  inline void operator()(int64_t k, __m512bh& b0, __m512bh& b1) const {
+    const __m512i v0 = int8_pair_row(t0, k, whole);
+    const __m512i v1 = t1 != nullptr ? int8_pair_row(t1, k, whole) : _mm512_setzero_si512();
+    _mm512_store_si512(rows + 2 * k, v0);
+    _mm512_store_si512(rows + 2 * k + 1, v1);
+    b0 = as_bh(v0), b1 = as_bh(v1);
+  }
+};
+
 struct Int8Panels {
+  static constexpr bool kWidensInFirstCall = true;
   const int8_t* tiles;
   int64_t K, num_tiles;
   int64_t bytes() const { return 2 * K * 16; }  // two stored tiles
   const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * K * 16); }
-  const uint16_t* get(int64_t p) const {
-    const int64_t kp = (K + 1) / 2, whole = K / 2;  // pairs with both rows; an odd K's last has a zero odd row
-    return panel_of_tiles(p, kp, num_tiles, [&](int64_t t, __m512i* rows) {
-      const int8_t* src = tiles + t * K * 16;
-      for (int64_t kk = 0; kk < kp; ++kk) {
-        const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * kk * 16))));
-        const __m512 odd = kk < whole ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (2 * kk + 1) * 16))))
-                                      : _mm512_setzero_ps();
-        const __m512bh words = _mm512_cvtne2ps_pbh(odd, even);
-        rows[kk * 2] = _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
-      }
-    });
+  static __m512i* scratch(int64_t kp) {
+    thread_local std::vector<__m512i> rows;
+    rows.resize(kp * 2);
+    return rows.data();
+  }
+  const uint16_t* get(int64_t) const { return reinterpret_cast<const uint16_t*>(scratch((K + 1) / 2)); }
+  WidenInt8 widen(int64_t p) const {
+    const int8_t* t1 = 2 * p + 1 < num_tiles ? tiles + (2 * p + 1) * K * 16 : nullptr;
+    return {tiles + 2 * p * K * 16, t1, K / 2, scratch((K + 1) / 2)};
   }
 };
 
@@ -732,6 +783,7 @@ template <int S> inline void int4_pair_row(__m512i block, __m512 s16, __m512 c, 
 }
 
 struct Int4Panels {
+  static constexpr bool kWidensInFirstCall = false;
   const uint8_t* tiles;
   const uint16_t* scales_zeros;
   int64_t K, group, num_tiles;
