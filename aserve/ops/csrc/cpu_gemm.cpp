@@ -681,11 +681,13 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::option
 }
 
 // int8 tiles ([ceil(N/16)][K][16], quantization.int8's layout) two at a time as a bf16 panel, widened into the
-// thread's scratch when the panel comes up: once per panel and row block, for all the block's rows (int8 codes are
-// exact in bf16). A panel's row kk holds, for each of its 32 outputs, the weights of k = 2kk and 2kk + 1: a tile's two
-// 16-byte rows are widened to fp32, narrowed to bf16 together and interleaved.
-// Measured and not taken: widening the next panel a row every few k steps inside the micro-kernels running this one
-// (to overlap the conversions with the dot products) ran 1.2-1.6x slower than this separate pass (Zen 5).
+// thread's scratch by the first call of each row block as it multiplies (WidenInt8): once per panel and row block, for
+// all the block's rows (int8 codes are exact in bf16). A panel's row kk holds, for each of its 32 outputs, the weights
+// of k = 2kk and 2kk + 1: a tile's two 16-byte rows are widened to fp32, narrowed to bf16 together and interleaved.
+// Measured and not taken (Zen 5): widening the next panel a row every few k steps inside the micro-kernels running
+// this one ran 1.2-1.6x slower than a separate pass; int4 panels widened by the first call as int8's are (their two
+// fmsubs a pair row beside the dot products) ran slower than their separate pass, 120 bench layers at 16 rows
+// 5.48/5.46 -> 5.76/6.12 ms.
 // [even 0..15, odd 0..15] -> pairs (e0 o0 e1 o1 ...)
 const __m512i kPairOrder = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                             21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
