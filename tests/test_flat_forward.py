@@ -17,7 +17,7 @@ import aserve.attention.torch_backend as torch_backend
 from aserve.attention import kv_quant
 from aserve import LLM, SamplingParams
 from aserve.models.flat_forward import UNBUILT, FlatForward
-from aserve.ops import cpu_gemm
+from aserve.ops import cpu_gemm, cpu_kernels
 from conftest import random_prompts
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
@@ -97,7 +97,8 @@ def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, monkeypa
     else:
         path = tmp_path / "gptq"
         write_rtn_checkpoint(model_dirs["llama-untied"], path, "gptq")
-    dtype = "bfloat16" if cpu_gemm.can_pack(torch.bfloat16) else "float32"
+    # bf16 where aserve's int8 and int4 kernels take bf16 rows (AVX512-BF16); elsewhere fp32, where they always do
+    dtype = "bfloat16" if cpu_kernels.available() and torch.ops.aserve.gemm_packs_bf16() else "float32"
     tokens, hidden, used, model = run(path, dtype, flat=True, **options)
     assert isinstance(model.flat, FlatForward) and used == len(hidden) > 0
     assert model.layers[0].mlp.down_proj.method.name.startswith(weights)

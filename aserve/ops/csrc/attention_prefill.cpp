@@ -158,6 +158,11 @@ inline int64_t tile_query_count(int64_t group) {
   return wanted;
 }
 
+// e4m3 widens as its value times 2^-8 (vec_helpers.h); prefill multiplies its rows by kFp8Unit to undo that, and
+// takes the 2^8 out of the scales: scaled down, the smallest products fell below fp32's normal range (which
+// vdpbf16ps flushes to zero, and fp32 FMAs round coarser), and differed from a bf16 or fp32 cache's.
+template <typename C> constexpr float kFp8Unit = std::is_same_v<C, E4M3> ? 256.f : 1.f;
+
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 // bf16 queries over a bf16 cache (or bf16 keys and values) on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs
 // of bf16 values and adds both products to an fp32 lane, so each instruction does twice the products of an fp32
@@ -254,10 +259,7 @@ inline void pair_values(const BF16* const* v, int64_t nk, int64_t D, uint32_t* v
 }
 
 // FP8 rows (tag C) of D bytes as bf16 rows of their values in dst ([rows][D]): exact, every FP8 value is a bf16
-// value. The bf16 tiles then take an FP8 cache as they take a bf16 one holding the same values. (e4m3 widens as
-// its value times 2^-8, kFp8Unit below undoes it: scaled down, the smallest products fell below fp32's normal
-// range, which vdpbf16ps flushes to zero, and differed from a bf16 cache's.)
-template <typename C> constexpr float kFp8Unit = std::is_same_v<C, E4M3> ? 256.f : 1.f;
+// value. The bf16 tiles then take an FP8 cache as they take a bf16 one holding the same values.
 template <typename C> inline void fp8_rows_as_bf16(const C* const* rows, int64_t n, int64_t D, BF16* dst) {
   const __m512 unit = _mm512_set1_ps(kFp8Unit<C>);
   for (int64_t j = 0; j < n; ++j) {
@@ -381,12 +383,12 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   const int64_t full_cols = D / kCols * kCols;
 #ifdef ASERVE_PREFILL_BF16  // an FP8 cache too, its rows made bf16 a key step at a time (fp8_rows_as_bf16)
   const bool pairs = std::is_same_v<T, BF16> && (std::is_same_v<C, BF16> || is_fp8<C>) && D % 32 == 0 && D <= 512;
-  if constexpr (is_fp8<C>) {  // the rows hold their values, not e4m3's 2^-8 of them: the scales without the 2^8
-    if (pairs) k_scale /= kFp8Unit<C>, v_scale /= kFp8Unit<C>;
-  }
 #else
   const bool pairs = false;
 #endif
+  if constexpr (is_fp8<C>) {  // the rows hold their values, not e4m3's 2^-8 of them: the scales without the 2^8
+    k_scale /= kFp8Unit<C>, v_scale /= kFp8Unit<C>;
+  }
   const float fscale = static_cast<float>(scale * k_scale), vscale = static_cast<float>(v_scale);
   // where the scale is applied: the fp32 path scales its queries; bf16 pairs' scores are scaled in the softmax's
   // exponent unless a softcap needs them scaled first
@@ -507,6 +509,10 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
               } else {
                 load_row(krow[j], s.kbuf.data() + j * D, D);
                 load_row(vrow[j], s.vbuf.data() + j * D, D);
+                if constexpr (kFp8Unit<C> != 1.f) {
+                  scale_row(s.kbuf.data() + j * D, kFp8Unit<C>, D);
+                  scale_row(s.vbuf.data() + j * D, kFp8Unit<C>, D);
+                }
                 kf[j] = s.kbuf.data() + j * D;
                 vf[j] = s.vbuf.data() + j * D;
               }
