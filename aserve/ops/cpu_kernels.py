@@ -32,9 +32,10 @@ HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))  # included by th
 def cflags() -> list[str]:
     """-march=native, the CPU_CAPABILITY macros that make at::vec::Vectorized use AVX-512 or AVX2 lanes, and
     OpenMP, without which at::parallel_for (inlined from the headers) runs on one thread. The libgomp it links
-    is the one torch already loaded (same soname), so both share one thread pool."""
+    is the one torch already loaded (same soname), so both share one thread pool. ASERVE_KERNEL_ARCH names another
+    -march (`haswell` with ATEN_CPU_CAPABILITY=avx2: the AVX2-only build, on an AVX-512 machine, for its tests)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+    flags = ["-O3", f"-march={os.environ.get('ASERVE_KERNEL_ARCH') or 'native'}", "-fno-math-errno", "-fopenmp"]
     if capability in ("AVX512", "AVX2"):
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     return flags
