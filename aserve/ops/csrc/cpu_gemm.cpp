@@ -842,8 +842,12 @@ struct Int8Panels {
     const int8_t* src = tiles + (p * K + k0) * kNR;
     for (int64_t k = 0; k < kc; ++k) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kNR));
+#if defined(__AVX512F__)
+      _mm512_store_ps(scratch[k].v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+#else
       _mm256_store_ps(scratch[k].v, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
       _mm256_store_ps(scratch[k].v + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+#endif
     }
     return scratch[0].v;
   }
@@ -919,12 +923,18 @@ struct Int4Panels {
       const float* sz = scales_zeros + (p * groups + k / group) * 2 * kNR;
       const uint8_t* block = src + (k / 8) * 4 * kNR;
       const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(16 * (k & 1) + 4 * ((k / 2) & 3)));
+#if defined(__AVX512F__)
+      const __m512i b = _mm512_loadu_si512(block);
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(b, shift), _mm512_set1_epi32(15)));
+      _mm512_store_ps(scratch[k - k0].v, _mm512_fmsub_ps(q, _mm512_loadu_ps(sz), _mm512_loadu_ps(sz + kNR)));
+#else
       for (int half = 0; half < 2; ++half) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * half));
         const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(b, shift), _mm256_set1_epi32(15)));
         _mm256_store_ps(scratch[k - k0].v + 8 * half,
                         _mm256_fmsub_ps(q, _mm256_loadu_ps(sz + 8 * half), _mm256_loadu_ps(sz + kNR + 8 * half)));
       }
+#endif
     }
     return scratch[0].v;
   }
