@@ -3,7 +3,7 @@ a scale s and an integer zero point z, the weight being w = (q - z) * s.
 
 On the CPU, where aserve's kernels are built and the activations are fp32 (or bf16 with AVX512-BF16), they run on
 aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
-(`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 3 rows
+(`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 8 rows
 `int4_linear` (csrc/int8_linear.cpp) sums x * q per group in registers (bf16: an output's two codes of a pair of
 inputs made a bf16 pair through a table, 32 products per vdpbf16ps) and folds in s * sum(x q) - s * z * sum(x);
 above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's layout. Any
@@ -20,7 +20,8 @@ Measured (bench-model shapes, 30 layers, AMD EPYC Zen 5 avx512_bf16, 2 threads, 
 aserve's kernels 2.20 at 1 row, 2.63 at 2, 3.50 at 4 (gemm_int4), 3.86 at 8, 6.04 at 16, 16.27 at 64; torch's 2.20,
 2.33, 3.24, 5.83, 10.64, 39.85; aserve's dense bf16 GEMM 5.11, 5.01, 5.41, 6.06, 5.92, 15.27. torch's kernel is
 vectorized for bf16 only (fp32 ran 20x slower than dense at one row), so without aserve's kernels, in fp32 or fp16,
-or for a shape it refuses, the layer is dequantized once at load and runs as a dense layer.
+or for a shape it refuses, the layer is dequantized once at load and runs as a dense layer. (Those figures predate
+the 64-byte blocks, 5a3e930; see KERNEL_MAX_ROWS for int4_linear against gemm_int4 since.)
 """
 from __future__ import annotations
 
@@ -102,7 +103,11 @@ class AserveInt4Method(LinearMethod):
     rows, cpu_gemm.cpp's gemm_int4 above): codes tiled in 64-byte blocks of 8 inputs (tile_int4) and, per tile and
     group, the 16 outputs' scales then scale * zero ([ceil(out/16), groups, 2, 16], in the model's dtype)."""
 
-    KERNEL_MAX_ROWS = 3  # int4_linear up to here; from 4 rows gemm_int4 (bench shapes: 3.50 against 3.49 ms at 4)
+    # int4_linear up to here (all it takes), gemm_int4 above: 120 bench-model layers (AMD EPYC Zen 5, 2 threads, ms),
+    # int4_linear against gemm_int4, bf16 at 4 rows 2.01 against 5.51, 6 rows 2.53 against 3.81, 8 rows 3.88 against
+    # 4.19; fp32 3.08 against 8.46 at 4 rows, 5.55 against 9.99 at 8 (it was 3 rows when int4_linear had no 64-byte
+    # blocks and allocated per call).
+    KERNEL_MAX_ROWS = 8
 
     def __init__(self, name: str):
         self.name = name
