@@ -4,7 +4,7 @@ scale per output channel (w ~ q * scale, q in [-127, 127]).
 On the CPU with aserve's kernels (aserve/ops/csrc/int8_linear.cpp) the codes are stored tiled, [ceil(out/16),
 in, 16], one byte a weight: for each input feature, sixteen output channels side by side, so `int8_linear`
 multiplies a whole vector of them by one broadcast activation, with no horizontal sums (the layout of torch's
-int4 kernel, without the nibbles). Up to KERNEL_MAX_ROWS rows (decode batches) run on it; larger batches run
+int4 kernel, without the nibbles). Up to kernel_rows(dtype) rows (decode batches) run on it; larger batches run
 aserve's int8 GEMM (`gemm_int8`, csrc/cpu_gemm.cpp: each panel of two tiles widened to the activations' dtype once per
 row block, by the block's first micro-kernel call in bf16), or, where it is not built for the dtype, convert the
 tiles back to a dense weight (`int8_untile`) and run the GEMM library.

@@ -34,17 +34,18 @@ c10::TypedOperatorHandle<Signature> handle(const char* name) {
 
 // oneDNN's packed linear, called boxed: its schema (mkldnn::_linear_pointwise, registered by torch's CPU build where
 // oneDNN is in it) is torch's own, and its C++ signature has changed between releases where the boxed one has not.
-// None where torch has no oneDNN (no projection of that kind is then ever packed).
-std::optional<c10::OperatorHandle> onednn_linear_op() {
-  return c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
-}
+// `op` is none where torch has no oneDNN (no projection of that kind is then ever packed); the constant arguments
+// (no post-op, no scalars, no algorithm) are made once, not at every call.
+struct OneDnnLinear {
+  std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  c10::IValue attr{std::string("none")}, scalars{c10::List<std::optional<at::Scalar>>()}, algorithm{std::string("")};
 
-Tensor call_onednn(const c10::OperatorHandle& op, const Tensor& x, const Tensor& weight, const OptTensor& bias) {
-  torch::jit::Stack stack{x, weight, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
-                          c10::List<std::optional<at::Scalar>>(), std::string("")};
-  op.callBoxed(stack);
-  return stack[0].toTensor();
-}
+  Tensor operator()(const Tensor& x, const Tensor& weight, const OptTensor& bias) const {
+    torch::jit::Stack stack{x, weight, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), attr, scalars, algorithm};
+    op->callBoxed(stack);
+    return stack[0].toTensor();
+  }
+};
 
 // The kernels the loop calls, with the signatures their files register. Looked up when a stack is made: at load
 // time the other files' registrations may not have run yet.
@@ -76,7 +77,7 @@ struct Kernels {
   c10::TypedOperatorHandle<GemmInt8> gemm_int8 = handle<GemmInt8>("aserve::gemm_int8");
   c10::TypedOperatorHandle<Int4Linear> int4_linear = handle<Int4Linear>("aserve::int4_linear");
   c10::TypedOperatorHandle<GemmInt4> gemm_int4 = handle<GemmInt4>("aserve::gemm_int4");
-  std::optional<c10::OperatorHandle> onednn_linear = onednn_linear_op();
+  OneDnnLinear onednn_linear;
 };
 
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kOneDnn = 3 };
@@ -92,7 +93,7 @@ struct Projection {
       case kDense:
         return k.gemm.call(x, weight, bias, out_features, 0);
       case kOneDnn:
-        return call_onednn(*k.onednn_linear, x, weight, bias);
+        return k.onednn_linear(x, weight, bias);
       case kInt8:
         if (x.size(0) <= kernel_rows)
           return with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
@@ -133,7 +134,7 @@ struct DecoderStack : torch::CustomClassHolder {
   int64_t add_projection(int64_t kind, Tensor weight, OptTensor scales, OptTensor bias, OptTensor perm, int64_t group,
                          int64_t out_features, int64_t kernel_rows) {
     TORCH_CHECK(kind >= kDense && kind <= kOneDnn, "DecoderStack: unknown projection kind ", kind);
-    TORCH_CHECK(kind != kOneDnn || kernels.onednn_linear.has_value(), "DecoderStack: torch has no oneDNN here");
+    TORCH_CHECK(kind != kOneDnn || kernels.onednn_linear.op.has_value(), "DecoderStack: torch has no oneDNN here");
     TORCH_CHECK(kind == kDense || kind == kOneDnn || scales.has_value(),
                 "DecoderStack: int8 and int4 projections need their scales");
     projections.push_back({kind, out_features, group, kernel_rows, std::move(weight), scales.value_or(Tensor()),
