@@ -159,6 +159,24 @@ def test_aserve_gemm_applies_gelu_as_it_writes(aserve_gemm, kind, rows, out_feat
         torch.ops.aserve.gemm_packed(x, packed.data, b, out_features, 3)
 
 
+@pytest.mark.parametrize("kind", ["gelu", "gelu_pytorch_tanh"])
+def test_aserve_gemm_gelu_over_the_whole_range(aserve_gemm, kind):
+    """The epilogue's erf and tanh (rational approximations, clamped) against torch's GELU in float64 over inputs from
+    -12 to 12 fed exactly through an identity weight (fp32): the saturated ends, the negative tail, zero."""
+    from aserve.ops.cpu_gemm import pack_weight, packed_linear_gelu
+
+    n = 48
+    packed = pack_weight(torch.eye(n))
+    x = torch.cat([torch.linspace(-12, 12, n * 2001), torch.tensor([0.0, -0.0, 1e-30, -1e-30] * (n // 4))]).reshape(-1, n)
+    got = packed_linear_gelu(x, packed, None, kind).double()
+    expected = torch.nn.functional.gelu(x.double(), approximate="none" if kind == "gelu" else "tanh")
+    assert torch.isfinite(got).all()
+    assert (got - expected).abs().max() < 2e-6
+    big = x.abs() > 6
+    assert torch.equal(got[big & (x > 0)], x[big & (x > 0)].double())  # GELU(x) = x in float there
+    assert (got[big & (x < 0)].abs() < 1e-6).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm, dtype):
     from aserve.ops.cpu_gemm import pack_weight, packed_linear
