@@ -91,25 +91,6 @@ template <typename F> inline void by_rows(int64_t n, F&& f) {  // f(first, rows)
   }
 }
 
-// 2^t for t <= 0 (larger t are not asked for): 2^round(t) times a degree-5 polynomial in the remainder (within
-// about 2 ulp of fp32), scaled with vscalefps; t at -inf or far below gives exactly 0. Ten instructions against
-// at::vec's exp_u20's twenty; without AVX-512, exp_u20 (within 20 ulp) of t ln 2.
-inline fVec exp2_nonpositive(const fVec& t) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x = _mm512_max_ps(t, _mm512_set1_ps(-200.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.0013266970636323094f), _mm512_set1_ps(0.009675459936261177f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.05550742521882057f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.24022121727466583f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.6931469440460205f));
-  p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(1.0000001192092896f));
-  return _mm512_scalef_ps(p, n);
-#else
-  return (t * fVec(0.6931471805599453f)).exp_u20();
-#endif
-}
-
 // The online softmax over one walk step: for each query row r (a vector holds W rows' scores for one key), its
 // running max m and sum l are updated by the nk scores st[0..nk)[r], which become their probabilities; corr[r]
 // is what the row's output so far must be multiplied by. Scores are taken as they are and multiplied by `scale`
@@ -119,7 +100,7 @@ inline fVec exp2_nonpositive(const fVec& t) {
 inline void online_softmax(float* st, int64_t nk, int64_t padded, float scale, float* m, float* l, float* corr) {
   constexpr int W = fVec::size();
   const fVec lowest(-std::numeric_limits<float>::infinity());
-  const fVec k(scale * 1.4426950408889634f);  // scale log2(e)
+  const fVec k(scale * kLog2e);
   auto rows = [&](int64_t r, auto count) {
     constexpr int V = decltype(count)::value;
     fVec peak[V], shift[V], sum[V];
