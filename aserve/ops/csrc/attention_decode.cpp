@@ -515,7 +515,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       key_scores<C, HeadDim>(w.q.data(), group, head_dim, k_head, v_head, offsets, n, scores, w.row.data(), ahead);
     }
     if (cap > 0.f)  // soft-capping
-      for (int64_t j = 0; j < group * n; ++j) scores[j] = std::tanh(scores[j] / cap) * cap;
+      at::vec::map([cap](fVec x) { return tanh_rational(x / fVec(cap)) * fVec(cap); }, scores, scores, group * n);
     // Softmax. bf16 cache: exp(s - max) rounded to bf16 in the same pass that sums it, into rows of even length
     // (the value pass reads a pair of tokens' probabilities as one word), and the value sums divided by the total
     // after. Else in place, normalized before the value pass.

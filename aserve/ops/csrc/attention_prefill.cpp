@@ -512,7 +512,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
             for (int64_t j = 0; j < nk; ++j)
               for (int64_t r = 0; r < cols; r += fVec::size()) {
                 const fVec x = fVec::loadu(st + j * cols + r);
-                ((x / fVec(cap)).tanh() * fVec(cap)).store(st + j * cols + r);
+                (tanh_rational(x / fVec(cap)) * fVec(cap)).store(st + j * cols + r);
               }
           if ((causal && t0 + nk - 1 > first_pos) || (window > 0 && t0 <= last_pos - window)) {  // some keys masked
             for (int64_t j = 0; j < nk; ++j)

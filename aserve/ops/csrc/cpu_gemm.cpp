@@ -108,41 +108,13 @@ struct PacedPrefetch {
 // the product. A BERT-base MLP's separate GELU was 3% of an embedding run (Zen 5).
 enum Activation : int64_t { kNoActivation = 0, kGeluErf = 1, kGeluTanh = 2 };
 
-// erf and tanh as odd rational functions z P(z^2) / Q(z^2) on a clamped range (Eigen's fast erf and tanh
-// coefficients), beyond which both are 1 to float precision: within 1e-7 of the exact functions, in FMAs and one
-// division, inline. at::vec's erf and tanh call Sleef's exp: in the epilogue of a [7700, 768] x [768, 3072] bf16
-// product (a BERT-base MLP's step) they took 14 ms (erf) and 29 ms (tanh) of the GEMM's 36 (AMD EPYC Zen 5, avx2
-// avx512f avx512_bf16, 2 threads), more than torch's GELU as a separate pass.
-template <class Vec>
-inline Vec odd_rational(Vec z, const float (&p)[7], const float (&q)[5], int q_terms) {
-  const Vec z2 = z * z;
-  Vec num(p[6]), den(q[q_terms - 1]);
-  for (int i = 5; i >= 0; --i) num = at::vec::fmadd(num, z2, Vec(p[i]));
-  for (int i = q_terms - 2; i >= 0; --i) den = at::vec::fmadd(den, z2, Vec(q[i]));
-  return z * num / den;
-}
-
-constexpr float kErfP[7] = {-1.60960333262415e-02f, -2.95459980854025e-03f, -7.34990630326855e-04f,
-                            -5.69250639462346e-05f, -2.10102402082508e-06f, 2.77068142495902e-08f,
-                            -2.72614225801306e-10f};
-constexpr float kErfQ[5] = {-1.42647390514189e-02f, -7.37332916720468e-03f, -1.68282697438203e-03f,
-                            -2.13374055278905e-04f, -1.45660718464996e-05f};
-constexpr float kTanhP[7] = {4.89352455891786e-03f, 6.37261928875436e-04f, 1.48572235717979e-05f,
-                             5.12229709037114e-08f, -8.60467152213735e-11f, 2.00018790482477e-13f,
-                             -2.76076847742355e-16f};
-constexpr float kTanhQ[5] = {4.89352518554385e-03f, 2.26843463243900e-03f, 1.18534705686654e-04f,
-                             1.19825839466702e-06f, 0.f};
-
 // torch's GELU: 0.5 x (1 + erf(x / sqrt 2)), or with tanh(sqrt(2 / pi) (x + 0.044715 x^3)).
 template <class Vec>
 inline Vec gelu(Vec x, int64_t act) {
   const Vec half = x * Vec(0.5f);
-  if (act == kGeluErf) {
-    const Vec z = at::vec::clamp(x * Vec(static_cast<float>(M_SQRT1_2)), Vec(-4.f), Vec(4.f));
-    return at::vec::fmadd(half, odd_rational(z, kErfP, kErfQ, 5), half);
-  }
+  if (act == kGeluErf) return at::vec::fmadd(half, aserve_kernels::erf_rational(x * Vec(static_cast<float>(M_SQRT1_2))), half);
   const Vec u = Vec(0.7978845608028654f) * at::vec::fmadd(Vec(0.044715f) * x, x * x, x);
-  return at::vec::fmadd(half, odd_rational(at::vec::clamp(u, Vec(-9.f), Vec(9.f)), kTanhP, kTanhQ, 4), half);
+  return at::vec::fmadd(half, aserve_kernels::tanh_rational(u), half);
 }
 
 inline void activate(float* v, int64_t n, int64_t act) {
