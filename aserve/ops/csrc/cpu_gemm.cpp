@@ -715,16 +715,17 @@ inline const uint16_t* panel_of_tiles(int64_t p, int64_t kp, int64_t num_tiles, 
   return reinterpret_cast<const uint16_t*>(scratch.data());
 }
 
-// Pair row kk of an int8 tile ([K][16]) as bf16 pairs: rows 2kk and 2kk + 1 widened to fp32, narrowed together and
-// interleaved (an odd K's last pair has a zero odd row).
+// Pair row kk of an int8 tile ([K][16]) as bf16 pairs: rows 2kk and 2kk + 1 widened to fp32 (an odd K's last pair
+// has a zero odd row). An int8 value is exact in bf16, whose bits are then the fp32's top half, so each pair word is
+// the odd row's top half over the even row's: a shift and a ternary logic op, no rounding conversion, no word permute.
 inline __m512i int8_pair_row(const int8_t* tile, int64_t kk, int64_t whole) {
-  const __m512 even = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 2 * kk * 16))));
-  const __m512 odd = kk < whole ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (2 * kk + 1) * 16))))
-                                : _mm512_setzero_ps();
-  const __m512bh words = _mm512_cvtne2ps_pbh(odd, even);
-  return _mm512_permutexvar_epi16(kPairOrder, reinterpret_cast<const __m512i&>(words));
+  const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 2 * kk * 16)))));
+  const __m512i odd = kk < whole ? _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (2 * kk + 1) * 16)))))
+                                 : _mm512_setzero_si512();
+  return _mm512_ternarylogic_epi32(odd, _mm512_srli_epi32(even, 16), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)),
+                                   0xEC);  // (odd & mask) | even >> 16
 }
 
 // A block's first call over an int8 panel widens its two tiles as it multiplies (the conversions beside its dot
