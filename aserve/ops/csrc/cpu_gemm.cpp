@@ -112,7 +112,8 @@ enum Activation : int64_t { kNoActivation = 0, kGeluErf = 1, kGeluTanh = 2 };
 template <class Vec>
 inline Vec gelu(Vec x, int64_t act) {
   const Vec half = x * Vec(0.5f);
-  if (act == kGeluErf) return at::vec::fmadd(half, aserve_kernels::erf_rational(x * Vec(static_cast<float>(M_SQRT1_2))), half);
+  if (act == kGeluErf)
+    return at::vec::fmadd(half, aserve_kernels::erf_rational(x * Vec(static_cast<float>(M_SQRT1_2))), half);
   const Vec u = Vec(0.7978845608028654f) * at::vec::fmadd(Vec(0.044715f) * x, x * x, x);
   return at::vec::fmadd(half, aserve_kernels::tanh_rational(u), half);
 }

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -31,12 +32,12 @@ namespace aserve_kernels {
 
 using fVec = at::vec::Vectorized<float>;  // 16 lanes with AVX-512, 8 with AVX2 (CPU_CAPABILITY_* at build)
 
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x log2(e))
+
 // 2^t for t <= 0 (larger t are not asked for): 2^round(t) times a degree-5 polynomial in the remainder (within
 // about 2 ulp of fp32), scaled with vscalefps; t at -inf or far below gives exactly 0. The softmaxes' exp (prefill
 // and decode attention): inline, where at::vec's exp() calls Sleef. Ten instructions against
 // at::vec's exp_u20's twenty; without AVX-512, exp_u20 (within 20 ulp) of t ln 2.
-constexpr float kLog2e = 1.4426950408889634f;
-
 inline fVec exp2_nonpositive(const fVec& t) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 x = _mm512_max_ps(t, _mm512_set1_ps(-200.f));
@@ -56,14 +57,15 @@ inline fVec exp2_nonpositive(const fVec& t) {
 // tanh and erf as odd rational functions z P(z^2) / Q(z^2) on a clamped range (Eigen's fast tanh and erf
 // coefficients), beyond which both are 1 to float precision: within 1e-7 of the exact functions, in FMAs and one
 // division, inline, where at::vec's tanh() and erf() call Sleef's exp. The GEMM's GELU epilogue and attention's
-// soft-capping. In the epilogue of a [7700, 768] x [768, 3072] bf16 product (a BERT-base MLP's step) at::vec's
-// took 14 ms (erf) and 29 ms (tanh) of the GEMM's 36 (AMD EPYC Zen 5, avx2 avx512f avx512_bf16, 2 threads).
-template <class Vec>
-inline Vec odd_rational(Vec z, const float (&p)[7], const float (&q)[5], int q_terms) {
+// soft-capping. In the epilogue of a [7700, 768] x [768, 3072] bf16 product (a BERT-base MLP's step, weights scaled
+// 1/sqrt(K)) at::vec's erf added 4.4-5.3 ms and its tanh 12-14 ms to the GEMM's 34-36, these 1.7-2.1 ms (AMD EPYC
+// Zen 5, avx2 avx512f avx512_bf16, 2 threads).
+template <class Vec, size_t P, size_t Q>
+inline Vec odd_rational(Vec z, const float (&p)[P], const float (&q)[Q]) {
   const Vec z2 = z * z;
-  Vec num(p[6]), den(q[q_terms - 1]);
-  for (int i = 5; i >= 0; --i) num = at::vec::fmadd(num, z2, Vec(p[i]));
-  for (int i = q_terms - 2; i >= 0; --i) den = at::vec::fmadd(den, z2, Vec(q[i]));
+  Vec num(p[P - 1]), den(q[Q - 1]);
+  for (size_t i = P - 1; i-- > 0;) num = at::vec::fmadd(num, z2, Vec(p[i]));
+  for (size_t i = Q - 1; i-- > 0;) den = at::vec::fmadd(den, z2, Vec(q[i]));
   return z * num / den;
 }
 
@@ -75,14 +77,14 @@ constexpr float kErfQ[5] = {-1.42647390514189e-02f, -7.37332916720468e-03f, -1.6
 constexpr float kTanhP[7] = {4.89352455891786e-03f, 6.37261928875436e-04f, 1.48572235717979e-05f,
                              5.12229709037114e-08f, -8.60467152213735e-11f, 2.00018790482477e-13f,
                              -2.76076847742355e-16f};
-constexpr float kTanhQ[5] = {4.89352518554385e-03f, 2.26843463243900e-03f, 1.18534705686654e-04f,
-                             1.19825839466702e-06f, 0.f};
+constexpr float kTanhQ[4] = {4.89352518554385e-03f, 2.26843463243900e-03f, 1.18534705686654e-04f,
+                             1.19825839466702e-06f};
 
 template <class Vec> inline Vec erf_rational(Vec x) {
-  return odd_rational(at::vec::clamp(x, Vec(-4.f), Vec(4.f)), kErfP, kErfQ, 5);
+  return odd_rational(at::vec::clamp(x, Vec(-4.f), Vec(4.f)), kErfP, kErfQ);
 }
 template <class Vec> inline Vec tanh_rational(Vec x) {
-  return odd_rational(at::vec::clamp(x, Vec(-9.f), Vec(9.f)), kTanhP, kTanhQ, 4);
+  return odd_rational(at::vec::clamp(x, Vec(-9.f), Vec(9.f)), kTanhP, kTanhQ);
 }
 
 // An FP8 KV cache stores bytes; these tags say how to read them. Bytes are widened through fp16 bit
