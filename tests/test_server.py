@@ -129,6 +129,25 @@ def test_beam_search_over_the_openai_routes(server, client, model_dirs):
     wait_idle(server)
 
 
+def test_logprobs_of_ruled_out_tokens_are_a_finite_floor(server):
+    """Tokens a grammar rules out have -inf log-probabilities, which JSON cannot carry (msgspec wrote null, off the
+    schema): they report -9999.0, as vLLM's server does, in completions and chat alike (found by the fuzz test)."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "guided_regex": "ab"}
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "x", "logprobs": 5}, headers=headers,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    values = [v for top in logprobs["top_logprobs"] for v in top.values()] + logprobs["token_logprobs"]
+    assert all(isinstance(v, float) for v in values) and -9999.0 in values
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=60,
+                   json={**body, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    values = [t["logprob"] for t in content] + [x["logprob"] for t in content for x in t["top_logprobs"]]
+    assert all(isinstance(v, float) for v in values) and -9999.0 in values
+
+
 def test_stop_max_tokens_logprobs_and_token_prompts(client):
     base = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=16, temperature=0)
     text = base.choices[0].text

@@ -69,14 +69,23 @@ def _decoded(entry: Logprob, token_id: int, tokenizer) -> str:
     return entry.decoded_token if entry.decoded_token is not None else tokenizer.decode([token_id])
 
 
+# JSON has no -inf (msgspec writes it as null, off the schema): a token the step ruled out (a grammar's mask, a
+# penalty that overflowed) reports this floor instead, as vLLM's OpenAI server does. NaN, never sampled, too.
+LOGPROB_FLOOR = -9999.0
+
+
+def _reported(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def completion_logprobs(o: CompletionOutput, offset: int, tokenizer) -> p.CompletionLogprobs:
     result = p.CompletionLogprobs()
     for token_id, entry in zip(o.token_ids, o.logprobs or []):
         chosen = entry[token_id]
         token = _decoded(chosen, token_id, tokenizer)
         result.tokens.append(token)
-        result.token_logprobs.append(chosen.logprob)
-        result.top_logprobs.append({_decoded(lp, tid, tokenizer): lp.logprob for tid, lp in entry.items()})
+        result.token_logprobs.append(_reported(chosen.logprob))
+        result.top_logprobs.append({_decoded(lp, tid, tokenizer): _reported(lp.logprob) for tid, lp in entry.items()})
         result.text_offset.append(offset)
         offset += len(token)
     return result
@@ -88,8 +97,8 @@ def chat_logprobs(o: CompletionOutput, top: int, tokenizer) -> p.ChoiceLogprobs:
         chosen = entry[token_id]
         token = _decoded(chosen, token_id, tokenizer)
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:top]
-        content.append(p.TokenLogprob(token, chosen.logprob, list(token.encode()),
-                                      [p.TopLogprob(_decoded(lp, tid, tokenizer), lp.logprob,
+        content.append(p.TokenLogprob(token, _reported(chosen.logprob), list(token.encode()),
+                                      [p.TopLogprob(_decoded(lp, tid, tokenizer), _reported(lp.logprob),
                                                     list(_decoded(lp, tid, tokenizer).encode()))
                                        for tid, lp in ranked if lp.rank is not None and lp.rank <= top]))
     return p.ChoiceLogprobs(content)
