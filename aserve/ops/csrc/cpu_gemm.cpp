@@ -357,7 +357,28 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels&
 }
 
 }  // namespace wide
+
 #endif  // __AVX512F__
+
+// The fp32 GEMM over `num_panels` panels of `panels`, the threads splitting them: the 512-bit tiles' pairs where
+// AVX-512 is, else single panels. `done(n0, n1)` then runs on each thread's output columns [n0, n1).
+template <class Panels, class Done>
+void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, int64_t num_panels,
+                      const float* bias, float* out, int64_t N, int64_t act, Done done) {
+#if defined(__AVX512F__)
+  constexpr int64_t kPanelsPerItem = 2;
+#else
+  constexpr int64_t kPanelsPerItem = 1;
+#endif
+  at::parallel_for(0, (num_panels + kPanelsPerItem - 1) / kPanelsPerItem, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    wide::gemm_pairs(x, ldx, M, K, panels, bias, out, N, begin, end, act);
+#else
+    gemm_panels(x, ldx, M, K, panels, bias, out, N, begin, end, act);
+#endif
+    done(begin * kPanelsPerItem * kNR, std::min(N, end * kPanelsPerItem * kNR));
+  });
+}
 
 at::Tensor pack_fp32(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + kNR - 1) / kNR;
@@ -425,15 +446,7 @@ at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::o
   const float* xp = rows.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* o = out.data_ptr<float>();
-#if defined(__AVX512F__)
-  at::parallel_for(0, (packed.size(0) + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    wide::gemm_pairs(xp, rows.stride(0), M, K, DensePanels{w, K}, b, o, N, begin, end, act);
-  });
-#else
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, rows.stride(0), M, K, DensePanels{w, K}, b, o, N, begin, end, act);
-  });
-#endif
+  gemm_fp32_panels(xp, rows.stride(0), M, K, DensePanels{w, K}, packed.size(0), b, o, N, act, [](int64_t, int64_t) {});
   return out;
 }
 
@@ -892,21 +905,12 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
   const float* b = static_cast<const float*>(args.bias);
   float* o = out.data_ptr<float>();
   const Int8Panels panels{tiled.data_ptr<int8_t>(), K};
-#if defined(__AVX512F__)
-  constexpr int64_t kPanelsPerItem = 2;  // the 512-bit tiles' pairs
-#else
-  constexpr int64_t kPanelsPerItem = 1;
-#endif
-  at::parallel_for(0, (tiled.size(0) + kPanelsPerItem - 1) / kPanelsPerItem, 1, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
-    wide::gemm_pairs(xp, args.rows.stride(0), M, K, panels, nullptr, o, N, begin, end, kNoActivation);
-#else
-    gemm_panels(xp, args.rows.stride(0), M, K, panels, nullptr, o, N, begin, end);
-#endif
-    const int64_t n0 = begin * kPanelsPerItem * kNR, n1 = std::min(N, end * kPanelsPerItem * kNR);  // scaled, biased
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) o[m * N + n] = o[m * N + n] * scale[n] + (b != nullptr ? b[n] : 0.f);
-  });
+  gemm_fp32_panels(xp, args.rows.stride(0), M, K, panels, tiled.size(0), nullptr, o, N, kNoActivation,
+                   [&](int64_t n0, int64_t n1) {  // this thread's columns: scaled, then biased
+                     for (int64_t m = 0; m < M; ++m)
+                       for (int64_t n = n0; n < n1; ++n)
+                         o[m * N + n] = o[m * N + n] * scale[n] + (b != nullptr ? b[n] : 0.f);
+                   });
   return out;
 }
 
@@ -969,15 +973,8 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
   float* o = out.data_ptr<float>();
   const Int4Panels panels{tiled.data_ptr<uint8_t>(), scales_zeros.data_ptr<float>(), K, group};
   const auto* b = static_cast<const float*>(args.bias);
-#if defined(__AVX512F__)
-  at::parallel_for(0, (tiled.size(0) + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    wide::gemm_pairs(xp, args.rows.stride(0), args.M, K, panels, b, o, args.N, begin, end, kNoActivation);
-  });
-#else
-  at::parallel_for(0, tiled.size(0), 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, args.rows.stride(0), args.M, K, panels, b, o, args.N, begin, end);
-  });
-#endif
+  gemm_fp32_panels(xp, args.rows.stride(0), args.M, K, panels, tiled.size(0), b, o, args.N, kNoActivation,
+                   [](int64_t, int64_t) {});
   return out;
 }
 
