@@ -25,7 +25,7 @@ class CpuInfo:
     native_bf16: bool  # AVX512-BF16 or AMX tiles: bf16 GEMMs run in hardware
     native_fp16: bool  # AVX512-FP16 or AMX-FP16, as oneDNN reports it
     threads: int
-    amx_bf16: bool = False  # AMX tiles: oneDNN's bf16 GEMM uses them, aserve's own GEMM does not
+    amx_bf16: bool = False  # AMX tiles: the bf16 GEMMs (aserve's and oneDNN's) multiply on them
 
     def describe(self) -> str:
         """One line for logs and benchmark headers: what a figure was measured on."""

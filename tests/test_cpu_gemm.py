@@ -87,7 +87,8 @@ def aserve_gemm(pick_gemm):
     pick_gemm("aserve")
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 16, 25, 64, 131])  # micro-kernel heights, evened-out tails
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 12, 13, 16, 25, 64, 131, 257])  # micro-kernel heights, evened-out
+# tails; with AMX tiles 16- and 32-row slices, and 257 rows two row blocks of K = 2100 (L2-sized blocks)
 @pytest.mark.parametrize("out_features,in_features", [(16, 8), (40, 33), (96, 576), (33, 2100)])  # panel tails, K
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -108,7 +109,8 @@ def test_aserve_gemm_equals_linear(aserve_gemm, rows, out_features, in_features,
     expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
     got = packed_linear(x, packed, b)
     assert got.dtype == dtype
-    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -8)
+    # fp32: sums of ~2000 products of size ~1 reach ~50 and lose ~1e-4 to rounding in any order
+    tol = dict(atol=5e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -8)
     torch.testing.assert_close(got.double(), expected, **tol)
 
 
@@ -226,11 +228,11 @@ def test_an_engine_on_aserve_gemm_is_greedy_equal_to_transformers(aserve_gemm, m
     assert got == reference_greedy(load_reference(path), prompts, 12)
 
 
-@pytest.mark.parametrize("asked,amx,expected", [("", True, "onednn"), ("aserve", True, "aserve"),
+@pytest.mark.parametrize("asked,amx,expected", [("", True, "aserve"), ("onednn", True, "onednn"),
                                                 ("", False, "aserve"), ("onednn", False, "onednn")])
-def test_amx_cpus_go_to_onednn_unless_asked(monkeypatch, asked, amx, expected):
-    """oneDNN's bf16 GEMM runs AMX tiles (2.3x aserve's at batch 64 on Sapphire Rapids), and its fp32 one beats
-    aserve's there too; elsewhere aserve's GEMM, unless ASERVE_GEMM says otherwise."""
+def test_aserve_gemm_is_the_default_with_or_without_amx(monkeypatch, asked, amx, expected):
+    """aserve's bf16 GEMM multiplies on AMX tiles where the CPU has them (faster than oneDNN's at every batch on a
+    Sapphire Rapids class Xeon), so it is the default wherever it is built, unless ASERVE_GEMM says otherwise."""
     from dataclasses import replace
 
     from aserve import hardware

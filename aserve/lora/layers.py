@@ -99,8 +99,9 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.kernel = kernel_available(device)
-        # With AMX, oneDNN's bf16 GEMMs over every slot beat the kernel's AVX-512 FMAs above ~100 tokens a step
-        # (bench model's layers, 4 slots of rank 16: 400 against 350 us at 128 tokens, 214 against 265 at 64).
+        # With AMX, bf16 GEMMs over every slot (on AMX tiles) beat the kernel's AVX-512 FMAs above ~100 tokens a
+        # step (bench model's layers, 4 slots of rank 16, oneDNN's GEMMs: 400 against 350 us at 128 tokens, 214
+        # against 265 at 64; aserve's AMX GEMMs, the default since, ran the bench model's own layers faster still).
         self.flat_above = AMX_FLAT_ABOVE if self.kernel and dtype == torch.bfloat16 and _amx() else None
         self.flat: tuple | None = None  # the torch path's [in, slots * width] and [slots * width, out] (maybe packed)
 

@@ -8,8 +8,8 @@ the 49152-wide logits projection at batch 64: 48.1 -> 19.9 ms), so fp32 weights 
 are packed only in a dtype the CPU runs natively (16-bit ones are emulated elsewhere and run as fp32), and only
 in one oneDNN can pack here (`can_pack`).
 
-fp32 weights, and bf16 weights on a CPU with AVX512-BF16 but no AMX, go to aserve's own GEMM instead where the CPU kernels are
-built (csrc/cpu_gemm.cpp, see `gemm_for`). A packed weight records which layout it is in, so callers only
+fp32 weights, and bf16 weights on a CPU with AVX512-BF16 (on AMX tiles where the CPU has them), go to aserve's own GEMM
+instead where the CPU kernels are built (csrc/cpu_gemm.cpp, see `gemm_for`). A packed weight records which layout it is in, so callers only
 ever call `packed_linear`.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ class PackedWeight(NamedTuple):
 
 @functools.cache
 def gemm_for(dtype: torch.dtype) -> str:
-    """Which GEMM multiplies packed weights of `dtype` in this process: `aserve` (csrc/cpu_gemm.cpp) on CPUs without
-    AMX, for fp32 and (with AVX512-BF16) bf16, where the CPU kernels are built; else `onednn`.
+    """Which GEMM multiplies packed weights of `dtype` in this process: `aserve` (csrc/cpu_gemm.cpp) for fp32 and
+    (with AVX512-BF16) bf16, where the CPU kernels are built; else `onednn`.
 
     Decode steps of the bench model alternated in one engine (tools/step_ab.py --compare gemm), aserve's GEMM against
     oneDNN's, 2 threads. On an AMD EPYC (Zen 4, AVX512-BF16, no AMX): bf16 batch 64 62.7 against 71.5 ms, batch 1
@@ -47,13 +47,11 @@ def gemm_for(dtype: torch.dtype) -> str:
     118.7 against 143.6 and 22.3 against 29.6). On an AMD EPYC Zen 5 (full-width 512-bit FMAs), before aserve's
     fp32 GEMM had 512-bit tiles, oneDNN's fp32 ran compute-bound shapes at ~500 GFLOP/s against its ~250; with them,
     451-492 against 456-504, and the bench model's fp32 64 x 128/128 643 against 601 output tok/s (was 408).
-    On an Intel Sapphire Rapids (AMX-BF16): bf16 batch 64 100.2
-    against 43.4 ms (oneDNN runs AMX tiles, 2.3x faster), batch 1 12.7 against 16.3; so bf16 goes to oneDNN there,
-    giving up ~3.6 ms a step at batch 1 for 57 ms at batch 64. There fp32 goes to oneDNN too: batch 64 123.7 against
-    108.2 ms, batch 1 28.2 against 27.9 (its AVX-512 kernels keep both FMA ports busy: a [M, 768] x [768, 3072]
-    GEMM at M >= 64 ran at ~200 GFLOPS in aserve's, ~320 in oneDNN's, which the pooling runner's large steps feel most).
+    On an Intel Xeon with AMX (Sapphire Rapids class), where aserve's bf16 GEMM multiplies on AMX tiles: bf16 batch
+    64 44.1 against 46.8 ms, batch 1 11.3 against 15.6, prefill steps 115.7 against 120.7; fp32 batch 64 98.4
+    against 121.9, batch 1 23.5 against 29.5, prefill steps 418 against 384 (oneDNN's AVX-512 fp32 keeps both FMA
+    ports busier on large shapes).
     ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels, and AVX512-BF16 for bf16)."""
-    from aserve.hardware import cpu_info
     from aserve.ops import cpu_kernels
 
     asked = os.environ.get("ASERVE_GEMM", "").lower()
@@ -64,8 +62,6 @@ def gemm_for(dtype: torch.dtype) -> str:
     if asked == "aserve" and not can and dtype in (torch.float32, torch.bfloat16):
         log.warning("ASERVE_GEMM=aserve, but aserve's %s GEMM is not built here (no compiler, or no AVX2/FMA, or "
                     "for bf16 no AVX512-BF16): using oneDNN", str(dtype).replace("torch.", ""))
-    if not asked and cpu_info().amx_bf16:
-        return "onednn"
     wanted = asked != "onednn"
     return "aserve" if wanted and can else "onednn"
 

@@ -50,8 +50,13 @@ def kernel_rows(dtype: torch.dtype) -> int:
     """Rows of `dtype` up to which int8_linear runs; above, the GEMM. 120 bench-model layers (AMD EPYC Zen 5, 2
     threads, ms, int8_linear against gemm_int8): bf16 at 6 rows 3.27 against 3.20, 7 rows 3.67 against 3.31, 8 rows
     4.11 against 3.55 (its widening of the int8 panels inside the first micro-kernel call, ef0b195, and the 8-row
-    tiles make it pay from 7); fp32 int8_linear stays ahead through 8 rows (4.24 against 6.30)."""
-    return 6 if dtype == torch.bfloat16 and dtype in gemm_dtypes() else KERNEL_MAX_ROWS
+    tiles make it pay from 7); fp32 int8_linear stays ahead through 8 rows (4.24 against 6.30). On AMX CPUs
+    gemm_int8 runs AMX tiles, and int8_linear stays ahead through 8 rows there too (Xeon, AMX: 7 rows 8.99 against
+    9.25, 8 rows 9.44 against 10.14)."""
+    from aserve.hardware import cpu_info
+
+    fast_from_7 = dtype == torch.bfloat16 and dtype in gemm_dtypes() and not cpu_info().amx_bf16
+    return 6 if fast_from_7 else KERNEL_MAX_ROWS
 
 
 def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
