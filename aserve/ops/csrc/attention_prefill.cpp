@@ -293,6 +293,68 @@ inline void transpose16(__m512i x[16]) {
     x[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// On CPUs with AMX tiles both products of a key step run on them, 16 x 16 x 32 at a time, in the same layouts:
+// - scores: a key step's keys copied into [kKeyStep][D] rows (zero past the last key) times the queries' pairs
+//   [D/2][cols] (qt2, a tile's B layout already) into st [keys][cols];
+// - output: the probabilities as [cols][kKeyStep] bf16 rows (pair_probabilities' words transposed 16 x 16 in
+//   registers; zero past the last key) times the values' pairs [kKeyStep/2][D] (vt2, zero past the last key)
+//   added into o [cols][D], its rows first scaled by their corrections.
+#define ASERVE_PREFILL_AMX 1
+
+// Tiles 0: sums, 1: 16 rows of A, 2: 16 pair rows of B.
+inline void configure_attention_tiles() { configure_tiles({16, 16, 16, 0, 0, 0, 0, 0}); }
+
+// st[j][c] for keys j < 16 * key_tiles, columns c < cols: keys [16 key_tiles][D] bf16 times qt2 [D/2][cols].
+inline void score_tiles_amx(const BF16* keys, int64_t D, int64_t key_tiles, const uint32_t* qt2, int64_t cols,
+                            float* st) {
+  for (int64_t kt = 0; kt < key_tiles; ++kt)
+    for (int64_t c = 0; c < cols; c += 16) {
+      _tile_zero(0);
+      for (int64_t d = 0; d < D; d += 32) {
+        _tile_loadd(1, keys + kt * 16 * D + d, D * 2);
+        _tile_loadd(2, qt2 + d / 2 * cols + c, cols * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, st + kt * 16 * cols + c, cols * 4);
+    }
+}
+
+// p16[r][0..keys) = probabilities st[key][r] as bf16, rows r < cols, keys zero from nk to `keys` (a multiple of
+// 32): 16 rows x 16 key pairs at a time, pair_probabilities' words transposed.
+inline void probabilities_by_row(const float* st, int64_t nk, int64_t cols, int64_t keys, BF16* p16) {
+  for (int64_t r0 = 0; r0 < cols; r0 += 16)
+    for (int64_t j0 = 0; j0 < keys / 2; j0 += 16) {
+      __m512i x[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t k0 = 2 * (j0 + i);
+        const __m256i lo = k0 < nk ? reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(st + k0 * cols + r0)))
+                                   : _mm256_setzero_si256();
+        const __m256i hi = k0 + 1 < nk
+                               ? reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(st + (k0 + 1) * cols + r0)))
+                               : _mm256_setzero_si256();
+        x[i] = interleave16(lo, hi);
+      }
+      transpose16(x);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(p16 + (r0 + i) * kKeyStep + 2 * j0, x[i]);
+    }
+}
+
+// o[r][0..D) += p16[r][0..keys) . values, rows r < cols: vt2 [keys/2][D] pairs.
+inline void output_tiles_amx(const BF16* p16, int64_t cols, int64_t keys, const uint32_t* vt2, int64_t D, float* o) {
+  for (int64_t r = 0; r < cols; r += 16)
+    for (int64_t c = 0; c < D; c += 16) {
+      _tile_loadd(0, o + r * D + c, D * 4);
+      for (int64_t k = 0; k < keys; k += 32) {
+        _tile_loadd(1, p16 + r * kKeyStep + k, kKeyStep * 2);
+        _tile_loadd(2, vt2 + k / 2 * D + c, D * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, o + r * D + c, D * 4);
+    }
+}
+#endif
 #endif
 
 // Where a chunk's keys and values are. PagedRows: the KV cache, through the chunk's block table. FlatRows: the
@@ -338,12 +400,15 @@ inline void prefetch_keys(const Rows& kv, int64_t chunk, int64_t kvh, int64_t fi
 struct PrefillScratch {
   std::vector<float> qt, o, st, kbuf, vbuf, m, l, corr, pos;  // pos: each query row's position, as fp32
   std::vector<uint32_t> qt2, pt2, vt2;  // the bf16 path's pairs: queries, probabilities, values
-  std::vector<c10::BFloat16> k16, v16;  // the bf16 path over an FP8 cache: a step's keys and values as bf16
-  PrefillScratch(int64_t rows, int64_t padded, int64_t D, bool pairs, bool fp8)
-      : qt(pairs ? 0 : D * padded), o(rows * D), st(kKeyStep * padded), kbuf(pairs ? 0 : kKeyStep * D),
+  // the bf16 path over an FP8 cache, or on AMX tiles: a step's keys (and FP8 values) as bf16 rows; on AMX tiles
+  // the probabilities by row, p16 [padded][kKeyStep]
+  std::vector<c10::BFloat16> k16, v16, p16;
+  PrefillScratch(int64_t padded, int64_t D, bool pairs, bool fp8, bool amx)
+      : qt(pairs ? 0 : D * padded), o(padded * D), st(kKeyStep * padded), kbuf(pairs ? 0 : kKeyStep * D),
         vbuf(pairs ? 0 : kKeyStep * D), m(padded), l(padded), corr(padded), pos(padded),
-        qt2(pairs ? D / 2 * padded : 0), pt2(pairs ? kKeyStep / 2 * padded : 0), vt2(pairs ? kKeyStep / 2 * D : 0),
-        k16(pairs && fp8 ? kKeyStep * D : 0), v16(pairs && fp8 ? kKeyStep * D : 0) {}
+        qt2(pairs ? D / 2 * padded : 0), pt2(pairs && !amx ? kKeyStep / 2 * padded : 0),
+        vt2(pairs ? kKeyStep / 2 * D : 0), k16(pairs && (fp8 || amx) ? kKeyStep * D : 0),
+        v16(pairs && fp8 ? kKeyStep * D : 0), p16(amx ? padded * kKeyStep : 0) {}
 };
 
 // T: the query's and output's type; C: the keys' and values' (T, or an FP8 tag with k_scale / v_scale folded in);
@@ -366,6 +431,11 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   const bool pairs = std::is_same_v<T, BF16> && (std::is_same_v<C, BF16> || is_fp8<C>) && D % 32 == 0 && D <= 512;
 #else
   const bool pairs = false;
+#endif
+#ifdef ASERVE_PREFILL_AMX
+  const bool amx = pairs && amx_ready();
+#else
+  const bool amx = false;
 #endif
   if constexpr (is_fp8<C>) {  // the rows hold their values, not e4m3's 2^-8 of them: the scales without the 2^8
     k_scale /= kFp8Unit<C>, v_scale /= kFp8Unit<C>;
@@ -395,7 +465,10 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
 
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    PrefillScratch s(max_rows, padded, D, pairs, is_fp8<C>);
+    PrefillScratch s(padded, D, pairs, is_fp8<C>, amx);
+#ifdef ASERVE_PREFILL_AMX
+    if (amx) configure_attention_tiles();
+#endif
     std::vector<float> row(D);
     std::vector<const C*> krow(kKeyStep), vrow(kKeyStep);
     std::vector<const c10::BFloat16*> k16(kKeyStep), v16(kKeyStep);  // FP8 with pairs: the scratch's rows
@@ -457,7 +530,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
         std::fill(s.pos.begin() + rows, s.pos.end(), s.pos[rows - 1]);  // padding rows: copies of the last
         std::fill(s.m.begin(), s.m.end(), neg_inf);
         std::fill(s.l.begin(), s.l.end(), 0.f);
-        std::fill(s.o.begin(), s.o.begin() + rows * D, 0.f);
+        std::fill(s.o.begin(), s.o.begin() + cols * D, 0.f);
         const int64_t first_pos = ctx + item.q0, last_pos = ctx + item.q0 + item.nq - 1;
         for (int64_t t0 = lo; t0 < hi; t0 += kKeyStep) {
           const int64_t nk = std::min<int64_t>(kKeyStep, hi - t0);
@@ -474,7 +547,19 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
               fp8_rows_as_bf16(vrow.data(), nk, D, s.v16.data());
               keys = k16.data();
             }
-            by_columns(cols, [&](int64_t c, auto nv) {
+#ifdef ASERVE_PREFILL_AMX
+            if (amx) {  // the keys as [16 tiles][D] rows, zero past the last
+              const int64_t key_tiles = (nk + 15) / 16;
+              BF16* rows16 = s.k16.data();
+              for (int64_t j = 0; j < nk; ++j)
+                if (keys[j] != rows16 + j * D) std::memcpy(rows16 + j * D, keys[j], D * sizeof(BF16));
+              std::fill(rows16 + nk * D, rows16 + key_tiles * 16 * D, BF16(0.f));
+              score_tiles_amx(rows16, D, key_tiles, s.qt2.data(), cols, st);
+              if (tile_scale != 1.f)
+                for (int64_t j = 0; j < nk; ++j) scale_row(st + j * cols, tile_scale, cols);
+            }
+#endif
+            if (!amx) by_columns(cols, [&](int64_t c, auto nv) {
               by_rows(nk, [&](int64_t i, auto mr) {
                 fetch_next(fetch_a_tile);
                 score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, s.qt2.data() + c, cols, D / 2,
@@ -528,6 +613,17 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
 #ifdef ASERVE_PREFILL_BF16
             const BF16* const* values = is_fp8<C> ? v16.data() : reinterpret_cast<const BF16* const*>(vrow.data());
             pair_values(values, nk, D, s.vt2.data());
+#ifdef ASERVE_PREFILL_AMX
+            if (amx) {
+              const int64_t keys = (nk + 31) / 32 * 32;
+              std::fill(s.vt2.begin() + (nk + 1) / 2 * D, s.vt2.begin() + keys / 2 * D, 0u);
+              probabilities_by_row(st, nk, cols, keys, s.p16.data());
+              for (int64_t r = 0; r < cols; ++r) scale_row(s.o.data() + r * D, s.corr[r], D);
+              output_tiles_amx(s.p16.data(), cols, keys, s.vt2.data(), D, s.o.data());
+              fetch_next(fetch_a_step * ((t0 - lo) / kKeyStep + 1) - fetched);
+              continue;
+            }
+#endif
             pair_probabilities(st, nk, cols, s.pt2.data());
             const int64_t key_pairs = (nk + 1) / 2;
             by_rows(rows, [&](int64_t r, auto mr) {
@@ -574,6 +670,9 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
         }
       }
     }
+#ifdef ASERVE_PREFILL_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 

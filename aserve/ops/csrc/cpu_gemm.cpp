@@ -41,7 +41,6 @@
 #include <cstring>
 #include <vector>
 
-#include <sys/syscall.h>
 #include <unistd.h>
 
 namespace {
@@ -644,27 +643,9 @@ struct DensePanels {
 // L1 it evicted the panel and x slices being multiplied (1 row 12.4, 64 rows 20.7).
 namespace amx {
 
-// Linux lends a process the tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), as
-// oneDNN does before its own AMX kernels; false where the kernel refuses (then the vdpbf16ps tiles run).
-inline bool ready() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
-}
-
-struct alignas(64) Config {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: the sums of rows [0, 16) and [16, 32) (r0 and r1 of them) by columns [0, 16) and [16, 32); 4 and 5:
 // the two row slices of x; 6 and 7: the panel's two column halves, 16 pair rows each.
-inline void configure(int r0, int r1) {
-  Config config;
-  const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-  for (int t = 0; t < 8; ++t) config.rows[t] = rows[t], config.bytes_per_row[t] = rows[t] > 0 ? 64 : 0;
-  _tile_loadconfig(&config);
-}
+inline void configure(int r0, int r1) { aserve_kernels::configure_tiles({r0, r0, r1, r1, r0, r1, 16, 16}); }
 
 // sums[32][32] = x's rows (16, or 32 with `two`) times the panel's first `kt` pair rows (a multiple of 16),
 // prefetching `lines` lines from `pf` at an even pace.
@@ -779,7 +760,7 @@ template <class Panels>
 void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
                  const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx::ready()) return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
+  if (aserve_kernels::amx_ready()) return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
 #endif
   const int64_t kp = (K + 1) / 2;
   const int64_t row_block = std::max<int64_t>(kMR, block_bytes() / (kp * 4) / kMR * kMR);

@@ -28,6 +28,11 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace aserve_kernels {
 
 using fVec = at::vec::Vectorized<float>;  // 16 lanes with AVX-512, 8 with AVX2 (CPU_CAPABILITY_* at build)
@@ -183,6 +188,30 @@ template <int Level> inline void prefetch_line(const void* p) {
   __builtin_prefetch(p, 0, Level == 1 ? 3 : 2);
 #endif
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX tiles (Intel Sapphire Rapids and later; cpu_gemm's bf16 GEMM, prefill attention's products). Linux lends a
+// process the tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), as oneDNN does
+// before its own AMX kernels; false where the kernel refuses (the kernels then take their AVX-512 paths).
+inline bool amx_ready() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
+// Tile t as rows[t] rows of 64 bytes (16 fp32 sums, or 32 bf16 values: 16 pairs); 0 rows leaves it unused.
+inline void configure_tiles(const int (&rows)[8]) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = rows[t], config.bytes_per_row[t] = rows[t] > 0 ? 64 : 0;
+  // GCC 12 does not count _tile_loadconfig as reading the struct, and dropped the stores above (a zero config: a
+  // fault) until the struct's address escapes here
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+#endif
 
 inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
