@@ -75,7 +75,7 @@ def caplog(caplog, monkeypatch):
 @pytest.fixture
 def pick_gemm(monkeypatch):
     """pick_gemm("aserve" | "onednn"): the dense GEMM (cpu_gemm.gemm_for) for this test, whichever this CPU would
-    pick (oneDNN's on CPUs with AMX tiles, aserve's elsewhere)."""
+    pick (aserve's where it is built, oneDNN's for the pooling runner's bf16 weights on CPUs with AMX tiles)."""
     from aserve.ops import cpu_gemm
 
     def pick(name: str) -> None:

@@ -231,8 +231,10 @@ def test_an_engine_on_aserve_gemm_is_greedy_equal_to_transformers(aserve_gemm, m
 @pytest.mark.parametrize("asked,amx,expected", [("", True, "aserve"), ("onednn", True, "onednn"),
                                                 ("", False, "aserve"), ("onednn", False, "onednn")])
 def test_aserve_gemm_is_the_default_with_or_without_amx(monkeypatch, asked, amx, expected):
-    """aserve's bf16 GEMM multiplies on AMX tiles where the CPU has them (faster than oneDNN's at every batch on a
-    Sapphire Rapids class Xeon), so it is the default wherever it is built, unless ASERVE_GEMM says otherwise."""
+    """aserve's bf16 GEMM multiplies on AMX tiles where the CPU has them (faster than oneDNN's at decode batches on a
+    Sapphire Rapids class Xeon), so it is the default wherever it is built, unless ASERVE_GEMM says otherwise; a
+    model whose steps are all large (the pooling runner) takes oneDNN's bf16 GEMM on AMX CPUs, packed so inside
+    cpu_gemm.packing(large_steps=True)."""
     from dataclasses import replace
 
     from aserve import hardware
@@ -247,5 +249,12 @@ def test_aserve_gemm_is_the_default_with_or_without_amx(monkeypatch, asked, amx,
     try:
         assert cpu_gemm.gemm_for(torch.bfloat16) == expected
         assert cpu_gemm.gemm_for(torch.float32) == expected
+        large = "onednn" if amx else expected
+        assert cpu_gemm.gemm_for(torch.bfloat16, large_steps=True) == large
+        assert cpu_gemm.gemm_for(torch.float32, large_steps=True) == expected
+        weight = torch.randn(40, 24, dtype=torch.bfloat16)
+        with cpu_gemm.packing(large_steps=True):
+            assert cpu_gemm.pack_weight(weight).aserve == (large == "aserve")
+        assert cpu_gemm.pack_weight(weight).aserve == (expected == "aserve")
     finally:
         cpu_gemm.gemm_for.cache_clear()

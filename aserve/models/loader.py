@@ -18,7 +18,7 @@ from aserve.models import parallel, weight_pages
 from aserve.models.interface import CausalLM, ModelShape
 from aserve.models.registry import (BARE_ARCHITECTURES, DECODER_CLASSIFIERS, architecture, model_class, read_config,
                                     read_json)
-from aserve.ops.cpu_gemm import gemm_name, prepack_linears
+from aserve.ops.cpu_gemm import gemm_name, packing, prepack_linears
 from aserve.pooling.params import num_labels
 from aserve.quantization import resolve as resolve_quantization
 
@@ -115,9 +115,10 @@ def model_shape(model_dir: str | Path) -> ModelShape:
 def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device = torch.device("cpu"),
                max_model_len: int | None = None, quantization: str | None = None,
                quantize_lm_head: bool = False, tp: parallel.TensorParallel | None = None,
-               stage: parallel.PipelineStage | None = None) -> LoadedModel:
+               stage: parallel.PipelineStage | None = None, large_steps: bool = False) -> LoadedModel:
     """`tp`: this rank's tensor-parallel group; `stage`: its pipeline stage. The model holds (and reads from the
-    files) only its slices of its stage's layers."""
+    files) only its slices of its stage's layers. `large_steps`: every step will be large (the pooling runner), which
+    picks the GEMM its weights are packed for (cpu_gemm.gemm_for)."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     arch = architecture(config)
@@ -150,9 +151,10 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
     if hasattr(model, "sep_token_id") and model.sep_token_id is None:  # an encoder reading segments off [SEP]
         model.sep_token_id = load_tokenizer(model_dir).sep_token_id
     if device.type == "cpu" and native(torch_dtype, device) and os.environ.get("ASERVE_PREPACK", "1") != "0":
-        packed = prepack_linears(model, torch_dtype)
+        with packing(large_steps):
+            packed = prepack_linears(model, torch_dtype)
         if packed:
-            log.info("prepacked %d linear layers for %s (%s)", packed, gemm_name(torch_dtype),
+            log.info("prepacked %d linear layers for %s (%s)", packed, gemm_name(torch_dtype, large_steps),
                      str(torch_dtype).replace("torch.", ""))
     if device.type == "cpu":
         moved = weight_pages.weights_in_huge_pages(model)

@@ -14,6 +14,8 @@ ever call `packed_linear`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -36,10 +38,29 @@ class PackedWeight(NamedTuple):
     aserve: bool
 
 
+# Packing for a model whose steps are all large (the pooling runner's thousands of prompt tokens, never a decode
+# batch): set by the loader around its prepacking (`packing`), read by pack_weight.
+_LARGE_STEPS: contextvars.ContextVar[bool] = contextvars.ContextVar("aserve_large_steps", default=False)
+
+
+@contextlib.contextmanager
+def packing(large_steps: bool):
+    """Weights packed inside are for a model whose steps are all large (see gemm_for)."""
+    token = _LARGE_STEPS.set(large_steps)
+    try:
+        yield
+    finally:
+        _LARGE_STEPS.reset(token)
+
+
 @functools.cache
-def gemm_for(dtype: torch.dtype) -> str:
+def gemm_for(dtype: torch.dtype, large_steps: bool = False) -> str:
     """Which GEMM multiplies packed weights of `dtype` in this process: `aserve` (csrc/cpu_gemm.cpp) for fp32 and
-    (with AVX512-BF16) bf16, where the CPU kernels are built; else `onednn`.
+    (with AVX512-BF16) bf16, where the CPU kernels are built; else `onednn`. On CPUs with AMX tiles a model whose
+    steps are all large (`large_steps`: the pooling runner) takes oneDNN's: its AMX kernels run the thousands of rows
+    of an embedding step faster than aserve's (BERT-base, 512 prompts of 16-256 tokens, ~7.7K tokens a step, Xeon
+    with AMX, 2 threads: GEMMs 5.38 against 7.58 s, `aserve bench embed` 58-62 against 48-50 sentences/s), while
+    aserve's run decode batches and the bench model's prefill steps faster (below).
 
     Decode steps of the bench model alternated in one engine (tools/step_ab.py --compare gemm), aserve's GEMM against
     oneDNN's, 2 threads. On an AMD EPYC (Zen 4, AVX512-BF16, no AMX): bf16 batch 64 62.7 against 71.5 ms, batch 1
@@ -52,6 +73,7 @@ def gemm_for(dtype: torch.dtype) -> str:
     against 121.9, batch 1 23.5 against 29.5, prefill steps 418 against 384 (oneDNN's AVX-512 fp32 keeps both FMA
     ports busier on large shapes).
     ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels, and AVX512-BF16 for bf16)."""
+    from aserve.hardware import cpu_info
     from aserve.ops import cpu_kernels
 
     asked = os.environ.get("ASERVE_GEMM", "").lower()
@@ -62,13 +84,15 @@ def gemm_for(dtype: torch.dtype) -> str:
     if asked == "aserve" and not can and dtype in (torch.float32, torch.bfloat16):
         log.warning("ASERVE_GEMM=aserve, but aserve's %s GEMM is not built here (no compiler, or no AVX2/FMA, or "
                     "for bf16 no AVX512-BF16): using oneDNN", str(dtype).replace("torch.", ""))
+    if not asked and large_steps and dtype == torch.bfloat16 and cpu_info().amx_bf16:
+        return "onednn"
     wanted = asked != "onednn"
     return "aserve" if wanted and can else "onednn"
 
 
-def gemm_name(dtype: torch.dtype) -> str:
+def gemm_name(dtype: torch.dtype, large_steps: bool = False) -> str:
     """The GEMM that multiplies weights of `dtype` packed here, for the start-up log."""
-    return "aserve's GEMM" if gemm_for(dtype) == "aserve" else "oneDNN"
+    return "aserve's GEMM" if gemm_for(dtype, large_steps) == "aserve" else "oneDNN"
 
 
 class PackedLinear(nn.Module):
@@ -92,7 +116,7 @@ class PackedLinear(nn.Module):
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> PackedWeight:
     """An [out, in] weight reordered once for the GEMM that will multiply by it."""
     weight = weight.detach()
-    if gemm_for(weight.dtype) == "aserve":
+    if gemm_for(weight.dtype, _LARGE_STEPS.get()) == "aserve":
         return PackedWeight(torch.ops.aserve.pack_gemm_weight(weight), weight.shape[0], True)
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), weight.shape[0], False)
 

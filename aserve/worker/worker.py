@@ -49,7 +49,7 @@ class Worker:
             torch.cuda.set_device(device)
         loaded = load_model(config.model, config.dtype, device, max_model_len=config.max_model_len,
                             quantization=config.quantization, quantize_lm_head=config.quantize_lm_head, tp=tp,
-                            stage=stage)
+                            stage=stage, large_steps=config.resolved_runner == "pooling")
         scales = checkpoint_kv_scales(config.model) if config.kv_cache_dtype != "auto" else None
         if scales and stage is not None:  # by the checkpoint's layer numbers; a stage numbers its own from 0
             scales = {i - stage.start: v for i, v in scales.items() if i in loaded.model.layer_range}

@@ -635,39 +635,53 @@ struct DensePanels {
 // tdpbf16ps. A panel's pair rows are already a tile's layout (pair row kk of columns [0, 16) is 64 contiguous bytes,
 // the next pair row 128 bytes on), and x's rows are read as they are (32 bf16 of a row per tile row), so nothing is
 // repacked. Eight tile registers hold a 32 x 32 block of sums (four tiles), two 16-row slices of x and the panel's
-// two 16-column halves; rows go 32 at a time over the whole K, the sums are stored once and finished as tile_of
-// finishes them (bias, int8 scales, the activation, one rounding). The bench model's 120 layers, cold weights (Intel
+// two 16-column halves; rows go 32 at a time over K in chunks of up to 256 (a tile load from L2 costs what a
+// tdpbf16ps does, one from L1 half: a chunk's 16 KB of panel stays in L1 while the row slices pass it), the sums
+// wait in L2 between chunks and are finished as tile_of finishes them (bias, int8 scales, the activation, one
+// rounding). Chunked, [2048, 768] x [768, 2304] ran at 2284-2465 GFLOP/s against 1971 over the whole K (oneDNN
+// 2894-3301 on such hot, compute-bound shapes: the pooling runner takes oneDNN's GEMM on AMX CPUs, gemm_for). The bench model's 120 layers, cold weights (Intel
 // Xeon with AMX, 2 threads, ms): 1 row 10.3-11.4 against 13.9-14.2 on the vdpbf16ps tiles and 15.4-15.7 in oneDNN's
 // AMX GEMM; 64 rows 17.7 against 20.2 (oneDNN); 1024 rows 122-128 against 127-134. Weights are memory-bound at
 // every batch a decode step has, so the tiles pay from one row. The next panel is prefetched into L2, not L1: into
 // L1 it evicted the panel and x slices being multiplied (1 row 12.4, 64 rows 20.7).
 namespace amx {
 
+constexpr int64_t kChunkPairs = 128;  // pair rows of K per chunk at most: 256 k, a 16 KB slice of a panel
+
 // Tiles 0-3: the sums of rows [0, 16) and [16, 32) (r0 and r1 of them) by columns [0, 16) and [16, 32); 4 and 5:
 // the two row slices of x; 6 and 7: the panel's two column halves, 16 pair rows each.
 inline void configure(int r0, int r1) { aserve_kernels::configure_tiles({r0, r0, r1, r1, r0, r1, 16, 16}); }
 
-// sums[32][32] = x's rows (16, or 32 with `two`) times the panel's first `kt` pair rows (a multiple of 16),
-// prefetching `lines` lines from `pf` at an even pace.
-inline void block_sums(const uint16_t* x, int64_t ldx, bool two, const uint16_t* panel, int64_t kt, float* sums,
-                       const char* pf, int64_t lines) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (two) {
-    _tile_zero(2);
-    _tile_zero(3);
+// sums[32][32] (+)= x's rows (16, or 32 with `two`) times the panel's pair rows [k0, k1) (k1 - k0 a multiple of
+// 16; from the sums already there unless k0 is 0), prefetching `lines` lines from `pf` at an even pace.
+inline void block_sums(const uint16_t* x, int64_t ldx, bool two, const uint16_t* panel, int64_t k0, int64_t k1,
+                       float* sums, const char* pf, int64_t lines) {
+  if (k0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, sums, 4 * kNR);
+    _tile_loadd(1, sums + 16, 4 * kNR);
+    if (two) {
+      _tile_loadd(2, sums + 16 * kNR, 4 * kNR);
+      _tile_loadd(3, sums + 16 * kNR + 16, 4 * kNR);
+    }
   }
-  const int64_t steps = kt / 16, per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
-  for (int64_t s = 0; s < steps; ++s) {
+  const int64_t steps = (k1 - k0) / 16, per_step = steps > 0 ? (lines + steps - 1) / steps : 0;
+  for (int64_t kk = k0; kk < k1; kk += 16) {
     for (int64_t l = 0; l < per_step && lines > 0; ++l, --lines, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-    const uint16_t* b = panel + s * 16 * 2 * kNR;
+    const uint16_t* b = panel + kk * 2 * kNR;
     _tile_loadd(6, b, 4 * kNR);
     _tile_loadd(7, b + kNR, 4 * kNR);
-    _tile_loadd(4, x + s * 32, ldx * 2);
+    _tile_loadd(4, x + kk * 2, ldx * 2);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (two) {
-      _tile_loadd(5, x + 16 * ldx + s * 32, ldx * 2);
+      _tile_loadd(5, x + 16 * ldx + kk * 2, ldx * 2);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -691,7 +705,7 @@ inline void finish(float* sums, int rows, const uint16_t* x, int64_t ldx, int64_
   const __m512 b0 = bias != nullptr ? widen(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias != nullptr ? widen(bias + 16) : _mm512_setzero_ps();
   for (int i = 0; i < rows; ++i) {
-    __m512 lo = _mm512_load_ps(sums + i * kNR), hi = _mm512_load_ps(sums + i * kNR + 16);
+    __m512 lo = _mm512_loadu_ps(sums + i * kNR), hi = _mm512_loadu_ps(sums + i * kNR + 16);
     for (int64_t kk = kt; kk < kp; ++kk) {
       uint32_t pair = x[i * ldx + 2 * kk];
       if (2 * kk + 1 < K) pair |= static_cast<uint32_t>(x[i * ldx + 2 * kk + 1]) << 16;
@@ -705,12 +719,12 @@ inline void finish(float* sums, int rows, const uint16_t* x, int64_t ldx, int64_
     } else {
       lo = _mm512_add_ps(lo, b0), hi = _mm512_add_ps(hi, b1);
     }
-    _mm512_store_ps(sums + i * kNR, lo);
-    _mm512_store_ps(sums + i * kNR + 16, hi);
+    _mm512_storeu_ps(sums + i * kNR, lo);
+    _mm512_storeu_ps(sums + i * kNR + 16, hi);
   }
   if (act != kNoActivation) activate(sums, rows * kNR, act);
   for (int i = 0; i < rows; ++i)
-    store_row(_mm512_load_ps(sums + i * kNR), _mm512_load_ps(sums + i * kNR + 16), c + i * ldc, cols);
+    store_row(_mm512_loadu_ps(sums + i * kNR), _mm512_loadu_ps(sums + i * kNR + 16), c + i * ldc, cols);
 }
 
 // gemm_panels on AMX tiles: blocks of x's rows that fit half of L2, each against all of [p0, p1)'s panels (an int8
@@ -722,12 +736,36 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   const int64_t kp = (K + 1) / 2, kt = K / 32 * 16;
   const int64_t row_block = std::max<int64_t>(32, block_bytes() / (K * 2) / 32 * 32);
   const int64_t total_lines = (panels.bytes() + 63) / 64;
-  alignas(64) float sums[32 * kNR];
+  // K in chunks of at most kChunkPairs pair rows, each chunk's panel slice (16 KB) kept in L1 while the block's
+  // slices of x go past it; the block's sums ([mc][32] fp32) wait in L2 between chunks. A slice's sums are finished
+  // after the next slice's tile products are issued, so the AVX-512 epilogue runs while the tiles multiply; with a K
+  // tail (which reads the panel) at once.
+  const int64_t chunks = std::max<int64_t>(1, (kt + kChunkPairs - 1) / kChunkPairs);
+  const int64_t chunk = std::max<int64_t>(16, (kt + chunks - 1) / chunks + 15) / 16 * 16;  // evened out
+  thread_local std::vector<float> block;
+  block.resize(std::min(row_block, M) / 32 * 32 * kNR + 32 * kNR);
+  struct Pending {
+    float* sums;
+    int rows;
+    const uint16_t* x;
+    uint16_t* c;
+    int cols;
+    const uint16_t* bias;
+    const float* scale;
+  };
+  Pending pending{nullptr, 0, nullptr, nullptr, 0, nullptr, nullptr};
+  const auto finish_pending = [&] {
+    if (pending.rows > 0)
+      finish(pending.sums, pending.rows, pending.x, ldx, K, nullptr, kt, pending.c, N, pending.cols, pending.bias,
+             pending.scale, act);
+    pending.rows = 0;
+  };
   int configured = 0;
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
     const int64_t mc = std::min(row_block, M - m0), slices = (mc + 31) / 32;
     for (int64_t p = p0; p < p1; ++p) {
       if constexpr (Panels::kWidensInFirstCall) {
+        finish_pending();  // the scratch panel is about to change
         const auto widen_rows = panels.widen(p);
         __m512bh w0, w1;
         for (int64_t k = 0; k < kp; ++k) widen_rows(k, w0, w1);
@@ -737,18 +775,29 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
       const float* ps = scale != nullptr ? scale + p * kNR : nullptr;
-      for (int64_t r = 0; r < slices; ++r) {
-        const int64_t first = m0 + r * 32;
-        const int rows = static_cast<int>(std::min<int64_t>(32, m0 + mc - first));
-        if (rows != configured) configure(std::min(rows, 16), rows - std::min(rows, 16)), configured = rows;
-        const int64_t from = r * total_lines / slices;
-        const int64_t lines = next != nullptr ? (r + 1) * total_lines / slices - from : 0;
-        const uint16_t* xr = x + first * ldx;
-        block_sums(xr, ldx, rows > 16, panel, kt, sums, next != nullptr ? next + from * 64 : nullptr, lines);
-        finish(sums, rows, xr, ldx, K, panel, kt, out + first * N + p * kNR, N, cols, pb, ps, act);
+      const int64_t calls = chunks * slices;
+      for (int64_t k0 = 0, call = 0; k0 < std::max<int64_t>(kt, 1); k0 += chunk) {
+        const int64_t k1 = std::min(kt, k0 + chunk);
+        for (int64_t r = 0; r < slices; ++r, ++call) {
+          const int64_t first = m0 + r * 32;
+          const int rows = static_cast<int>(std::min<int64_t>(32, m0 + mc - first));
+          if (rows != configured) configure(std::min(rows, 16), rows - std::min(rows, 16)), configured = rows;
+          const int64_t from = call * total_lines / calls;
+          const int64_t lines = next != nullptr ? (call + 1) * total_lines / calls - from : 0;
+          const uint16_t* xr = x + first * ldx;
+          float* sums = block.data() + r * 32 * kNR;
+          if (pending.sums == sums) finish_pending();  // (one slice: its own sums are pending)
+          block_sums(xr, ldx, rows > 16, panel, k0, k1, sums, next != nullptr ? next + from * 64 : nullptr, lines);
+          if (k1 < kt) continue;
+          finish_pending();
+          uint16_t* c = out + first * N + p * kNR;
+          if (kt < kp) finish(sums, rows, xr, ldx, K, panel, kt, c, N, cols, pb, ps, act);
+          else pending = {sums, rows, xr, c, cols, pb, ps};
+        }
       }
     }
   }
+  finish_pending();
   _tile_release();
 }
 
