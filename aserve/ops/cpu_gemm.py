@@ -9,8 +9,8 @@ are packed only in a dtype the CPU runs natively (16-bit ones are emulated elsew
 in one oneDNN can pack here (`can_pack`).
 
 fp32 weights, and bf16 weights on a CPU with AVX512-BF16 (on AMX tiles where the CPU has them), go to aserve's own GEMM
-instead where the CPU kernels are built (csrc/cpu_gemm.cpp, see `gemm_for`). A packed weight records which layout it is in, so callers only
-ever call `packed_linear`.
+instead where the CPU kernels are built (csrc/cpu_gemm.cpp, see `gemm_for`). A packed weight records which layout it
+is in, so callers only ever call `packed_linear`.
 """
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ def gemm_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if torch.ops.aserve.gemm_packs_bf16() else (torch.float32,)
 
 
+@functools.cache  # asked on every call of a layer: fixed by the CPU and the kernels built
 def kernel_rows(dtype: torch.dtype) -> int:
     """Rows of `dtype` up to which int8_linear runs; above, the GEMM. 120 bench-model layers (AMD EPYC Zen 5, 2
     threads, ms, int8_linear against gemm_int8): bf16 at 6 rows 3.27 against 3.20, 7 rows 3.67 against 3.31, 8 rows

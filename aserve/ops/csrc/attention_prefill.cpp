@@ -327,15 +327,11 @@ inline void probabilities_by_row(const float* st, int64_t nk, int64_t cols, int6
   for (int64_t r0 = 0; r0 < cols; r0 += 16)
     for (int64_t j0 = 0; j0 < keys / 2; j0 += 16) {
       __m512i x[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t k0 = 2 * (j0 + i);
-        const __m256i lo = k0 < nk ? reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(st + k0 * cols + r0)))
-                                   : _mm256_setzero_si256();
-        const __m256i hi = k0 + 1 < nk
-                               ? reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(st + (k0 + 1) * cols + r0)))
-                               : _mm256_setzero_si256();
-        x[i] = interleave16(lo, hi);
-      }
+      const auto key_row = [&](int64_t k) {  // key k's probabilities of rows r0..r0+15 as bf16, zero past nk
+        return k < nk ? reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(st + k * cols + r0)))
+                      : _mm256_setzero_si256();
+      };
+      for (int64_t i = 0; i < 16; ++i) x[i] = interleave16(key_row(2 * (j0 + i)), key_row(2 * (j0 + i) + 1));
       transpose16(x);
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(p16 + (r0 + i) * kKeyStep + 2 * j0, x[i]);
     }

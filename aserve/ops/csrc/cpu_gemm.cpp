@@ -639,8 +639,8 @@ struct DensePanels {
 // tdpbf16ps does, one from L1 half: a chunk's 16 KB of panel stays in L1 while the row slices pass it), the sums
 // wait in L2 between chunks and are finished as tile_of finishes them (bias, int8 scales, the activation, one
 // rounding). Chunked, [2048, 768] x [768, 2304] ran at 2284-2465 GFLOP/s against 1971 over the whole K (oneDNN
-// 2894-3301 on such hot, compute-bound shapes: the pooling runner takes oneDNN's GEMM on AMX CPUs, gemm_for). The bench model's 120 layers, cold weights (Intel
-// Xeon with AMX, 2 threads, ms): 1 row 10.3-11.4 against 13.9-14.2 on the vdpbf16ps tiles and 15.4-15.7 in oneDNN's
+// 2894-3301 on such hot, compute-bound shapes: the pooling runner takes oneDNN's GEMM on AMX CPUs, gemm_for). The
+// bench model's 120 layers, cold weights (Intel Xeon with AMX, 2 threads, ms): 1 row 10.3-11.4 against 13.9-14.2 on the vdpbf16ps tiles and 15.4-15.7 in oneDNN's
 // AMX GEMM; 64 rows 17.7 against 20.2 (oneDNN); 1024 rows 122-128 against 127-134. Weights are memory-bound at
 // every batch a decode step has, so the tiles pay from one row. The next panel is prefetched into L2, not L1: into
 // L1 it evicted the panel and x slices being multiplied (1 row 12.4, 64 rows 20.7).

@@ -8,9 +8,9 @@
 // steps this does not run: LoRA adapters in the step, or a projection that is not one of the kinds below.
 //
 // A projection is one of the linear kernels the quantization methods bind (LinearMethod.native_projection): dense
-// weights packed for aserve's GEMM (gemm_packed) or for oneDNN's (mkldnn::_linear_pointwise, where aserve's is not
-// built for the dtype: cpu_gemm.gemm_for), int8 tiles (int8_linear up to `kernel_rows` rows, gemm_int8 above) or GPTQ/AWQ
-// int4 tiles (int4_linear / gemm_int4, the inputs permuted first for act-order checkpoints).
+// weights packed for aserve's GEMM (gemm_packed) or for oneDNN's (mkldnn::_linear_pointwise, where cpu_gemm.gemm_for
+// picks it), int8 tiles (int8_linear up to `kernel_rows` rows, gemm_int8 above) or GPTQ/AWQ int4 tiles (int4_linear
+// / gemm_int4, the inputs permuted first for act-order checkpoints).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
