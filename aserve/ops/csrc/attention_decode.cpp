@@ -329,13 +329,13 @@ inline float exp_to_bf16(const float* s, float peak, int64_t n, uint16_t* out) {
   fVec total(0.f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const fVec e = exp2_nonpositive((fVec::loadu(s + i) - top) * log2e);
+    const fVec e = exp2_bounded((fVec::loadu(s + i) - top) * log2e);
     total = total + e;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(e));
   }
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const fVec e = _mm512_maskz_mov_ps(m, exp2_nonpositive((fVec(_mm512_maskz_loadu_ps(m, s + i)) - top) * log2e));
+    const fVec e = _mm512_maskz_mov_ps(m, exp2_bounded((fVec(_mm512_maskz_loadu_ps(m, s + i)) - top) * log2e));
     total = total + e;
     _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -530,7 +530,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride);
       } else {
         const fVec log2e(kLog2e), top(peak);
-        at::vec::map([&](fVec x) { return exp2_nonpositive((x - top) * log2e); }, s, s, n);
+        at::vec::map([&](fVec x) { return exp2_bounded((x - top) * log2e); }, s, s, n);
         total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
         scale_row(s, 1.f / total, n);
       }

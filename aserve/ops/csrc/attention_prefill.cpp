@@ -4,10 +4,11 @@
 //
 // Chunks of prompt tokens, each query attending to its chunk's cached context and causally to the chunk itself
 // (its keys are written to the cache before this runs), FlashAttention's way: nothing of size keys x queries is
-// kept. A work item is (chunk, kv head, tile of about kTileRows query rows: query tokens x the group's heads).
-// Its queries are loaded once, scaled and held transposed, [head_dim][rows]; its keys are walked kKeyStep at a
-// time, read in place from the cache (widened to fp32 first when the cache is 16-bit or FP8), with a running
-// max, sum and output per query row. Both products are register tiles of 6 rows x 2W columns (W = fVec::size()),
+// kept. A tile is about kTileRows query rows (query tokens x the group's heads); a work item is up to
+// kTilesPerItem consecutive tiles of a chunk, one kv head. Each tile's queries are loaded once, scaled and held
+// transposed, [head_dim][rows]; the item's keys are walked kKeyStep at a time, read from the cache once a step for
+// all of its tiles (widened to fp32 first when the cache is 16-bit or FP8), with a running max, sum and output per
+// query row. Both products are register tiles of 6 rows x 2W columns (W = fVec::size()),
 // as in a GEMM: the scores as keys x query rows (a key element broadcast against 2W query rows), the output as
 // query rows x head dims (a probability broadcast against 2W dims of a value row). No transposes of the keys,
 // no horizontal sums. Items are dealt to threads round-robin by descending cost, so the causal triangle's long
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -91,6 +93,11 @@ template <typename F> inline void by_rows(int64_t n, F&& f) {  // f(first, rows)
   }
 }
 
+// How far (in base-2 exponent units) a row's new maximum must pass the one in force to replace it. Until then its
+// probabilities may reach 2^8 (fp32 and bf16 hold those as precisely as ones below 1) and its output needs no
+// rescaling (corr exactly 1, a multiply skipped): most steps after a row's first.
+constexpr float kLazyGrowth = 8.f;
+
 // The online softmax over one walk step: for each query row r (a vector holds W rows' scores for one key), its
 // running max m and sum l are updated by the nk scores st[0..nk)[r], which become their probabilities; corr[r]
 // is what the row's output so far must be multiplied by. Scores are taken as they are and multiplied by `scale`
@@ -109,13 +116,17 @@ inline void online_softmax(float* st, int64_t nk, int64_t padded, float scale, f
       for (int u = 0; u < V; ++u) peak[u] = max_of(peak[u], fVec::loadu(st + j * padded + r + u * W));
     for (int u = 0; u < V; ++u) {
       const fVec none = peak[u] == lowest, old = fVec::loadu(m + r + u * W);
+      // the maximum in force moves only past kLazyGrowth; from none (-inf) always
+      const fVec grows = (peak[u] - old) * k > fVec(kLazyGrowth);
+      peak[u] = fVec::blendv(old, peak[u], grows);
       shift[u] = fVec::blendv(peak[u] * k, fVec(0.f), none);  // 2^(x k - shift)
-      fVec::blendv(exp2_nonpositive(at::vec::fmsub(old, k, shift[u])), fVec(1.f), none).store(corr + r + u * W);
+      const fVec moved = fVec::blendv(exp2_bounded(at::vec::fmsub(old, k, shift[u])), fVec(1.f), none);
+      fVec::blendv(fVec(1.f), moved, grows).store(corr + r + u * W);
       sum[u] = fVec(0.f);
     }
     for (int64_t j = 0; j < nk; ++j)
       for (int u = 0; u < V; ++u) {
-        const fVec prob = exp2_nonpositive(at::vec::fmsub(fVec::loadu(st + j * padded + r + u * W), k, shift[u]));
+        const fVec prob = exp2_bounded(at::vec::fmsub(fVec::loadu(st + j * padded + r + u * W), k, shift[u]));
         prob.store(st + j * padded + r + u * W);
         sum[u] = sum[u] + prob;
       }
@@ -303,22 +314,66 @@ inline void transpose16(__m512i x[16]) {
 //   added into o [cols][D], its rows first scaled by their corrections.
 #define ASERVE_PREFILL_AMX 1
 
-// Tiles 0: sums, 1: 16 rows of A, 2: 16 pair rows of B.
-inline void configure_attention_tiles() { configure_tiles({16, 16, 16, 0, 0, 0, 0, 0}); }
+// Tiles 0-3: a 2 x 2 block of sums (tile 2 i + j: A's rows i, B's columns j), 4-5: A's two row tiles, 6-7: B's
+// two pair-row tiles. Four independent sums let one block's tdpbf16ps overlap the others' (one sum tile, as
+// first written, chained every product behind the last); each A and B tile loaded feeds two products.
+inline void configure_attention_tiles() { configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}); }
+
+// The 2 x 2 blocks (or the 1-wide edges) of an RT x CT grid of 16 x 16 tiles: f(row tile, column tile, I, J).
+template <typename F> inline void by_tile_blocks(int64_t row_tiles, int64_t col_tiles, F&& f) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  for (int64_t i = 0; i < row_tiles; i += 2)
+    for (int64_t j = 0; j < col_tiles; j += 2) {
+      const bool two_rows = i + 1 < row_tiles, two_cols = j + 1 < col_tiles;
+      if (two_rows && two_cols) f(i, j, Two{}, Two{});
+      else if (two_rows) f(i, j, Two{}, One{});
+      else if (two_cols) f(i, j, One{}, Two{});
+      else f(i, j, One{}, One{});
+    }
+}
+
+// Sums tile 2 i + j += A tile 4 + i . B tile 6 + j over the block's I x J tiles (tile numbers are immediates).
+template <int I, int J> inline void block_products() {
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (J == 2) _tile_dpbf16ps(1, 4, 7);
+  if constexpr (I == 2) _tile_dpbf16ps(2, 5, 6);
+  if constexpr (I == 2 && J == 2) _tile_dpbf16ps(3, 5, 7);
+}
+
+// The block's sums stored to (or loaded from) c [16 I][16 J] fp32 with row stride ldc.
+template <int I, int J> inline void store_sums(float* c, int64_t ldc) {
+  _tile_stored(0, c, ldc * 4);
+  if constexpr (J == 2) _tile_stored(1, c + 16, ldc * 4);
+  if constexpr (I == 2) _tile_stored(2, c + 16 * ldc, ldc * 4);
+  if constexpr (I == 2 && J == 2) _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+template <int I, int J> inline void load_sums(const float* c, int64_t ldc) {
+  _tile_loadd(0, c, ldc * 4);
+  if constexpr (J == 2) _tile_loadd(1, c + 16, ldc * 4);
+  if constexpr (I == 2) _tile_loadd(2, c + 16 * ldc, ldc * 4);
+  if constexpr (I == 2 && J == 2) _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+}
 
 // st[j][c] for keys j < 16 * key_tiles, columns c < cols: keys [16 key_tiles][D] bf16 times qt2 [D/2][cols].
 inline void score_tiles_amx(const BF16* keys, int64_t D, int64_t key_tiles, const uint32_t* qt2, int64_t cols,
                             float* st) {
-  for (int64_t kt = 0; kt < key_tiles; ++kt)
-    for (int64_t c = 0; c < cols; c += 16) {
-      _tile_zero(0);
-      for (int64_t d = 0; d < D; d += 32) {
-        _tile_loadd(1, keys + kt * 16 * D + d, D * 2);
-        _tile_loadd(2, qt2 + d / 2 * cols + c, cols * 4);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-      _tile_stored(0, st + kt * 16 * cols + c, cols * 4);
+  by_tile_blocks(key_tiles, cols / 16, [&](int64_t kt, int64_t ct, auto rows, auto columns) {
+    constexpr int I = decltype(rows)::value, J = decltype(columns)::value;
+    _tile_zero(0);
+    if constexpr (J == 2) _tile_zero(1);
+    if constexpr (I == 2) _tile_zero(2);
+    if constexpr (I == 2 && J == 2) _tile_zero(3);
+    for (int64_t d = 0; d < D; d += 32) {
+      _tile_loadd(4, keys + kt * 16 * D + d, D * 2);
+      if constexpr (I == 2) _tile_loadd(5, keys + (kt + 1) * 16 * D + d, D * 2);
+      _tile_loadd(6, qt2 + d / 2 * cols + ct * 16, cols * 4);
+      if constexpr (J == 2) _tile_loadd(7, qt2 + d / 2 * cols + ct * 16 + 16, cols * 4);
+      block_products<I, J>();
     }
+    store_sums<I, J>(st + kt * 16 * cols + ct * 16, cols);
+  });
 }
 
 // p16[r][0..keys) = probabilities st[key][r] as bf16, rows r < cols, keys zero from nk to `keys` (a multiple of
@@ -339,16 +394,19 @@ inline void probabilities_by_row(const float* st, int64_t nk, int64_t cols, int6
 
 // o[r][0..D) += p16[r][0..keys) . values, rows r < cols: vt2 [keys/2][D] pairs.
 inline void output_tiles_amx(const BF16* p16, int64_t cols, int64_t keys, const uint32_t* vt2, int64_t D, float* o) {
-  for (int64_t r = 0; r < cols; r += 16)
-    for (int64_t c = 0; c < D; c += 16) {
-      _tile_loadd(0, o + r * D + c, D * 4);
-      for (int64_t k = 0; k < keys; k += 32) {
-        _tile_loadd(1, p16 + r * kKeyStep + k, kKeyStep * 2);
-        _tile_loadd(2, vt2 + k / 2 * D + c, D * 4);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-      _tile_stored(0, o + r * D + c, D * 4);
+  by_tile_blocks(cols / 16, D / 16, [&](int64_t rt, int64_t ct, auto rows, auto columns) {
+    constexpr int I = decltype(rows)::value, J = decltype(columns)::value;
+    float* c = o + rt * 16 * D + ct * 16;
+    load_sums<I, J>(c, D);
+    for (int64_t k = 0; k < keys; k += 32) {
+      _tile_loadd(4, p16 + rt * 16 * kKeyStep + k, kKeyStep * 2);
+      if constexpr (I == 2) _tile_loadd(5, p16 + (rt + 1) * 16 * kKeyStep + k, kKeyStep * 2);
+      _tile_loadd(6, vt2 + k / 2 * D + ct * 16, D * 4);
+      if constexpr (J == 2) _tile_loadd(7, vt2 + k / 2 * D + ct * 16 + 16, D * 4);
+      block_products<I, J>();
     }
+    store_sums<I, J>(c, D);
+  });
 }
 #endif
 #endif
@@ -392,19 +450,29 @@ inline void prefetch_keys(const Rows& kv, int64_t chunk, int64_t kvh, int64_t fi
   }
 }
 
-// One thread's scratch, sized for the largest item.
+// An item's query tiles (a chunk's consecutive tiles, one kv head) walk the keys together: each key step's keys
+// and values are gathered (widened, paired or copied into tile rows) once and used by every tile while they are
+// in L1, not fetched and gathered again by each tile. Fewer tiles an item where there would be too few items to
+// keep the threads busy.
+constexpr int64_t kTilesPerItem = 8;
+
+// One thread's scratch, sized for the largest item: per tile of an item (slot g) its queries, output and softmax
+// state; per key step its keys and values as the products take them.
 struct PrefillScratch {
-  std::vector<float> qt, o, st, kbuf, vbuf, m, l, corr, pos;  // pos: each query row's position, as fp32
-  std::vector<uint32_t> qt2, pt2, vt2;  // the bf16 path's pairs: queries, probabilities, values
+  int64_t padded, D;
+  std::vector<float> qt, o, m, l, corr, pos;  // per slot; pos: each query row's position, as fp32
+  std::vector<float> st, kbuf, vbuf;
+  std::vector<uint32_t> qt2, pt2, vt2;  // the bf16 path's pairs: queries (per slot), probabilities, values
   // the bf16 path over an FP8 cache, or on AMX tiles: a step's keys (and FP8 values) as bf16 rows; on AMX tiles
   // the probabilities by row, p16 [padded][kKeyStep]
   std::vector<c10::BFloat16> k16, v16, p16;
-  PrefillScratch(int64_t padded, int64_t D, bool pairs, bool fp8, bool amx)
-      : qt(pairs ? 0 : D * padded), o(padded * D), st(kKeyStep * padded), kbuf(pairs ? 0 : kKeyStep * D),
-        vbuf(pairs ? 0 : kKeyStep * D), m(padded), l(padded), corr(padded), pos(padded),
-        qt2(pairs ? D / 2 * padded : 0), pt2(pairs && !amx ? kKeyStep / 2 * padded : 0),
-        vt2(pairs ? kKeyStep / 2 * D : 0), k16(pairs && (fp8 || amx) ? kKeyStep * D : 0),
-        v16(pairs && fp8 ? kKeyStep * D : 0), p16(amx ? padded * kKeyStep : 0) {}
+  PrefillScratch(int64_t padded, int64_t D, int64_t slots, bool pairs, bool fp8, bool amx)
+      : padded(padded), D(D), qt(pairs ? 0 : slots * D * padded), o(slots * padded * D), m(slots * padded),
+        l(slots * padded), corr(slots * padded), pos(slots * padded), st(kKeyStep * padded),
+        kbuf(pairs ? 0 : kKeyStep * D), vbuf(pairs ? 0 : kKeyStep * D), qt2(pairs ? slots * D / 2 * padded : 0),
+        pt2(pairs && !amx ? kKeyStep / 2 * padded : 0), vt2(pairs ? kKeyStep / 2 * D : 0),
+        k16(pairs && (fp8 || amx) ? kKeyStep * D : 0), v16(pairs && fp8 ? kKeyStep * D : 0),
+        p16(amx ? padded * kKeyStep : 0) {}
 };
 
 // T: the query's and output's type; C: the keys' and values' (T, or an FP8 tag with k_scale / v_scale folded in);
@@ -441,27 +509,39 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   // exponent unless a softcap needs them scaled first
   const float tile_scale = pairs && cap > 0.f ? fscale : 1.f, softmax_scale = pairs && cap == 0.f ? fscale : 1.f;
 
-  struct Item { int64_t chunk, kvh, q0, nq, cost; };
-  auto key_range = [&](const Item& item) {  // the keys an item's queries see: [first, end)
-    const int64_t ctx = contexts[item.chunk], n = starts[item.chunk + 1] - starts[item.chunk];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, ctx + item.q0 - window + 1) : 0;
-    return std::pair<int64_t, int64_t>{first, causal ? ctx + item.q0 + item.nq : ctx + n};
+  // A tile: query tokens [q0, q0 + nq) of a chunk. An item: `tiles` consecutive tiles from q0, one kv head.
+  struct Item { int64_t chunk, kvh, q0, tiles, cost; };
+  auto key_range = [&](int64_t chunk, int64_t q0, int64_t nq) {  // the keys tokens [q0, q0 + nq) see: [first, end)
+    const int64_t ctx = contexts[chunk], n = starts[chunk + 1] - starts[chunk];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, ctx + q0 - window + 1) : 0;
+    return std::pair<int64_t, int64_t>{first, causal ? ctx + q0 + nq : ctx + n};
   };
+  const auto item_tokens = [&](const Item& item) {  // its query tokens, [q0, q0 + count)
+    return std::min(item.tiles * tile_queries, starts[item.chunk + 1] - starts[item.chunk] - item.q0);
+  };
+  int64_t tiles_per_item = kTilesPerItem;
   std::vector<Item> items;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n = starts[c + 1] - starts[c];
-    for (int64_t q0 = 0; q0 < n; q0 += tile_queries) {
-      Item item{c, 0, q0, std::min(tile_queries, n - q0), 0};
-      const auto [first, end] = key_range(item);
-      item.cost = item.nq * (end - first);
-      for (int64_t h = 0; h < num_kv_heads; ++h, ++item.kvh) items.push_back(item);
+  for (;; tiles_per_item /= 2) {
+    items.clear();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t n = starts[c + 1] - starts[c], span = tiles_per_item * tile_queries;
+      for (int64_t q0 = 0; q0 < n; q0 += span) {
+        Item item{c, 0, q0, (std::min(span, n - q0) + tile_queries - 1) / tile_queries, 0};
+        for (int64_t t = q0; t < std::min(n, q0 + span); t += tile_queries) {
+          const int64_t nq = std::min(tile_queries, n - t);
+          const auto [first, end] = key_range(c, t, nq);
+          item.cost += nq * (end - first);
+        }
+        for (int64_t h = 0; h < num_kv_heads; ++h, ++item.kvh) items.push_back(item);
+      }
     }
+    if (tiles_per_item == 1 || static_cast<int64_t>(items.size()) >= 4 * at::get_num_threads()) break;
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
 
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    PrefillScratch s(padded, D, pairs, is_fp8<C>, amx);
+    PrefillScratch s(padded, D, tiles_per_item, pairs, is_fp8<C>, amx);
 #ifdef ASERVE_PREFILL_AMX
     if (amx) configure_attention_tiles();
 #endif
@@ -471,26 +551,34 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
     for (int64_t j = 0; pairs && is_fp8<C> && j < kKeyStep; ++j)
       k16[j] = s.k16.data() + j * D, v16[j] = s.v16.data() + j * D;
     std::vector<const float*> kf(kKeyStep), vf(kKeyStep);
+    struct Tile { int64_t q0, nq, rows, cols, lo, hi; };
+    std::vector<Tile> tiles(tiles_per_item);
     for (int64_t t = begin; t < end; ++t) {
       for (size_t it = t; it < items.size(); it += threads) {
         const Item item = items[it];
-        const int64_t ctx = contexts[item.chunk], row0 = starts[item.chunk] + item.q0, h0 = item.kvh * group;
-        const int64_t rows = item.nq * group;
-        // score columns: the item's rows rounded up to whole vectors (pairs) or tiles (fp32), not the largest item's
-        const int64_t cols = pairs ? (rows + 15) / 16 * 16 : (rows + kCols - 1) / kCols * kCols;
-        // The next item's queries, keys and values go into L2 while this one runs, a few rows before each tile
-        // (what is left of a step's share at its end): they may lie in DRAM (a step's rows outgrow the caches),
-        // too scattered for the hardware prefetchers.
-        const auto [lo, hi] = key_range(item);
+        const int64_t ctx = contexts[item.chunk], count = item_tokens(item);
+        for (int64_t g = 0; g < item.tiles; ++g) {
+          Tile& tile = tiles[g];
+          tile.q0 = item.q0 + g * tile_queries, tile.nq = std::min(tile_queries, item.q0 + count - tile.q0);
+          tile.rows = tile.nq * group;
+          // score columns: the tile's rows rounded up to whole vectors (pairs) or tiles (fp32), not the largest's
+          tile.cols = pairs ? (tile.rows + 15) / 16 * 16 : (tile.rows + kCols - 1) / kCols * kCols;
+          std::tie(tile.lo, tile.hi) = key_range(item.chunk, tile.q0, tile.nq);
+        }
+        const int64_t lo = tiles[0].lo, hi = tiles[item.tiles - 1].hi;  // every tile's keys, [lo, hi)
+        // The next item's queries, keys and values go into L2 while this one runs, a few rows before each tile's
+        // products (what is left of a step's share at its end): they may lie in DRAM (a step's rows outgrow the
+        // caches), too scattered for the hardware prefetchers.
         const bool more = it + threads < items.size();
         const Item next = more ? items[it + threads] : item;
-        const auto [next_lo, next_hi] = key_range(next);
-        const int64_t next_queries = more ? next.nq * group : 0, to_fetch = more ? next_queries + next_hi - next_lo : 0;
-        const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + kKeyStep - 1) / kKeyStep);
-        const int64_t tiles_a_step = (kKeyStep + 5) / 6 * ((cols + 63) / 64) + (rows + 5) / 6 * ((D + 63) / 64);
+        const int64_t next_count = more ? item_tokens(next) : 0;
+        const auto [next_lo, next_hi] = key_range(next.chunk, next.q0, std::max<int64_t>(next_count, 1));
+        const int64_t next_queries = next_count * group, to_fetch = more ? next_queries + next_hi - next_lo : 0;
+        const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + kKeyStep - 1) / kKeyStep) * item.tiles;
+        const int64_t tiles_a_step = (kKeyStep + 5) / 6 * ((padded + 63) / 64) + (max_rows + 5) / 6 * ((D + 63) / 64);
         const int64_t fetch_a_tile = (to_fetch + walk_steps * tiles_a_step - 1) / (walk_steps * tiles_a_step);
         const int64_t fetch_a_step = (to_fetch + walk_steps - 1) / walk_steps;
-        int64_t fetched = 0;
+        int64_t fetched = 0, walked = 0;
         const auto fetch_next = [&](int64_t n) {
           for (; n > 0 && fetched < to_fetch; --n, ++fetched) {
             if (fetched < next_queries) {
@@ -501,69 +589,69 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
             }
           }
         };
-        // queries as [D][cols] (fp32, scaled) or [D/2][cols] pairs (bf16, as they are); row r = query qi's
-        // head g at r = qi * group + g
-        const auto query_row = [&](int64_t r) { return q_ptr + (row0 + r / group) * qs0 + (h0 + r % group) * qs1; };
-        if (pairs) {
+        const int64_t h0 = item.kvh * group;
+        for (int64_t g = 0; g < item.tiles; ++g) {  // each tile's queries, positions and state
+          const Tile& tile = tiles[g];
+          const int64_t row0 = starts[item.chunk] + tile.q0;
+          // queries as [D][cols] (fp32, scaled) or [D/2][cols] pairs (bf16, as they are); row r = query qi's
+          // head g at r = qi * group + g
+          const auto query_row = [&](int64_t r) { return q_ptr + (row0 + r / group) * qs0 + (h0 + r % group) * qs1; };
+          if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
-          for (int64_t r0 = 0; r0 < rows; r0 += 16)  // 16 rows' words at a time, transposed in registers
-            for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
-              __m512i x[16];
-              for (int64_t i = 0; i < 16; ++i)
-                x[i] = r0 + i < rows ? _mm512_loadu_si512(query_row(r0 + i) + 2 * p0) : _mm512_setzero_si512();
-              transpose16(x);
-              for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(s.qt2.data() + (p0 + i) * cols + r0, x[i]);
-            }
+            uint32_t* qt2 = s.qt2.data() + g * D / 2 * padded;
+            for (int64_t r0 = 0; r0 < tile.rows; r0 += 16)  // 16 rows' words at a time, transposed in registers
+              for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+                __m512i x[16];
+                for (int64_t i = 0; i < 16; ++i)
+                  x[i] = r0 + i < tile.rows ? _mm512_loadu_si512(query_row(r0 + i) + 2 * p0) : _mm512_setzero_si512();
+                transpose16(x);
+                for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(qt2 + (p0 + i) * tile.cols + r0, x[i]);
+              }
 #endif
-        } else {
-          std::fill(s.qt.begin(), s.qt.begin() + D * cols, 0.f);
-          for (int64_t r = 0; r < rows; ++r) {
-            load_row(query_row(r), row.data(), D);
-            for (int64_t d = 0; d < D; ++d) s.qt[d * cols + r] = row[d] * fscale;
+          } else {
+            float* qt = s.qt.data() + g * D * padded;
+            std::fill(qt, qt + D * tile.cols, 0.f);
+            for (int64_t r = 0; r < tile.rows; ++r) {
+              load_row(query_row(r), row.data(), D);
+              for (int64_t d = 0; d < D; ++d) qt[d * tile.cols + r] = row[d] * fscale;
+            }
           }
+          float* pos = s.pos.data() + g * padded;
+          for (int64_t r = 0; r < tile.rows; ++r) pos[r] = static_cast<float>(ctx + tile.q0 + r / group);
+          std::fill(pos + tile.rows, pos + padded, pos[tile.rows - 1]);  // padding rows: copies of the last
+          std::fill(s.m.data() + g * padded, s.m.data() + (g + 1) * padded, neg_inf);
+          std::fill(s.l.data() + g * padded, s.l.data() + (g + 1) * padded, 0.f);
+          std::fill(s.o.data() + g * padded * D, s.o.data() + g * padded * D + tile.cols * D, 0.f);
         }
-        for (int64_t r = 0; r < rows; ++r) s.pos[r] = static_cast<float>(ctx + item.q0 + r / group);
-        std::fill(s.pos.begin() + rows, s.pos.end(), s.pos[rows - 1]);  // padding rows: copies of the last
-        std::fill(s.m.begin(), s.m.end(), neg_inf);
-        std::fill(s.l.begin(), s.l.end(), 0.f);
-        std::fill(s.o.begin(), s.o.begin() + cols * D, 0.f);
-        const int64_t first_pos = ctx + item.q0, last_pos = ctx + item.q0 + item.nq - 1;
         for (int64_t t0 = lo; t0 < hi; t0 += kKeyStep) {
           const int64_t nk = std::min<int64_t>(kKeyStep, hi - t0);
           for (int64_t j = 0; j < nk; ++j) {
             krow[j] = kv.key(item.chunk, item.kvh, t0 + j);
             vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
           }
-          float* st = s.st.data();  // [nk][cols] scores, then probabilities
-          if (pairs) {
+          // the step's keys and values as the products take them, once for every tile
 #ifdef ASERVE_PREFILL_BF16
-            const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
+          const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
+          if (pairs) {
+            const BF16* const* values = reinterpret_cast<const BF16* const*>(vrow.data());
             if constexpr (is_fp8<C>) {
               fp8_rows_as_bf16(krow.data(), nk, D, s.k16.data());
               fp8_rows_as_bf16(vrow.data(), nk, D, s.v16.data());
-              keys = k16.data();
+              keys = k16.data(), values = v16.data();
             }
+            pair_values(values, nk, D, s.vt2.data());
 #ifdef ASERVE_PREFILL_AMX
-            if (amx) {  // the keys as [16 tiles][D] rows, zero past the last
-              const int64_t key_tiles = (nk + 15) / 16;
+            if (amx) {  // the keys as [16 tiles][D] rows, zero past the last; the values' pairs zero past it too
               BF16* rows16 = s.k16.data();
               for (int64_t j = 0; j < nk; ++j)
                 if (keys[j] != rows16 + j * D) std::memcpy(rows16 + j * D, keys[j], D * sizeof(BF16));
-              std::fill(rows16 + nk * D, rows16 + key_tiles * 16 * D, BF16(0.f));
-              score_tiles_amx(rows16, D, key_tiles, s.qt2.data(), cols, st);
-              if (tile_scale != 1.f)
-                for (int64_t j = 0; j < nk; ++j) scale_row(st + j * cols, tile_scale, cols);
+              std::fill(rows16 + nk * D, rows16 + (nk + 15) / 16 * 16 * D, BF16(0.f));
+              std::fill(s.vt2.begin() + (nk + 1) / 2 * D, s.vt2.begin() + (nk + 31) / 32 * 16 * D, 0u);
             }
 #endif
-            if (!amx) by_columns(cols, [&](int64_t c, auto nv) {
-              by_rows(nk, [&](int64_t i, auto mr) {
-                fetch_next(fetch_a_tile);
-                score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, s.qt2.data() + c, cols, D / 2,
-                                                                          tile_scale, st + i * cols + c, cols);
-              });
-            });
+          }
 #endif
-          } else {
+          if (!pairs) {
             for (int64_t j = 0; j < nk; ++j) {
               if constexpr (std::is_same_v<C, float>) {
                 kf[j] = krow[j];
@@ -579,90 +667,123 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
                 vf[j] = s.vbuf.data() + j * D;
               }
             }
-            for (int64_t c = 0; c < cols; c += kCols)
-              by_rows(nk, [&](int64_t i, auto mr) {
-                fetch_next(fetch_a_tile);
-                score_tile<decltype(mr)::value>(kf.data() + i, s.qt.data() + c, cols, D, st + i * cols + c,
-                                                cols);
-              });
           }
-          // softcap, mask and the online softmax, each across query rows: a vector holds W rows' scores for one
-          // key (padding rows too: their queries are zero, their results unused)
-          const fVec lowest(neg_inf);
-          if (cap > 0.f)
-            for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < cols; r += fVec::size()) {
-                const fVec x = fVec::loadu(st + j * cols + r);
-                (tanh_rational(x / fVec(cap)) * fVec(cap)).store(st + j * cols + r);
-              }
-          if ((causal && t0 + nk - 1 > first_pos) || (window > 0 && t0 <= last_pos - window)) {  // some keys masked
-            for (int64_t j = 0; j < nk; ++j)
-              for (int64_t r = 0; r < cols; r += fVec::size()) {
-                const fVec key(static_cast<float>(t0 + j)), pos = fVec::loadu(s.pos.data() + r);
-                fVec masked = key > pos;
-                if (window > 0) masked = masked | (key <= pos - fVec(static_cast<float>(window)));
-                fVec::blendv(fVec::loadu(st + j * cols + r), lowest, masked).store(st + j * cols + r);
-              }
-          }
-          online_softmax(st, nk, cols, softmax_scale, s.m.data(), s.l.data(), s.corr.data());
-          if (pairs) {
+          for (int64_t g = 0; g < item.tiles; ++g) {
+            const Tile& tile = tiles[g];
+            if (t0 >= tile.hi || t0 + nk <= tile.lo) continue;  // none of this step's keys is the tile's
+            const int64_t tk = std::min(nk, tile.hi - t0), cols = tile.cols, rows = tile.rows;  // the tile's keys
+            float* o = s.o.data() + g * padded * D;
+            float* m = s.m.data() + g * padded;
+            float* l = s.l.data() + g * padded;
+            float* corr = s.corr.data() + g * padded;
+            const float* pos = s.pos.data() + g * padded;
+            float* st = s.st.data();  // [tk][cols] scores, then probabilities
+            if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
-            const BF16* const* values = is_fp8<C> ? v16.data() : reinterpret_cast<const BF16* const*>(vrow.data());
-            pair_values(values, nk, D, s.vt2.data());
+              const uint32_t* qt2 = s.qt2.data() + g * D / 2 * padded;
 #ifdef ASERVE_PREFILL_AMX
-            if (amx) {
-              const int64_t keys = (nk + 31) / 32 * 32;
-              std::fill(s.vt2.begin() + (nk + 1) / 2 * D, s.vt2.begin() + keys / 2 * D, 0u);
-              probabilities_by_row(st, nk, cols, keys, s.p16.data());
-              for (int64_t r = 0; r < cols; ++r) scale_row(s.o.data() + r * D, s.corr[r], D);
-              output_tiles_amx(s.p16.data(), cols, keys, s.vt2.data(), D, s.o.data());
-              fetch_next(fetch_a_step * ((t0 - lo) / kKeyStep + 1) - fetched);
-              continue;
-            }
+              if (amx) {
+                score_tiles_amx(s.k16.data(), D, (tk + 15) / 16, qt2, cols, st);
+                if (tile_scale != 1.f)
+                  for (int64_t j = 0; j < tk; ++j) scale_row(st + j * cols, tile_scale, cols);
+              }
 #endif
-            pair_probabilities(st, nk, cols, s.pt2.data());
-            const int64_t key_pairs = (nk + 1) / 2;
-            by_rows(rows, [&](int64_t r, auto mr) {
-              by_columns(D, [&](int64_t c, auto nv) {
-                fetch_next(fetch_a_tile);
-                output_tile_bf16<decltype(mr)::value, decltype(nv)::value>(
-                    s.pt2.data() + r, cols, s.vt2.data() + c, D, key_pairs, s.o.data() + r * D + c, D,
-                    s.corr.data() + r);
+              if (!amx) by_columns(cols, [&](int64_t c, auto nv) {
+                by_rows(tk, [&](int64_t i, auto mr) {
+                  fetch_next(fetch_a_tile);
+                  score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, qt2 + c, cols, D / 2,
+                                                                            tile_scale, st + i * cols + c, cols);
+                });
               });
-            });
 #endif
-          } else {
-            by_rows(rows, [&](int64_t r, auto mr) {
-              fetch_next(fetch_a_tile);
-              for (int64_t c = 0; c < full_cols; c += kCols)
-                output_tile<decltype(mr)::value>(st + r, cols, vf.data(), c, nk, s.o.data() + r * D + c, D,
-                                                 s.corr.data() + r);
-              for (int64_t i = r; i < r + decltype(mr)::value; ++i)  // head dims past the last full tile
-                for (int64_t c = full_cols; c < D; ++c) {
-                  float acc = s.o[i * D + c] * s.corr[i];
-                  for (int64_t j = 0; j < nk; ++j) acc += st[j * cols + i] * vf[j][c];
-                  s.o[i * D + c] = acc;
-                }
-            });
-          }
-          fetch_next(fetch_a_step * ((t0 - lo) / kKeyStep + 1) - fetched);  // what this step's share has left
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          T* dst = o_ptr + (row0 + r / group) * os0 + (h0 + r % group) * os1;
-          const float* src = s.o.data() + r * D;
-#ifdef ASERVE_PREFILL_BF16
-          if constexpr (std::is_same_v<T, BF16>) {
-            if (pairs) {  // scaled and rounded to bf16 in one pass
-              const __m512 inv = _mm512_set1_ps(vscale / s.l[r]);
-              for (int64_t c = 0; c < D; c += 16)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv))));
-              continue;
+            } else {
+              const float* qt = s.qt.data() + g * D * padded;
+              for (int64_t c = 0; c < cols; c += kCols)
+                by_rows(tk, [&](int64_t i, auto mr) {
+                  fetch_next(fetch_a_tile);
+                  score_tile<decltype(mr)::value>(kf.data() + i, qt + c, cols, D, st + i * cols + c, cols);
+                });
             }
-          }
+            // softcap, mask and the online softmax, each across query rows: a vector holds W rows' scores for one
+            // key (padding rows too: their queries are zero, their results unused)
+            const fVec lowest(neg_inf);
+            if (cap > 0.f)
+              for (int64_t j = 0; j < tk; ++j)
+                for (int64_t r = 0; r < cols; r += fVec::size()) {
+                  const fVec x = fVec::loadu(st + j * cols + r);
+                  (tanh_rational(x / fVec(cap)) * fVec(cap)).store(st + j * cols + r);
+                }
+            const int64_t first_pos = ctx + tile.q0, last_pos = ctx + tile.q0 + tile.nq - 1;
+            if ((causal && t0 + tk - 1 > first_pos) || (window > 0 && t0 <= last_pos - window)) {  // some masked
+              for (int64_t j = 0; j < tk; ++j)
+                for (int64_t r = 0; r < cols; r += fVec::size()) {
+                  const fVec key(static_cast<float>(t0 + j)), at = fVec::loadu(pos + r);
+                  fVec masked = key > at;
+                  if (window > 0) masked = masked | (key <= at - fVec(static_cast<float>(window)));
+                  fVec::blendv(fVec::loadu(st + j * cols + r), lowest, masked).store(st + j * cols + r);
+                }
+            }
+            online_softmax(st, tk, cols, softmax_scale, m, l, corr);
+            if (pairs) {
+#ifdef ASERVE_PREFILL_BF16
+#ifdef ASERVE_PREFILL_AMX
+              if (amx) {
+                const int64_t keys32 = (tk + 31) / 32 * 32;
+                probabilities_by_row(st, tk, cols, keys32, s.p16.data());
+                for (int64_t r = 0; r < cols; ++r)  // corr 1: the maximum held; 0: the row had none, o is 0
+                  if (corr[r] != 1.f && corr[r] != 0.f) scale_row(o + r * D, corr[r], D);
+                output_tiles_amx(s.p16.data(), cols, keys32, s.vt2.data(), D, o);
+                fetch_next(fetch_a_step * ++walked - fetched);
+                continue;
+              }
 #endif
-          scale_row(s.o.data() + r * D, vscale / s.l[r], D);
-          store_row(src, dst, D);
+              pair_probabilities(st, tk, cols, s.pt2.data());
+              const int64_t key_pairs = (tk + 1) / 2;
+              by_rows(rows, [&](int64_t r, auto mr) {
+                by_columns(D, [&](int64_t c, auto nv) {
+                  fetch_next(fetch_a_tile);
+                  output_tile_bf16<decltype(mr)::value, decltype(nv)::value>(
+                      s.pt2.data() + r, cols, s.vt2.data() + c, D, key_pairs, o + r * D + c, D, corr + r);
+                });
+              });
+#endif
+            } else {
+              by_rows(rows, [&](int64_t r, auto mr) {
+                fetch_next(fetch_a_tile);
+                for (int64_t c = 0; c < full_cols; c += kCols)
+                  output_tile<decltype(mr)::value>(st + r, cols, vf.data(), c, tk, o + r * D + c, D, corr + r);
+                for (int64_t i = r; i < r + decltype(mr)::value; ++i)  // head dims past the last full tile
+                  for (int64_t c = full_cols; c < D; ++c) {
+                    float acc = o[i * D + c] * corr[i];
+                    for (int64_t j = 0; j < tk; ++j) acc += st[j * cols + i] * vf[j][c];
+                    o[i * D + c] = acc;
+                  }
+              });
+            }
+            fetch_next(fetch_a_step * ++walked - fetched);  // what this step's share has left
+          }
+        }
+        for (int64_t g = 0; g < item.tiles; ++g) {
+          const Tile& tile = tiles[g];
+          const int64_t row0 = starts[item.chunk] + tile.q0;
+          const float* l = s.l.data() + g * padded;
+          for (int64_t r = 0; r < tile.rows; ++r) {
+            T* dst = o_ptr + (row0 + r / group) * os0 + (h0 + r % group) * os1;
+            float* src = s.o.data() + (g * padded + r) * D;
+#ifdef ASERVE_PREFILL_BF16
+            if constexpr (std::is_same_v<T, BF16>) {
+              if (pairs) {  // scaled and rounded to bf16 in one pass
+                const __m512 inv = _mm512_set1_ps(vscale / l[r]);
+                for (int64_t c = 0; c < D; c += 16)
+                  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv))));
+                continue;
+              }
+            }
+#endif
+            scale_row(src, vscale / l[r], D);
+            store_row(src, dst, D);
+          }
         }
       }
     }

@@ -39,11 +39,11 @@ using fVec = at::vec::Vectorized<float>;  // 16 lanes with AVX-512, 8 with AVX2 
 
 constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x log2(e))
 
-// 2^t for t <= 0 (larger t are not asked for): 2^round(t) times a degree-5 polynomial in the remainder (within
-// about 2 ulp of fp32), scaled with vscalefps; t at -inf or far below gives exactly 0. The softmaxes' exp (prefill
-// and decode attention): inline, where at::vec's exp() calls Sleef. Ten instructions against
-// at::vec's exp_u20's twenty; without AVX-512, exp_u20 (within 20 ulp) of t ln 2.
-inline fVec exp2_nonpositive(const fVec& t) {
+// 2^t for t <= 8 (prefill's softmax lets a probability reach 2^8; nothing asks for more): 2^round(t) times a
+// degree-5 polynomial in the remainder (within about 2 ulp of fp32), scaled with vscalefps; t at -inf or far below
+// gives exactly 0. The softmaxes' exp (prefill and decode attention): inline, where at::vec's exp() calls Sleef.
+// Ten instructions against at::vec's exp_u20's twenty; without AVX-512, exp_u20 (within 20 ulp) of t ln 2.
+inline fVec exp2_bounded(const fVec& t) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 x = _mm512_max_ps(t, _mm512_set1_ps(-200.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
