@@ -153,7 +153,8 @@ def run_prefill(query, k_cache, v_cache, tables, starts, contexts, scale, window
     return out
 
 
-CHUNKS = [(0, 1), (0, 7), (0, 70), (5, 20), (16, 16), (33, 64), (3, 1), (0, 130)]
+# (150, 250): several key steps of every kind, AMX's longer steps too
+CHUNKS = [(0, 1), (0, 7), (0, 70), (5, 20), (16, 16), (33, 64), (3, 1), (0, 130), (150, 250)]
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -233,10 +234,10 @@ def test_prefill_attention_refuses_tables_shorter_than_the_chunk():
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_attention_matches_sdpa(heads, dtype, head_dim, causal):
     """The step's own rows, no cache: each prompt over all of itself (an encoder's layers) or causally. Strided
-    keys and values (slices of a fused QKV product), prompts of 1 to 130 tokens (odd key counts, a last walk step
-    shorter than the others, tiles of one token)."""
+    keys and values (slices of a fused QKV product), prompts of 1 to 400 tokens (odd key counts, a last walk step
+    shorter than the others, tiles of one token, several steps of AMX's longer walk)."""
     gen = torch.Generator().manual_seed(head_dim + heads[0] + causal)
-    lengths = [1, 7, 33, 130, 2, 64]
+    lengths = [1, 7, 33, 130, 2, 64, 400]
     num_heads, num_kv_heads = heads
     rows = sum(lengths)
     qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)

@@ -6,14 +6,15 @@
 // (its keys are written to the cache before this runs), FlashAttention's way: nothing of size keys x queries is
 // kept. A tile is about kTileRows query rows (query tokens x the group's heads); a work item is up to
 // kTilesPerItem consecutive tiles of a chunk, one kv head. Each tile's queries are loaded once, scaled and held
-// transposed, [head_dim][rows]; the item's keys are walked kKeyStep at a time, read from the cache once a step for
-// all of its tiles (widened to fp32 first when the cache is 16-bit or FP8), with a running max, sum and output per
-// query row. Both products are register tiles of 6 rows x 2W columns (W = fVec::size()),
-// as in a GEMM: the scores as keys x query rows (a key element broadcast against 2W query rows), the output as
-// query rows x head dims (a probability broadcast against 2W dims of a value row). No transposes of the keys,
-// no horizontal sums. Items are dealt to threads round-robin by descending cost, so the causal triangle's long
-// tiles do not all land on one thread. bf16 queries over bf16 keys and values on a CPU with AVX512-BF16 take
-// vdpbf16ps instead, nothing widened (ASERVE_PREFILL_BF16, below).
+// transposed, [head_dim][rows]; the item's keys are walked a step at a time (kKeyStep; on AMX tiles amx_step's),
+// read from the cache once a step for all of its tiles (widened to fp32 first when the cache is 16-bit or FP8),
+// with a running max, sum and output per query row. Both products are register tiles of 6 rows x 2W columns
+// (W = fVec::size()), as in a GEMM: the scores as keys x query rows (a key element broadcast against 2W query
+// rows), the output as query rows x head dims (a probability broadcast against 2W dims of a value row). No
+// transposes of the keys, no horizontal sums. Items are dealt to threads round-robin by descending cost, so the
+// causal triangle's long items do not all land on one thread. bf16 queries over bf16 keys and values on a CPU
+// with AVX512-BF16 take vdpbf16ps instead, nothing widened (ASERVE_PREFILL_BF16, below), or AMX tiles where the
+// CPU has them (ASERVE_PREFILL_AMX).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -37,6 +38,15 @@ using namespace aserve_kernels;
 
 constexpr int kTileRows = 48;
 constexpr int kKeyStep = 64;
+// On AMX tiles an item's keys go in steps of up to kAmxMaxStep, as few as cover them and as even as they can be
+// (a 136-token prompt: one step of 136, not 64 + 64 + 8; 256: two of 128): each step's products, softmax and
+// bookkeeping cost a fixed part besides their per-key work, and the output's sums are loaded and stored once a
+// step. Steps of 256 ran slower than two of 128 (their scores and probabilities outgrow L1).
+constexpr int kAmxMaxStep = 192;
+inline int64_t amx_step(int64_t keys) {
+  const int64_t steps = std::max<int64_t>(1, (keys + kAmxMaxStep - 1) / kAmxMaxStep);
+  return ((keys + steps - 1) / steps + 31) / 32 * 32;
+}
 constexpr int kCols = 2 * fVec::size();
 
 // st[i][0..kCols) = sum_d k[i][d] * qt[d][0..kCols): MR keys' scores against kCols query rows.
@@ -307,10 +317,10 @@ inline void transpose16(__m512i x[16]) {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // On CPUs with AMX tiles both products of a key step run on them, 16 x 16 x 32 at a time, in the same layouts:
-// - scores: a key step's keys copied into [kKeyStep][D] rows (zero past the last key) times the queries' pairs
+// - scores: a key step's keys copied into [step][D] rows (zero past the last key) times the queries' pairs
 //   [D/2][cols] (qt2, a tile's B layout already) into st [keys][cols];
-// - output: the probabilities as [cols][kKeyStep] bf16 rows (pair_probabilities' words transposed 16 x 16 in
-//   registers; zero past the last key) times the values' pairs [kKeyStep/2][D] (vt2, zero past the last key)
+// - output: the probabilities as [cols][kAmxMaxStep] bf16 rows (pair_probabilities' words transposed 16 x 16 in
+//   registers; zero past the last key) times the values' pairs [step/2][D] (vt2, zero past the last key)
 //   added into o [cols][D], its rows first scaled by their corrections.
 #define ASERVE_PREFILL_AMX 1
 
@@ -356,15 +366,19 @@ template <int I, int J> inline void load_sums(const float* c, int64_t ldc) {
   if constexpr (I == 2 && J == 2) _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
 }
 
+template <int I, int J> inline void zero_sums() {
+  _tile_zero(0);
+  if constexpr (J == 2) _tile_zero(1);
+  if constexpr (I == 2) _tile_zero(2);
+  if constexpr (I == 2 && J == 2) _tile_zero(3);
+}
+
 // st[j][c] for keys j < 16 * key_tiles, columns c < cols: keys [16 key_tiles][D] bf16 times qt2 [D/2][cols].
 inline void score_tiles_amx(const BF16* keys, int64_t D, int64_t key_tiles, const uint32_t* qt2, int64_t cols,
                             float* st) {
   by_tile_blocks(key_tiles, cols / 16, [&](int64_t kt, int64_t ct, auto rows, auto columns) {
     constexpr int I = decltype(rows)::value, J = decltype(columns)::value;
-    _tile_zero(0);
-    if constexpr (J == 2) _tile_zero(1);
-    if constexpr (I == 2) _tile_zero(2);
-    if constexpr (I == 2 && J == 2) _tile_zero(3);
+    zero_sums<I, J>();
     for (int64_t d = 0; d < D; d += 32) {
       _tile_loadd(4, keys + kt * 16 * D + d, D * 2);
       if constexpr (I == 2) _tile_loadd(5, keys + (kt + 1) * 16 * D + d, D * 2);
@@ -388,19 +402,22 @@ inline void probabilities_by_row(const float* st, int64_t nk, int64_t cols, int6
       };
       for (int64_t i = 0; i < 16; ++i) x[i] = interleave16(key_row(2 * (j0 + i)), key_row(2 * (j0 + i) + 1));
       transpose16(x);
-      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(p16 + (r0 + i) * kKeyStep + 2 * j0, x[i]);
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(p16 + (r0 + i) * kAmxMaxStep + 2 * j0, x[i]);
     }
 }
 
-// o[r][0..D) += p16[r][0..keys) . values, rows r < cols: vt2 [keys/2][D] pairs.
-inline void output_tiles_amx(const BF16* p16, int64_t cols, int64_t keys, const uint32_t* vt2, int64_t D, float* o) {
+// o[r][0..D) += p16[r][0..keys) . values, rows r < cols: vt2 [keys/2][D] pairs. fresh: o = the products (a
+// tile's first step: nothing read, o need not be zeroed).
+inline void output_tiles_amx(const BF16* p16, int64_t cols, int64_t keys, const uint32_t* vt2, int64_t D, float* o,
+                             bool fresh) {
   by_tile_blocks(cols / 16, D / 16, [&](int64_t rt, int64_t ct, auto rows, auto columns) {
     constexpr int I = decltype(rows)::value, J = decltype(columns)::value;
     float* c = o + rt * 16 * D + ct * 16;
-    load_sums<I, J>(c, D);
+    if (fresh) zero_sums<I, J>();
+    else load_sums<I, J>(c, D);
     for (int64_t k = 0; k < keys; k += 32) {
-      _tile_loadd(4, p16 + rt * 16 * kKeyStep + k, kKeyStep * 2);
-      if constexpr (I == 2) _tile_loadd(5, p16 + (rt + 1) * 16 * kKeyStep + k, kKeyStep * 2);
+      _tile_loadd(4, p16 + rt * 16 * kAmxMaxStep + k, kAmxMaxStep * 2);
+      if constexpr (I == 2) _tile_loadd(5, p16 + (rt + 1) * 16 * kAmxMaxStep + k, kAmxMaxStep * 2);
       _tile_loadd(6, vt2 + k / 2 * D + ct * 16, D * 4);
       if constexpr (J == 2) _tile_loadd(7, vt2 + k / 2 * D + ct * 16 + 16, D * 4);
       block_products<I, J>();
@@ -464,15 +481,16 @@ struct PrefillScratch {
   std::vector<float> st, kbuf, vbuf;
   std::vector<uint32_t> qt2, pt2, vt2;  // the bf16 path's pairs: queries (per slot), probabilities, values
   // the bf16 path over an FP8 cache, or on AMX tiles: a step's keys (and FP8 values) as bf16 rows; on AMX tiles
-  // the probabilities by row, p16 [padded][kKeyStep]
+  // the probabilities by row, p16 [padded][kAmxMaxStep]
   std::vector<c10::BFloat16> k16, v16, p16;
   PrefillScratch(int64_t padded, int64_t D, int64_t slots, bool pairs, bool fp8, bool amx)
       : padded(padded), D(D), qt(pairs ? 0 : slots * D * padded), o(slots * padded * D), m(slots * padded),
-        l(slots * padded), corr(slots * padded), pos(slots * padded), st(kKeyStep * padded),
+        l(slots * padded), corr(slots * padded), pos(slots * padded), st(max_step(amx) * padded),
         kbuf(pairs ? 0 : kKeyStep * D), vbuf(pairs ? 0 : kKeyStep * D), qt2(pairs ? slots * D / 2 * padded : 0),
-        pt2(pairs && !amx ? kKeyStep / 2 * padded : 0), vt2(pairs ? kKeyStep / 2 * D : 0),
-        k16(pairs && (fp8 || amx) ? kKeyStep * D : 0), v16(pairs && fp8 ? kKeyStep * D : 0),
-        p16(amx ? padded * kKeyStep : 0) {}
+        pt2(pairs && !amx ? kKeyStep / 2 * padded : 0), vt2(pairs ? max_step(amx) / 2 * D : 0),
+        k16(pairs && (fp8 || amx) ? max_step(amx) * D : 0), v16(pairs && fp8 ? max_step(amx) * D : 0),
+        p16(amx ? padded * kAmxMaxStep : 0) {}
+  static int64_t max_step(bool amx) { return amx ? kAmxMaxStep : kKeyStep; }
 };
 
 // T: the query's and output's type; C: the keys' and values' (T, or an FP8 tag with k_scale / v_scale folded in);
@@ -546,12 +564,13 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
     if (amx) configure_attention_tiles();
 #endif
     std::vector<float> row(D);
-    std::vector<const C*> krow(kKeyStep), vrow(kKeyStep);
-    std::vector<const c10::BFloat16*> k16(kKeyStep), v16(kKeyStep);  // FP8 with pairs: the scratch's rows
-    for (int64_t j = 0; pairs && is_fp8<C> && j < kKeyStep; ++j)
+    const int64_t max_step = PrefillScratch::max_step(amx);
+    std::vector<const C*> krow(max_step), vrow(max_step);
+    std::vector<const c10::BFloat16*> k16(max_step), v16(max_step);  // FP8 with pairs: the scratch's rows
+    for (int64_t j = 0; pairs && is_fp8<C> && j < max_step; ++j)
       k16[j] = s.k16.data() + j * D, v16[j] = s.v16.data() + j * D;
     std::vector<const float*> kf(kKeyStep), vf(kKeyStep);
-    struct Tile { int64_t q0, nq, rows, cols, lo, hi; };
+    struct Tile { int64_t q0, nq, rows, cols, lo, hi; bool started; };
     std::vector<Tile> tiles(tiles_per_item);
     for (int64_t t = begin; t < end; ++t) {
       for (size_t it = t; it < items.size(); it += threads) {
@@ -564,6 +583,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
           // score columns: the tile's rows rounded up to whole vectors (pairs) or tiles (fp32), not the largest's
           tile.cols = pairs ? (tile.rows + 15) / 16 * 16 : (tile.rows + kCols - 1) / kCols * kCols;
           std::tie(tile.lo, tile.hi) = key_range(item.chunk, tile.q0, tile.nq);
+          tile.started = false;
         }
         const int64_t lo = tiles[0].lo, hi = tiles[item.tiles - 1].hi;  // every tile's keys, [lo, hi)
         // The next item's queries, keys and values go into L2 while this one runs, a few rows before each tile's
@@ -574,7 +594,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
         const int64_t next_count = more ? item_tokens(next) : 0;
         const auto [next_lo, next_hi] = key_range(next.chunk, next.q0, std::max<int64_t>(next_count, 1));
         const int64_t next_queries = next_count * group, to_fetch = more ? next_queries + next_hi - next_lo : 0;
-        const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + kKeyStep - 1) / kKeyStep) * item.tiles;
+        const int64_t step = amx ? amx_step(hi - lo) : kKeyStep;
+        const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + step - 1) / step) * item.tiles;
         const int64_t tiles_a_step = (kKeyStep + 5) / 6 * ((padded + 63) / 64) + (max_rows + 5) / 6 * ((D + 63) / 64);
         const int64_t fetch_a_tile = (to_fetch + walk_steps * tiles_a_step - 1) / (walk_steps * tiles_a_step);
         const int64_t fetch_a_step = (to_fetch + walk_steps - 1) / walk_steps;
@@ -621,10 +642,10 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
           std::fill(pos + tile.rows, pos + padded, pos[tile.rows - 1]);  // padding rows: copies of the last
           std::fill(s.m.data() + g * padded, s.m.data() + (g + 1) * padded, neg_inf);
           std::fill(s.l.data() + g * padded, s.l.data() + (g + 1) * padded, 0.f);
-          std::fill(s.o.data() + g * padded * D, s.o.data() + g * padded * D + tile.cols * D, 0.f);
+          if (!amx) std::fill(s.o.data() + g * padded * D, s.o.data() + g * padded * D + tile.cols * D, 0.f);
         }
-        for (int64_t t0 = lo; t0 < hi; t0 += kKeyStep) {
-          const int64_t nk = std::min<int64_t>(kKeyStep, hi - t0);
+        for (int64_t t0 = lo; t0 < hi; t0 += step) {
+          const int64_t nk = std::min<int64_t>(step, hi - t0);
           for (int64_t j = 0; j < nk; ++j) {
             krow[j] = kv.key(item.chunk, item.kvh, t0 + j);
             vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
@@ -669,7 +690,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
             }
           }
           for (int64_t g = 0; g < item.tiles; ++g) {
-            const Tile& tile = tiles[g];
+            Tile& tile = tiles[g];
             if (t0 >= tile.hi || t0 + nk <= tile.lo) continue;  // none of this step's keys is the tile's
             const int64_t tk = std::min(nk, tile.hi - t0), cols = tile.cols, rows = tile.rows;  // the tile's keys
             float* o = s.o.data() + g * padded * D;
@@ -730,9 +751,10 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
               if (amx) {
                 const int64_t keys32 = (tk + 31) / 32 * 32;
                 probabilities_by_row(st, tk, cols, keys32, s.p16.data());
-                for (int64_t r = 0; r < cols; ++r)  // corr 1: the maximum held; 0: the row had none, o is 0
+                for (int64_t r = 0; tile.started && r < cols; ++r)  // corr 1: the maximum held; 0: o is 0
                   if (corr[r] != 1.f && corr[r] != 0.f) scale_row(o + r * D, corr[r], D);
-                output_tiles_amx(s.p16.data(), cols, keys32, s.vt2.data(), D, o);
+                output_tiles_amx(s.p16.data(), cols, keys32, s.vt2.data(), D, o, !tile.started);
+                tile.started = true;
                 fetch_next(fetch_a_step * ++walked - fetched);
                 continue;
               }
