@@ -373,16 +373,15 @@ template <int I, int J> inline void zero_sums() {
   if constexpr (I == 2 && J == 2) _tile_zero(3);
 }
 
-// st[j][c] for keys j < 16 * key_tiles, columns c < cols: keys [16 key_tiles][D] bf16 (rows ldk apart) times qt2
-// [D/2][cols].
-inline void score_tiles_amx(const BF16* keys, int64_t ldk, int64_t D, int64_t key_tiles, const uint32_t* qt2,
-                            int64_t cols, float* st) {
+// st[j][c] for keys j < 16 * key_tiles, columns c < cols: keys [16 key_tiles][D] bf16 times qt2 [D/2][cols].
+inline void score_tiles_amx(const BF16* keys, int64_t D, int64_t key_tiles, const uint32_t* qt2, int64_t cols,
+                            float* st) {
   by_tile_blocks(key_tiles, cols / 16, [&](int64_t kt, int64_t ct, auto rows, auto columns) {
     constexpr int I = decltype(rows)::value, J = decltype(columns)::value;
     zero_sums<I, J>();
     for (int64_t d = 0; d < D; d += 32) {
-      _tile_loadd(4, keys + kt * 16 * ldk + d, ldk * 2);
-      if constexpr (I == 2) _tile_loadd(5, keys + (kt + 1) * 16 * ldk + d, ldk * 2);
+      _tile_loadd(4, keys + kt * 16 * D + d, D * 2);
+      if constexpr (I == 2) _tile_loadd(5, keys + (kt + 1) * 16 * D + d, D * 2);
       _tile_loadd(6, qt2 + d / 2 * cols + ct * 16, cols * 4);
       if constexpr (J == 2) _tile_loadd(7, qt2 + d / 2 * cols + ct * 16 + 16, cols * 4);
       block_products<I, J>();
@@ -443,8 +442,6 @@ template <typename C> struct PagedRows {
   }
   const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + kvh * head_stride + at(chunk, tok); }
   const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + kvh * head_stride + at(chunk, tok); }
-  const C* key_run(int64_t, int64_t, int64_t, int64_t) const { return nullptr; }  // blocks: no fixed stride
-  int64_t key_stride() const { return D; }
 };
 
 template <typename C> struct FlatRows {
@@ -452,15 +449,8 @@ template <typename C> struct FlatRows {
   const C* v;
   const int64_t* starts;
   int64_t ks0, ks1, vs0, vs1;
-  int64_t rows;  // the tensors' rows: reads stay below them
   const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + (starts[chunk] + tok) * ks0 + kvh * ks1; }
   const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + (starts[chunk] + tok) * vs0 + kvh * vs1; }
-  // keys tok .. tok + count - 1 (past the chunk's end too) as rows key_stride() apart, where all lie in the tensor:
-  // AMX tiles load them in place, no copy
-  const C* key_run(int64_t chunk, int64_t kvh, int64_t tok, int64_t count) const {
-    return starts[chunk] + tok + count <= rows ? key(chunk, kvh, tok) : nullptr;
-  }
-  int64_t key_stride() const { return ks0; }
 };
 
 // Rows fetched into L2 ahead of use: an item's queries and keys lie anywhere in memory (items go by cost, not
@@ -580,9 +570,6 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
     for (int64_t j = 0; pairs && is_fp8<C> && j < max_step; ++j)
       k16[j] = s.k16.data() + j * D, v16[j] = s.v16.data() + j * D;
     std::vector<const float*> kf(kKeyStep), vf(kKeyStep);
-    const c10::BFloat16* key_rows = nullptr;  // AMX: a step's keys as tile rows, key_ld apart (in place or copied)
-    int64_t key_ld = D;
-    (void)key_rows, (void)key_ld;
     struct Tile { int64_t q0, nq, rows, cols, lo, hi; bool started; };
     std::vector<Tile> tiles(tiles_per_item);
     for (int64_t t = begin; t < end; ++t) {
@@ -676,18 +663,10 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
             pair_values(values, nk, D, s.vt2.data());
 #ifdef ASERVE_PREFILL_AMX
             if (amx) {  // the keys as [16 tiles][D] rows, zero past the last; the values' pairs zero past it too
-              // (rows past the last key are scored, never read: in place they may be other tokens' keys)
-              key_rows = nullptr;
-              if constexpr (!is_fp8<C>)
-                key_rows = reinterpret_cast<const BF16*>(kv.key_run(item.chunk, item.kvh, t0, (nk + 15) / 16 * 16));
-              key_ld = key_rows ? kv.key_stride() : D;
-              if (!key_rows) {
-                BF16* rows16 = s.k16.data();
-                for (int64_t j = 0; j < nk; ++j)
-                  if (keys[j] != rows16 + j * D) std::memcpy(rows16 + j * D, keys[j], D * sizeof(BF16));
-                std::fill(rows16 + nk * D, rows16 + (nk + 15) / 16 * 16 * D, BF16(0.f));
-                key_rows = rows16;
-              }
+              BF16* rows16 = s.k16.data();
+              for (int64_t j = 0; j < nk; ++j)
+                if (keys[j] != rows16 + j * D) std::memcpy(rows16 + j * D, keys[j], D * sizeof(BF16));
+              std::fill(rows16 + nk * D, rows16 + (nk + 15) / 16 * 16 * D, BF16(0.f));
               std::fill(s.vt2.begin() + (nk + 1) / 2 * D, s.vt2.begin() + (nk + 31) / 32 * 16 * D, 0u);
             }
 #endif
@@ -725,7 +704,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
               const uint32_t* qt2 = s.qt2.data() + g * D / 2 * padded;
 #ifdef ASERVE_PREFILL_AMX
               if (amx) {
-                score_tiles_amx(key_rows, key_ld, D, (tk + 15) / 16, qt2, cols, st);
+                score_tiles_amx(s.k16.data(), D, (tk + 15) / 16, qt2, cols, st);
                 if (tile_scale != 1.f)
                   for (int64_t j = 0; j < tk; ++j) scale_row(st + j * cols, tile_scale, cols);
               }
@@ -915,7 +894,7 @@ void varlen_attention_typed(at::Tensor& out, const at::Tensor& query, const at::
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const std::vector<int64_t> contexts(chunks, 0);
   const FlatRows<T> kv{key.data_ptr<T>(), value.data_ptr<T>(), starts, key.stride(0), key.stride(1), value.stride(0),
-                       value.stride(1), key.size(0)};
+                       value.stride(1)};
   prefill_attention_impl<T, T>(out, query, kv, key.size(1), starts, contexts.data(), chunks, scale, 0, 0.0, 1.0, 1.0,
                                causal);
 }
