@@ -343,8 +343,14 @@ template <typename F> inline void by_tile_blocks(int64_t row_tiles, int64_t col_
     }
 }
 
-// Sums tile 2 i + j += A tile 4 + i . B tile 6 + j over the block's I x J tiles (tile numbers are immediates).
-template <int I, int J> inline void block_products() {
+// One 32-deep step of a block: A tile 4 (+ 5) from a's rows [0, 16) (+ [16, 32)), lda elements apart; B tile 6
+// (+ 7) from b's 16 pair rows at columns [0, 16) (+ [16, 32)), ldb words apart; then sums tile 2 i + j += A tile
+// 4 + i . B tile 6 + j over the block's I x J tiles (tile numbers are immediates).
+template <int I, int J, typename A> inline void block_step(const A* a, int64_t lda, const uint32_t* b, int64_t ldb) {
+  _tile_loadd(4, a, lda * static_cast<int64_t>(sizeof(A)));
+  if constexpr (I == 2) _tile_loadd(5, a + 16 * lda, lda * static_cast<int64_t>(sizeof(A)));
+  _tile_loadd(6, b, ldb * 4);
+  if constexpr (J == 2) _tile_loadd(7, b + 16, ldb * 4);
   _tile_dpbf16ps(0, 4, 6);
   if constexpr (J == 2) _tile_dpbf16ps(1, 4, 7);
   if constexpr (I == 2) _tile_dpbf16ps(2, 5, 6);
@@ -379,13 +385,8 @@ inline void score_tiles_amx(const BF16* keys, int64_t D, int64_t key_tiles, cons
   by_tile_blocks(key_tiles, cols / 16, [&](int64_t kt, int64_t ct, auto rows, auto columns) {
     constexpr int I = decltype(rows)::value, J = decltype(columns)::value;
     zero_sums<I, J>();
-    for (int64_t d = 0; d < D; d += 32) {
-      _tile_loadd(4, keys + kt * 16 * D + d, D * 2);
-      if constexpr (I == 2) _tile_loadd(5, keys + (kt + 1) * 16 * D + d, D * 2);
-      _tile_loadd(6, qt2 + d / 2 * cols + ct * 16, cols * 4);
-      if constexpr (J == 2) _tile_loadd(7, qt2 + d / 2 * cols + ct * 16 + 16, cols * 4);
-      block_products<I, J>();
-    }
+    for (int64_t d = 0; d < D; d += 32)
+      block_step<I, J>(keys + kt * 16 * D + d, D, qt2 + d / 2 * cols + ct * 16, cols);
     store_sums<I, J>(st + kt * 16 * cols + ct * 16, cols);
   });
 }
@@ -415,13 +416,8 @@ inline void output_tiles_amx(const BF16* p16, int64_t cols, int64_t keys, const 
     float* c = o + rt * 16 * D + ct * 16;
     if (fresh) zero_sums<I, J>();
     else load_sums<I, J>(c, D);
-    for (int64_t k = 0; k < keys; k += 32) {
-      _tile_loadd(4, p16 + rt * 16 * kAmxMaxStep + k, kAmxMaxStep * 2);
-      if constexpr (I == 2) _tile_loadd(5, p16 + (rt + 1) * 16 * kAmxMaxStep + k, kAmxMaxStep * 2);
-      _tile_loadd(6, vt2 + k / 2 * D + ct * 16, D * 4);
-      if constexpr (J == 2) _tile_loadd(7, vt2 + k / 2 * D + ct * 16 + 16, D * 4);
-      block_products<I, J>();
-    }
+    for (int64_t k = 0; k < keys; k += 32)
+      block_step<I, J>(p16 + rt * 16 * kAmxMaxStep + k, kAmxMaxStep, vt2 + k / 2 * D + ct * 16, D);
     store_sums<I, J>(c, D);
   });
 }
