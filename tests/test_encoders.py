@@ -48,6 +48,18 @@ def test_encoder_embeddings_equal_sentence_transformers(tmp_path_factory, arch, 
     llm.engine.check_idle()
 
 
+def test_bf16_encoder_embeddings_follow_sentence_transformers(tmp_path_factory):
+    """bf16 weights take the packed GEMMs (oneDNN's on AMX CPUs, aserve's elsewhere) with the GELU in the
+    epilogue and each residual add in the LayerNorm's kernel: still sentence-transformers' fp32 embeddings,
+    within bf16's rounding."""
+    path, st = st_encoder(tmp_path_factory, "BertModel", "mean")
+    expected = st.encode(TEXTS, convert_to_numpy=True, batch_size=8)
+    llm = LLM(str(path), **{**OPTIONS, "dtype": "bfloat16"})
+    got = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+    assert min(cosines(got, expected)) >= 0.999
+    llm.engine.check_idle()
+
+
 def test_an_encoder_runs_prompts_whole_and_keeps_no_cache(tmp_path):
     """Bidirectional prompts cannot be chunked: a step budget under max_model_len is refused at start-up; with
     one prompt per step allowed, each runs whole, and the KV cache is never written."""

@@ -103,9 +103,9 @@ class EncoderLayer(nn.Module):
         self.hidden_size = h
 
     def forward(self, x, kv_cache, meta):
-        """Post-norm: LN(x + attention), then LN(x + MLP); the residual adds and the GELU run in the GEMMs'
-        epilogues where the weights are packed for oneDNN, else each add with its norm in one kernel
-        (models.layers.Linear.forward_add_norm / forward_gelu)."""
+        """Post-norm: LN(x + attention), then LN(x + MLP); the GELU runs in the GEMM's epilogue where the weights
+        are packed, each residual add with its norm in one kernel (models.layers.Linear.forward_gelu /
+        forward_add_norm)."""
         q, k, v = self.qkv(x).split(self.hidden_size, dim=-1)
         x = self.attention_output.forward_add_norm(self.attn(q, k, v, kv_cache, meta), x, self.attention_norm)
         return self.output.forward_add_norm(self.intermediate.forward_gelu(x, self.act), x, self.output_norm)
