@@ -158,7 +158,7 @@ def test_aserve_gemm_applies_gelu_as_it_writes(aserve_gemm, kind, rows, out_feat
     separate = torch.nn.functional.gelu(packed_linear(x, packed, b).double(), approximate=approximate)
     assert (got.double() - expected).abs().max() <= (separate.to(dtype).double() - expected).abs().max() + 1e-6
     with pytest.raises(RuntimeError, match="activation must be 0"):
-        torch.ops.aserve.gemm_packed(x, packed.data, b, out_features, 3)
+        torch.ops.aserve.gemm_packed(x, packed.data, b, out_features, 4)
 
 
 @pytest.mark.parametrize("kind", ["gelu", "gelu_pytorch_tanh"])
@@ -177,6 +177,67 @@ def test_aserve_gemm_gelu_over_the_whole_range(aserve_gemm, kind):
     big = x.abs() > 6
     assert torch.equal(got[big & (x > 0)], x[big & (x > 0)].double())  # GELU(x) = x in float there
     assert (got[big & (x < 0)].abs() < 1e-6).all()
+
+
+def bf16_gemm_or_skip():
+    if not torch.ops.aserve.gemm_packs_bf16():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 32, 33, 64, 131, 257])  # micro-kernel and AMX slice heights, tails
+@pytest.mark.parametrize("inner,in_features", [(16, 33), (48, 576), (32, 2100)])  # one panel, K tails, 2 row blocks
+def test_aserve_gemm_applies_silu_and_mul_as_it_writes(aserve_gemm, rows, inner, in_features):
+    """A gate | up weight packed by pack_gated_weight: its GEMM with the SiLU-and-mul epilogue equals
+    silu(x G^T) * (x U^T) in float64 to bf16 precision, nearer than the separate path (the products rounded to bf16,
+    then silu_and_mul); the same pack's plain product is the gate | up product pack_weight gives, bit for bit."""
+    from aserve.ops.cpu_gemm import pack_gated_weight, pack_weight, packed_linear, packed_silu_and_mul
+
+    bf16_gemm_or_skip()
+    gen = torch.Generator().manual_seed(rows * 7 + inner)
+    weight = (torch.randn(2 * inner, in_features, generator=gen) * 2 / in_features ** 0.5).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    gated, plain = pack_gated_weight(weight), pack_weight(weight)
+    assert gated is not None and gated.gated and not plain.gated
+    product = torch.nn.functional.linear(x.double(), weight.double())
+    expected = torch.nn.functional.silu(product[:, :inner]) * product[:, inner:]
+    got = packed_silu_and_mul(x, gated)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inner)
+    torch.testing.assert_close(got.double(), expected, atol=1e-3, rtol=2 ** -8)
+    assert torch.equal(packed_linear(x, gated, None), packed_linear(x, plain, None))
+    separate = torch.ops.aserve.silu_and_mul(packed_linear(x, plain, None)).double()
+    assert (got.double() - expected).abs().max() <= (separate - expected).abs().max() + 1e-6
+
+
+def test_aserve_gemm_silu_and_mul_rows_and_range(aserve_gemm):
+    """Gates from -1000 to 1000 fed exactly (an identity gate, ups of one): silu to bf16 precision, 0 and the gate
+    itself at the ends, nothing inf or NaN; and each row's bits do not depend on the rows beside it."""
+    from aserve.ops.cpu_gemm import pack_gated_weight, packed_silu_and_mul
+
+    bf16_gemm_or_skip()
+    n = 32
+    weight = torch.cat([torch.eye(n), torch.zeros(n, n)]).to(torch.bfloat16)
+    weight[n:, -1] = 1  # every up is the row's last input, 1
+    gates = torch.cat([torch.linspace(-1000, 1000, 2001), torch.linspace(-12, 12, 4001)])
+    gates = torch.cat([gates, torch.zeros(-len(gates) % (n - 1))]).reshape(-1, n - 1)
+    x = torch.cat([gates, torch.ones(len(gates), 1)], dim=1).to(torch.bfloat16)
+    got = packed_silu_and_mul(x, pack_gated_weight(weight)).double()
+    expected = torch.nn.functional.silu(x.double())
+    expected[:, -1] = torch.nn.functional.silu(torch.ones(1, dtype=torch.float64))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=2 ** -8)
+    alone = torch.cat([packed_silu_and_mul(x[i:i + 1], pack_gated_weight(weight)) for i in range(40)])
+    assert torch.equal(packed_silu_and_mul(x[:40], pack_gated_weight(weight)), alone)
+
+
+def test_silu_and_mul_epilogue_is_refused_where_it_cannot_run(aserve_gemm):
+    """fp32 weights and gate | up halves not a multiple of 16 are packed plainly (pack_gated_weight says None); the op
+    itself refuses SiLU-and-mul on an fp32 pack."""
+    from aserve.ops.cpu_gemm import SILU_AND_MUL, pack_gated_weight, pack_weight
+
+    assert pack_gated_weight(torch.randn(64, 8)) is None
+    assert pack_gated_weight(torch.randn(48, 8, dtype=torch.bfloat16)) is None
+    with pytest.raises(RuntimeError, match="bf16 GEMM's only"):
+        torch.ops.aserve.gemm_packed(torch.randn(2, 8), pack_weight(torch.randn(64, 8)).data, None, 64, SILU_AND_MUL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -166,11 +166,16 @@ def test_native_loop_refuses_what_it_cannot_run():
     stack = torch.classes.aserve.DecoderStack(cos, sin, 4)
     weight = torch.zeros(2, 2)
     with pytest.raises(RuntimeError, match="unknown projection kind"):
-        stack.add_projection(7, weight, None, None, None, 0, 2, 0)
+        stack.add_projection(7, weight, None, None, None, 0, 2, 0, 0)
     with pytest.raises(RuntimeError, match="need their scales"):
-        stack.add_projection(1, weight, None, None, None, 0, 2, 8)
-    p = stack.add_projection(0, weight, None, None, None, 0, 2, 0)
+        stack.add_projection(1, weight, None, None, None, 0, 2, 8, 0)
+    with pytest.raises(RuntimeError, match="only a dense projection applies an activation"):
+        stack.add_projection(1, weight, weight, None, None, 0, 2, 8, 3)
+    p = stack.add_projection(0, weight, None, None, None, 0, 2, 0, 0)
+    gated = stack.add_projection(0, weight, None, None, None, 0, 2, 0, 3)
     norm = torch.ones(2)
+    with pytest.raises(RuntimeError, match="only gate_up may apply SiLU and mul"):
+        stack.add_layer(norm, 1e-5, p, 1, 1, 1, 1, 1, 1.0, 0, 1.0, 1.0, None, 0.0, None, 0.0, p, norm, 1e-5, p, gated)
     with pytest.raises(RuntimeError, match="no projection 3"):
         stack.add_layer(norm, 1e-5, p, 1, 1, 1, 1, 1, 1.0, 0, 1.0, 1.0, None, 0.0, None, 0.0, 3, norm, 1e-5, p, p)
     stack.add_layer(norm, 1e-5, p, 1, 1, 1, 1, 1, 1.0, 0, 1.0, 1.0, None, 0.0, None, 0.0, p, norm, 1e-5, p, p)

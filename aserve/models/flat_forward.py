@@ -25,6 +25,7 @@ on and off in alternate pairs of steps of one engine (tools/step_ab.py --compare
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, NamedTuple
 
@@ -34,7 +35,7 @@ from torch import nn
 from aserve.attention import Attention, kv_quant
 from aserve.attention.torch_backend import TorchAttentionBackend
 from aserve.models.layers import RMSNorm
-from aserve.ops import cpu_kernels
+from aserve.ops import cpu_gemm, cpu_kernels
 from aserve.quantization.base import LinearMethod, NativeProjection
 
 UNBUILT = object()  # a model's `flat` before its first step
@@ -68,6 +69,7 @@ class FlatLayer(NamedTuple):
     o: Callable[[torch.Tensor], torch.Tensor]
     norm_post: RMSNorm
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # gate | up fused
+    gated: Callable[[torch.Tensor], torch.Tensor]  # silu(gate) * up: in the GEMM's epilogue where it can be
     down: Callable[[torch.Tensor], torch.Tensor]
     loras: tuple | None  # with LoRA on: the LoRA deltas (lora.layers.LoRALinear) of qkv, o, gate_up and down
     natives: tuple[NativeProjection, ...] | None  # qkv, o, gate_up, down for the C++ loop; None: it cannot run them
@@ -84,13 +86,19 @@ class FlatLayer(NamedTuple):
                 or any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms)):
             return None
         qkv, o, gate_up, down = linears
+        packed = getattr(gate_up_proj, "packed", None)
+        if packed is not None and packed.gated:
+            gated = functools.partial(cpu_gemm.packed_silu_and_mul, packed=packed)
+        else:
+            def gated(x, gate_up=gate_up):
+                return torch.ops.aserve.silu_and_mul(gate_up(x))
         loras = tuple(getattr(x, "lora", None) for x in (qkv_proj, o_proj, gate_up_proj, down_proj))
         if any(lora is None for lora in loras):
             if any(lora is not None for lora in loras):  # LoRA on some of the four only: not this loop's shape
                 return None
             loras = None
         natives = tuple(native_projection(x) for x in (qkv_proj, o_proj, gate_up_proj, down_proj))
-        return cls(norm_in, qkv, q_size, kv_size, attn, q_norm, k_norm, o, norm_post, gate_up, down, loras,
+        return cls(norm_in, qkv, q_size, kv_size, attn, q_norm, k_norm, o, norm_post, gate_up, gated, down, loras,
                    None if None in natives else natives)
 
 
@@ -162,8 +170,8 @@ class FlatForward:
                                              meta.decode_context if nd else None, *(prefill or (None, None, None)))
             return self.finish(x, residual)
         T = x.shape[0]
-        for (norm_in, qkv_proj, q_size, kv_size, attn, q_norm, k_norm, o_proj, norm_post, gate_up_proj, down_proj,
-             loras, _), (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for (norm_in, qkv_proj, q_size, kv_size, attn, q_norm, k_norm, o_proj, norm_post, gate_up_proj, gated,
+             down_proj, loras, _), (k_cache, v_cache) in zip(self.layers, kv_caches):
             if loras is not None and loras[0].step.token_slot is None:  # no adapter in this step
                 loras = None
             if residual is None:
@@ -194,8 +202,10 @@ class FlatForward:
             o = o_proj(out)
             x = ops.add_rms_norm(o if loras is None else loras[1].forward(out, o), residual, norm_post.weight,
                                  norm_post.eps)
-            gate_up = gate_up_proj(x)
-            act = ops.silu_and_mul(gate_up if loras is None else loras[2].forward(x, gate_up))
+            if loras is None:
+                act = gated(x)
+            else:
+                act = ops.silu_and_mul(loras[2].forward(x, gate_up_proj(x)))
             down = down_proj(act)
             x = down if loras is None else loras[3].forward(act, down)
         return self.finish(x, residual)

@@ -40,8 +40,10 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self, dtype)
 
-    def prepack(self, dtype: torch.dtype) -> bool:
-        return self.method.prepack(self, dtype)
+    def prepack(self, dtype: torch.dtype, gated: bool = False) -> bool:
+        """Pack the weight for the CPU's GEMM where the method can; `gated`: this is a SwiGLU's gate | up (see
+        forward_silu_and_mul)."""
+        return self.method.prepack(self, dtype, gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
@@ -58,6 +60,14 @@ class Linear(nn.Module):
         if self._fusable() and kind in cpu_gemm.GELU_ALGORITHMS:
             return cpu_gemm.packed_linear_gelu(x, self.packed, self.bias, kind)
         return activation(kind)(self(x))
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate | up projection: in the GEMM's epilogue where the weight was packed for it
+        (prepack with `gated`, ops.cpu_gemm.pack_gated_weight), else the product then silu_and_mul."""
+        packed = getattr(self, "packed", None)
+        if self.lora is None and packed is not None and packed.gated:
+            return cpu_gemm.packed_silu_and_mul(x, packed)
+        return silu_and_mul(self(x))
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
         """norm(self(x) + residual), an encoder's post-norm: the plain GEMM, then the add and the norm in one pass

@@ -18,7 +18,7 @@ from aserve.attention import Attention
 from aserve.models import parallel
 from aserve.models.flat_forward import UNBUILT, FlatForward, FlatLayer
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
-from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters, silu_and_mul
+from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters
 
 
 LAYER_NAME = re.compile(r"layers\.(\d+)\.")
@@ -111,9 +111,14 @@ class MLP(nn.Module):
         self.act = activation(args.hidden_act)
         self.swiglu = args.hidden_act == "silu"
 
+    def prepack(self, dtype: torch.dtype) -> bool:
+        """A SwiGLU's gate | up packed for the GEMM's SiLU-and-mul epilogue where it can be (it runs before the
+        layer would pack itself plainly: prepack_linears visits parents first)."""
+        return self.swiglu and self.gate_up_proj.prepack(dtype, gated=True)
+
     def forward(self, x):
         if self.swiglu:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

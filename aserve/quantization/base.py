@@ -62,6 +62,7 @@ class NativeProjection(NamedTuple):
     group: int  # int4: inputs per group
     out_features: int
     kernel_rows: int  # int8 / int4: the row-at-a-time kernel up to here, the GEMM above
+    activation: int = 0  # cpu_gemm.SILU_AND_MUL: a gated gate | up pack, whose projection is silu(gate) * up
 
 
 DENSE, INT8, INT4, ONEDNN = 0, 1, 2, 3  # decoder_stack.cpp's Kind
@@ -84,8 +85,9 @@ class LinearMethod:
         """x [..., in_features] -> [..., out_features], the layer's bias added."""
         raise NotImplementedError
 
-    def prepack(self, layer: nn.Module, dtype: torch.dtype) -> bool:
-        """Reorder the weight for the CPU's GEMM (ops.cpu_gemm) if this format can; whether it did."""
+    def prepack(self, layer: nn.Module, dtype: torch.dtype, gated: bool = False) -> bool:
+        """Reorder the weight for the CPU's GEMM (ops.cpu_gemm) if this format can; whether it did. `gated`: the
+        layer is a SwiGLU's gate | up, which the GEMM may pack for its SiLU-and-mul epilogue."""
         return False
 
     def projection(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -115,11 +117,11 @@ class UnquantizedLinearMethod(LinearMethod):
         add_checkpoint_param(layer, "weight", (layer.out_features, layer.in_features), dtype)
         layer.packed = None
 
-    def prepack(self, layer, dtype):
+    def prepack(self, layer, dtype, gated=False):
         w = layer.weight
         if layer.packed is not None or w.dtype != dtype or w.device.type != "cpu" or not cpu_gemm.can_pack(dtype):
             return False
-        layer.packed = cpu_gemm.pack_weight(w)
+        layer.packed = (gated and layer.bias is None and cpu_gemm.pack_gated_weight(w)) or cpu_gemm.pack_weight(w)
         return True
 
     def apply(self, layer, x):
@@ -136,7 +138,8 @@ class UnquantizedLinearMethod(LinearMethod):
         if layer.packed is None:
             return None
         kind = DENSE if layer.packed.aserve else ONEDNN
-        return NativeProjection(kind, layer.packed.data, None, layer.bias, None, 0, layer.out_features, 0)
+        activation = cpu_gemm.SILU_AND_MUL if layer.packed.gated else 0  # its product only ever the SwiGLU's
+        return NativeProjection(kind, layer.packed.data, None, layer.bias, None, 0, layer.out_features, 0, activation)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

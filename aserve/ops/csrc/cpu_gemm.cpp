@@ -105,8 +105,12 @@ struct PacedPrefetch {
 
 // The activation a GEMM can apply to its outputs as it writes them (gemm_packed's `activation`): GELU, from the
 // exact erf or from tanh, on the fp32 sums (before a bf16 output is rounded), so that no second pass reads and writes
-// the product. A BERT-base MLP's separate GELU was 3% of an embedding run (Zen 5).
-enum Activation : int64_t { kNoActivation = 0, kGeluErf = 1, kGeluTanh = 2 };
+// the product. A BERT-base MLP's separate GELU was 3% of an embedding run (Zen 5). kSiluMul (bf16 only): SwiGLU's
+// silu(gate) * up, from a gate | up weight packed with each 32-column panel holding 16 gates' rows and then the same
+// 16 ups' rows (ops/cpu_gemm.py's pack_gated_weight), so that a panel's two 16-lane halves are a gate and its up; the
+// output is [M, N/2], rounded to bf16 once. Separately, a [512, 3072] product's silu_and_mul read 3 MB and wrote
+// 1.5 MB a layer, 7% of a 4 x 128-token prefill step (Xeon with AMX, 2 threads).
+enum Activation : int64_t { kNoActivation = 0, kGeluErf = 1, kGeluTanh = 2, kSiluMul = 3 };
 
 // torch's GELU: 0.5 x (1 + erf(x / sqrt 2)), or with tanh(sqrt(2 / pi) (x + 0.044715 x^3)).
 template <class Vec>
@@ -407,7 +411,9 @@ struct GemmArgs {
   int64_t M, K, N;
 };
 
-GemmArgs gemm_args(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+// `out_columns`: the output's (kSiluMul's half of out_features); -1: out_features.
+GemmArgs gemm_args(const at::Tensor& x, const c10::optional<at::Tensor>& bias, int64_t out_features,
+                   int64_t out_columns = -1) {
   GemmArgs a;
   a.K = x.size(-1), a.N = out_features;
   if (bias.has_value() && bias->defined()) {
@@ -420,20 +426,20 @@ GemmArgs gemm_args(const at::Tensor& x, const c10::optional<at::Tensor>& bias, i
   if (a.rows.stride(-1) != 1 || (a.rows.size(0) > 1 && a.rows.stride(0) < a.K)) a.rows = a.rows.contiguous();
   a.M = a.rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = a.N;
+  shape.back() = out_columns < 0 ? a.N : out_columns;
   a.out = at::empty(shape, x.options());
   if (a.M > 0 && a.N > 0 && a.K == 0) a.bias != nullptr ? a.out.copy_(bias->expand_as(a.out)) : a.out.zero_();
   return a;
 }
 
 GemmArgs gemm_args(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                   int64_t out_features, int64_t panel_k, int64_t nr, const char* layout) {
+                   int64_t out_features, int64_t panel_k, int64_t nr, const char* layout, int64_t out_columns = -1) {
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == packed.scalar_type(),
               "gemm_packed: x must be [..., in_features] in the packed weight's dtype");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == panel_k && packed.size(2) == nr &&
                   packed.size(0) == (out_features + nr - 1) / nr,
               "gemm_packed: weight must be pack_gemm_weight's ", layout, " for x's in_features and out");
-  return gemm_args(x, bias, out_features);
+  return gemm_args(x, bias, out_features, out_columns);
 }
 
 at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -514,6 +520,20 @@ inline void store_row(__m512 lo, __m512 hi, uint16_t* c, int cols) {
   }
 }
 
+// silu(gate) * up in fp32: gate / (1 + 2^(-gate log2 e)), the power held under 2^126 (a gate under -87 gives a
+// tiny normal product, not a denormal, whose computation would take a microcode assist on Intel cores).
+inline __m512 silu_times(__m512 gate, __m512 up) {
+  const __m512 t = _mm512_min_ps(_mm512_mul_ps(gate, _mm512_set1_ps(-aserve_kernels::kLog2e)), _mm512_set1_ps(126.f));
+  const __m512 e = aserve_kernels::exp2_bounded(aserve_kernels::fVec(t));
+  return _mm512_mul_ps(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e)), up);
+}
+
+// kSiluMul's 16 outputs of a tile row (its gates in lo, their ups in hi) rounded to bf16 (RNE) into c.
+inline void store_silu_times(__m512 lo, __m512 hi, uint16_t* c) {
+  const __m256bh v = _mm512_cvtneps_pbh(silu_times(lo, hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), reinterpret_cast<const __m256i&>(v));
+}
+
 // One MR x 32 tile of out (bf16), from the bias or zero; with `scale` (32 fp32 column scales: int8 weights), the sums
 // are scaled and then the bias added, in fp32, before the one rounding. `cols` < 32 only in the last panel.
 template <int MR, class Source>
@@ -540,6 +560,10 @@ void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, i
       acc[i][0] = _mm512_fmadd_ps(acc[i][0], s0, b0);
       acc[i][1] = _mm512_fmadd_ps(acc[i][1], s1, b1);
     }
+  }
+  if (act == kSiluMul) {  // c: the tile's 16 outputs of each row
+    for (int i = 0; i < MR; ++i) store_silu_times(acc[i][0], acc[i][1], c + i * ldc);
+    return;
   }
   if (act != kNoActivation) {  // over the whole tile at once: one call, its vectors back to back
     alignas(64) float sums[kMR * kNR];
@@ -719,9 +743,14 @@ inline void finish(float* sums, int rows, const uint16_t* x, int64_t ldx, int64_
     } else {
       lo = _mm512_add_ps(lo, b0), hi = _mm512_add_ps(hi, b1);
     }
+    if (act == kSiluMul) {  // c: the 16 outputs of each row
+      store_silu_times(lo, hi, c + i * ldc);
+      continue;
+    }
     _mm512_storeu_ps(sums + i * kNR, lo);
     _mm512_storeu_ps(sums + i * kNR + 16, hi);
   }
+  if (act == kSiluMul) return;
   if (act != kNoActivation) activate(sums, rows * kNR, act);
   for (int i = 0; i < rows; ++i)
     store_row(_mm512_loadu_ps(sums + i * kNR), _mm512_loadu_ps(sums + i * kNR + 16), c + i * ldc, cols);
@@ -734,6 +763,7 @@ template <class Panels>
 void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
                  const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1, int64_t act) {
   const int64_t kp = (K + 1) / 2, kt = K / 32 * 16;
+  const int64_t ldo = act == kSiluMul ? N / 2 : N, po = act == kSiluMul ? kNR / 2 : kNR;  // out's pitch, a panel's columns
   const int64_t row_block = std::max<int64_t>(32, block_bytes() / (K * 2) / 32 * 32);
   const int64_t total_lines = (panels.bytes() + 63) / 64;
   // K in chunks of at most kChunkPairs pair rows, each chunk's panel slice (16 KB) kept in L1 while the block's
@@ -756,7 +786,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   Pending pending{nullptr, 0, nullptr, nullptr, 0, nullptr, nullptr};
   const auto finish_pending = [&] {
     if (pending.rows > 0)
-      finish(pending.sums, pending.rows, pending.x, ldx, K, nullptr, kt, pending.c, N, pending.cols, pending.bias,
+      finish(pending.sums, pending.rows, pending.x, ldx, K, nullptr, kt, pending.c, ldo, pending.cols, pending.bias,
              pending.scale, act);
     pending.rows = 0;
   };
@@ -790,8 +820,8 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
           block_sums(xr, ldx, rows > 16, panel, k0, k1, sums, next != nullptr ? next + from * 64 : nullptr, lines);
           if (k1 < kt) continue;
           finish_pending();
-          uint16_t* c = out + first * N + p * kNR;
-          if (kt < kp) finish(sums, rows, xr, ldx, K, panel, kt, c, N, cols, pb, ps, act);
+          uint16_t* c = out + first * ldo + p * po;
+          if (kt < kp) finish(sums, rows, xr, ldx, K, panel, kt, c, ldo, cols, pb, ps, act);
           else pending = {sums, rows, xr, c, cols, pb, ps};
         }
       }
@@ -812,6 +842,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   if (aserve_kernels::amx_ready()) return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
 #endif
   const int64_t kp = (K + 1) / 2;
+  const int64_t ldo = act == kSiluMul ? N / 2 : N, po = act == kSiluMul ? kNR / 2 : kNR;  // out's pitch, a panel's columns
   const int64_t row_block = std::max<int64_t>(kMR, block_bytes() / (kp * 4) / kMR * kMR);
   const int64_t total_lines = (panels.bytes() + 63) / 64;
   thread_local std::vector<uint32_t> packed;
@@ -831,15 +862,15 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
         const int rows = calls.rows(r);
         const char* pf = next != nullptr ? next + from * 64 : nullptr;
-        uint16_t* c = out + (m0 + calls.first(r)) * N + p * kNR;
+        uint16_t* c = out + (m0 + calls.first(r)) * ldo + p * po;
         if constexpr (Panels::kWidensInFirstCall) {
           if (r == 0) {
             const auto widen = panels.widen(p);
-            kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, N, cols, pb, ps, pf, lines, act);
+            kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, ldo, cols, pb, ps, pf, lines, act);
             continue;
           }
         }
-        kTilesOf<Stored>[rows](packed.data() + r * kMR * kp, &stored, kp, c, N, cols, pb, ps, pf, lines, act);
+        kTilesOf<Stored>[rows](packed.data() + r * kMR * kp, &stored, kp, c, ldo, cols, pb, ps, pf, lines, act);
       }
     }
   }
@@ -867,8 +898,10 @@ at::Tensor pack(const at::Tensor& weight) {
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                 int64_t out_features, int64_t act) {
+  TORCH_CHECK(act != kSiluMul || (out_features % kNR == 0 && x.size(-1) > 0),
+              "gemm_packed: SiLU-and-mul needs a gate | up weight of whole 32-row panels (2 x a multiple of 16)");
   GemmArgs args = gemm_args(x, packed, bias, out_features, (x.size(-1) + 1) / 2 * 2, kNR,
-                            "[ceil(out/32), 2 * ceil(in/2), 32] (bf16)");
+                            "[ceil(out/32), 2 * ceil(in/2), 32] (bf16)", act == kSiluMul ? out_features / 2 : -1);
   if (args.M == 0 || args.N == 0 || args.K == 0) return args.out;
   const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -1173,11 +1206,13 @@ at::Tensor pack_gemm_weight(const at::Tensor& weight) {
 // `activation`: an Activation applied to the outputs as they are written (0: none).
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features, int64_t activation) {
-  TORCH_CHECK(activation == kNoActivation || activation == kGeluErf || activation == kGeluTanh,
-              "gemm_packed: activation must be 0 (none), 1 (GELU, erf) or 2 (GELU, tanh); got ", activation);
+  TORCH_CHECK(activation >= kNoActivation && activation <= kSiluMul,
+              "gemm_packed: activation must be 0 (none), 1 (GELU, erf), 2 (GELU, tanh) or 3 (SiLU and mul); got ",
+              activation);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (packed.scalar_type() == at::kBFloat16) return bf16::gemm(x, packed, bias, out_features, activation);
 #endif
+  TORCH_CHECK(activation != kSiluMul, "gemm_packed: SiLU-and-mul is the bf16 GEMM's only (fp32 takes silu_and_mul)");
   return gemm_fp32(x, packed, bias, out_features, activation);
 }
 

@@ -81,17 +81,20 @@ struct Kernels {
 };
 
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kOneDnn = 3 };
+constexpr int64_t kSiluMul = 3;  // gemm_packed's SiLU-and-mul epilogue (cpu_gemm.cpp's Activation)
 
-// x [rows, in] -> x W^T + b, as the method's Python projection computes it (quantization/*.py).
+// x [rows, in] -> x W^T + b, as the method's Python projection computes it (quantization/*.py). `activation`:
+// kSiluMul for a dense gate | up weight packed for the GEMM's SwiGLU epilogue (the projection then gives
+// silu(gate) * up, [rows, out / 2]), else 0.
 struct Projection {
-  int64_t kind, out_features, group, kernel_rows;
+  int64_t kind, out_features, group, kernel_rows, activation;
   Tensor weight, scales, perm;  // scales: int8's per-channel scales or int4's scales and zeros; perm: act-order
   OptTensor bias;
 
   Tensor operator()(const Kernels& k, const Tensor& x) const {
     switch (kind) {
       case kDense:
-        return k.gemm.call(x, weight, bias, out_features, 0);
+        return k.gemm.call(x, weight, bias, out_features, activation);
       case kOneDnn:
         return k.onednn_linear(x, weight, bias);
       case kInt8:
@@ -132,13 +135,15 @@ struct DecoderStack : torch::CustomClassHolder {
       : cos(std::move(cos)), sin(std::move(sin)), rotary_dim(rotary_dim) {}
 
   int64_t add_projection(int64_t kind, Tensor weight, OptTensor scales, OptTensor bias, OptTensor perm, int64_t group,
-                         int64_t out_features, int64_t kernel_rows) {
+                         int64_t out_features, int64_t kernel_rows, int64_t activation) {
     TORCH_CHECK(kind >= kDense && kind <= kOneDnn, "DecoderStack: unknown projection kind ", kind);
+    TORCH_CHECK(activation == 0 || (activation == kSiluMul && kind == kDense),
+                "DecoderStack: only a dense projection applies an activation (SiLU and mul)");
     TORCH_CHECK(kind != kOneDnn || kernels.onednn_linear.op.has_value(), "DecoderStack: torch has no oneDNN here");
     TORCH_CHECK(kind == kDense || kind == kOneDnn || scales.has_value(),
                 "DecoderStack: int8 and int4 projections need their scales");
-    projections.push_back({kind, out_features, group, kernel_rows, std::move(weight), scales.value_or(Tensor()),
-                           perm.value_or(Tensor()), std::move(bias)});
+    projections.push_back({kind, out_features, group, kernel_rows, activation, std::move(weight),
+                           scales.value_or(Tensor()), perm.value_or(Tensor()), std::move(bias)});
     return static_cast<int64_t>(projections.size()) - 1;
   }
 
@@ -148,6 +153,8 @@ struct DecoderStack : torch::CustomClassHolder {
                  double eps_post, int64_t gate_up, int64_t down) {
     const auto count = static_cast<int64_t>(projections.size());
     for (int64_t p : {qkv, o, gate_up, down}) TORCH_CHECK(p >= 0 && p < count, "DecoderStack: no projection ", p);
+    for (int64_t p : {qkv, o, down})
+      TORCH_CHECK(projections[p].activation == 0, "DecoderStack: only gate_up may apply SiLU and mul");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderStack: q_norm and k_norm come together");
     layers.push_back({std::move(norm_in), q_norm.value_or(Tensor()), k_norm.value_or(Tensor()), std::move(norm_post),
                       eps_in, q_eps, k_eps, eps_post, qkv, o, gate_up, down, q_size, kv_size, heads, kv_heads,
@@ -208,7 +215,9 @@ struct DecoderStack : torch::CustomClassHolder {
                        kv_format);
       out = out.view({T, L.heads * L.head_dim});
       x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
-      x = projections[L.down](k, k.silu_and_mul.call(projections[L.gate_up](k, x)));
+      const Projection& gate_up = projections[L.gate_up];  // silu(gate) * up in its GEMM's epilogue, or after it
+      const Tensor act = gate_up.activation == kSiluMul ? gate_up(k, x) : k.silu_and_mul.call(gate_up(k, x));
+      x = projections[L.down](k, act);
     }
     return {x, residual};
   }
