@@ -63,6 +63,27 @@ def test_zero_blocks_zeroes_those_blocks_in_every_layer_and_nothing_else(model_d
     assert per_block[keep].isnan().all()
 
 
+def test_fresh_blocks_a_step_fills_are_not_zeroed_first(model_dirs, monkeypatch):
+    """Zeroing is for the slots a step leaves unwritten: a 40-token prompt's two whole blocks are written in every
+    layer before any is read, so only the third, partly written block is zeroed. Over a cache full of NaN the
+    output stays what a fresh engine gives."""
+    path = str(model_dirs["llama-gqa-tied"])
+    params = SamplingParams(temperature=0, max_tokens=3)
+    prompt = list(range(5, 45))
+    expected = LLM(path, dtype="float32", kv_cache_memory="16MiB", device="cpu").generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", device="cpu", enable_prefix_caching=False)
+    runner = llm.engine.executor.worker.runner
+    runner.kv_cache.fill_(float("nan"))
+    zeroed = []
+    zero_blocks = runner.zero_blocks
+    monkeypatch.setattr(runner, "zero_blocks", lambda ids: (zeroed.append(list(ids)), zero_blocks(ids)))
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == expected
+    table = [b for step in zeroed for b in step]
+    assert len(zeroed) == 1 and len(table) == 1  # the prefill's third block; the decodes stay inside it
+
+
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mincore"), reason="needs mincore(2) (Linux)")
 def test_kv_cache_prefault_faults_in_the_first_blocks_only(model_dirs):
     """The blocks the pool hands out first are faulted in at start-up (kv_cache_prefault_tokens), in every layer's

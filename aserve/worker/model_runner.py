@@ -160,6 +160,20 @@ class ModelRunner:
             else:
                 state.block_table.extend(diff.new_block_ids)
 
+    def not_filled(self, sched: SchedulerOutput, block_ids: list[int]) -> list[int]:
+        """Of fresh blocks, those this step's tokens do not fill. A block the step fills has every layer's slots
+        written (write_kv) before that layer's attention reads any, so what an earlier owner left there is never
+        seen, and zeroing it first only wrote its bytes twice: a 512-token prefill step of the bench model zeroed 32
+        blocks, 11.8 MB of cache, ~1.5% of the step on a Xeon with AMX. (After update_states: each request's
+        num_computed_tokens is where its tokens this step start.)"""
+        bs, filled = self.block_size, set()
+        for request_id, n in sched.num_scheduled_tokens:
+            if n >= bs:
+                req = self.requests[request_id]
+                start = req.num_computed_tokens
+                filled.update(req.block_table[-(-start // bs):(start + n) // bs])
+        return [block for block in block_ids if block not in filled] if filled else block_ids
+
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Zero these blocks in every layer. On the CPU one block at a time: index_fill_ over the block dimension
         took 26 us a block against 4-5 us for a block's view zeroed (bench model's cache, bf16), the ~4 fresh blocks
@@ -178,7 +192,7 @@ class ModelRunner:
         if sched.swap_out:
             self.swap_out(sched.swap_out)
         if sched.blocks_to_zero and self.keeps_kv:  # after swap-out: a victim's block may be handed to someone else in the same step
-            self.zero_blocks(sched.blocks_to_zero)
+            self.zero_blocks(self.not_filled(sched, sched.blocks_to_zero))
         if sched.swap_in:
             self.swap_in(sched.swap_in)
         if sched.copies:
