@@ -156,8 +156,9 @@ def test_flat_forward_stays_out_of_what_it_does_not_run(model_dirs, monkeypatch)
 
 
 def test_native_loop_refuses_what_it_cannot_run():
-    """DecoderStack's own checks: an unknown projection kind, int8 without scales, a layer naming a projection it
-    does not hold, caches that are not a key and a value per layer, a step before the caches are set."""
+    """DecoderStack's own checks: an unknown projection kind, int8 without scales, SiLU-and-mul on a projection that
+    is not dense or not a layer's gate_up, a layer naming a projection it does not hold, caches that are not a key
+    and a value per layer, a step before the caches are set."""
     from aserve.ops import cpu_kernels
 
     if not cpu_kernels.available():
