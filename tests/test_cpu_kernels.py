@@ -465,14 +465,16 @@ def test_int8_linear_matches_the_dequantized_product(dtype, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_int8_matches_the_dequantized_product(dtype):
     """The int8 GEMM of large batches: output widths that end mid-tile and mid-panel (33, 200), odd input widths, a
-    batch over one row block (300 rows of 3001 inputs), inputs past the fp32 GEMM's k chunk (2101), with and
-    without a bias (added after the scale)."""
+    batch over one row block (300 rows of 3001 inputs), inputs past the fp32 GEMM's k chunk (2101), several row
+    slices over several panels a thread (on AMX tiles the next panel is widened while one multiplies: 300 x 576 at
+    64 rows), with and without a bias (added after the scale)."""
     from aserve.quantization.int8 import gemm_dtypes, quantize_per_channel, tile
 
     if dtype not in gemm_dtypes():
         pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
     gen = torch.Generator().manual_seed(5)
-    for out_features, in_features, rows in ((33, 37, 9), (200, 64, 70), (48, 2101, 20), (100, 3001, 300), (64, 3, 13)):
+    for out_features, in_features, rows in ((33, 37, 9), (200, 64, 70), (48, 2101, 20), (100, 3001, 300), (64, 3, 13),
+                                            (300, 576, 64)):
         q, scale = quantize_per_channel(torch.randn(out_features, in_features, generator=gen), dtype)
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         for bias in (None, torch.randn(out_features, generator=gen).to(dtype)):
@@ -485,11 +487,61 @@ def test_gemm_int8_matches_the_dequantized_product(dtype):
         torch.ops.aserve.gemm_int8(x, tile(q)[:, :-1], scale, None, out_features)
 
 
+@pytest.mark.parametrize("rows", [1, 13, 33, 64, 131])  # one AMX slice, several (widening ahead), row blocks
+@pytest.mark.parametrize("inner,in_features", [(16, 33), (48, 576), (96, 1536)])
+def test_gemm_int8_applies_silu_and_mul_to_gated_tiles(rows, inner, in_features):
+    """A gate | up weight's int8 codes and scales reordered 16 gates, then their 16 ups (cpu_gemm.interleave_gates):
+    gemm_int8's SiLU-and-mul epilogue equals silu(gate) * up of the dequantized product in float64 to bf16 precision;
+    the row kernel's product of the same tiles, combined by silu_and_mul's blocks of 16, is as near; the plain
+    product is the ungated tiles' with its columns interleaved, bit for bit. fp32 rows and gate | up widths that
+    are not whole panels are refused."""
+    from aserve.ops.cpu_gemm import GATE_ROWS, SILU_AND_MUL, interleave_gates
+    from aserve.quantization.int8 import gemm_dtypes, quantize_per_channel, tile
+
+    if torch.bfloat16 not in gemm_dtypes():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(rows + inner)
+    weight = torch.randn(2 * inner, in_features, generator=gen) * 2 / in_features ** 0.5
+    q, scale = quantize_per_channel(weight, torch.bfloat16)
+    tiles, scales = tile(interleave_gates(q)), interleave_gates(scale)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    product = x.double() @ (q.double() * scale.double()[:, None]).t()
+    expected = torch.nn.functional.silu(product[:, :inner]) * product[:, inner:]
+    got = torch.ops.aserve.gemm_int8(x, tiles, scales, None, 2 * inner, SILU_AND_MUL)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, inner)
+    torch.testing.assert_close(got.double(), expected, atol=2e-3, rtol=2 ** -7)
+    if rows <= 8:
+        row_kernel = torch.ops.aserve.int8_linear(x, tiles, scales, 2 * inner)
+        combined = torch.ops.aserve.silu_and_mul(row_kernel, GATE_ROWS).double()
+        torch.testing.assert_close(combined, expected, atol=4e-3, rtol=2 ** -6)
+    plain = torch.ops.aserve.gemm_int8(x, tiles, scales, None, 2 * inner)
+    assert torch.equal(plain, interleave_gates(torch.ops.aserve.gemm_int8(x, tile(q), scale, None, 2 * inner).t()).t())
+    with pytest.raises(RuntimeError, match="SiLU-and-mul needs bf16 rows"):
+        torch.ops.aserve.gemm_int8(x.float(), tiles, scales.float(), None, 2 * inner, SILU_AND_MUL)
+    with pytest.raises(RuntimeError, match="SiLU-and-mul needs bf16 rows"):
+        torch.ops.aserve.gemm_int8(x, tile(q[:-16]), scale[:-16], None, 2 * inner - 16, SILU_AND_MUL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_takes_gates_and_ups_in_alternate_blocks(dtype):
+    """block 16: x alternates 16 gates and their 16 ups; the same values as gate | up halves give, bit for bit;
+    a block that does not divide the width is refused."""
+    from aserve.ops.cpu_gemm import interleave_gates
+
+    assert cpu_kernels.available()
+    x = torch.randn(5, 2 * 96).to(dtype)
+    halves = torch.ops.aserve.silu_and_mul(x)
+    assert torch.equal(torch.ops.aserve.silu_and_mul(interleave_gates(x.t()).t().contiguous(), 16), halves)
+    with pytest.raises(RuntimeError, match="block must be 0"):
+        torch.ops.aserve.silu_and_mul(x, 40)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_kernels_match_the_dequantized_product(dtype):
     """GPTQ/AWQ layers on aserve's int4 kernels: int4_linear (1-8 rows) and gemm_int4 (any rows) equal x @ (q * s -
     s * z)^T with the stored (dtype-rounded) s and s * z, for group sizes 32/64/128 and a whole row, output widths
-    that end mid-tile and mid-panel, a batch over one row block and inputs past the fp32 GEMM's k chunk; int4_linear
+    that end mid-tile and mid-panel, a batch over one row block, inputs past the fp32 GEMM's k chunk, and several
+    row slices over several panels a thread (the AMX GEMM's widening ahead, 200 x 576 and 130 x 1536); int4_linear
     the same for rows that are a view into wider ones."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes
@@ -498,7 +550,8 @@ def test_int4_kernels_match_the_dequantized_product(dtype):
         pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
     gen = torch.Generator().manual_seed(7)
     for out_features, in_features, group, rows in ((33, 64, 32, 1), (200, 128, 64, 3), (48, 576, 64, 8),
-                                                   (100, 4224, 64, 20), (40, 96, 96, 300), (64, 1536, 128, 5)):
+                                                   (100, 4224, 64, 20), (40, 96, 96, 300), (64, 1536, 128, 5),
+                                                   (200, 576, 64, 70), (130, 1536, 128, 131)):
         groups = in_features // group
         codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
         scales = torch.rand(groups, out_features, generator=gen) * 0.1

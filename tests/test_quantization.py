@@ -259,6 +259,40 @@ def test_int8_kernel_rows_and_dequantized_rows_agree(kernels, dtype, monkeypatch
         assert (got - expected[:len(got)]).abs().max() <= tolerance * expected.abs().max()
 
 
+def test_int8_gate_up_is_tiled_for_the_silu_and_mul_epilogue():
+    """prepack with `gated` reorders a bf16 int8 gate | up's tiles for gemm_int8's SiLU-and-mul: the layer's product
+    stays gate | up, bit for bit the plain layer's, at every row count; forward_silu_and_mul gives silu(gate) * up
+    (the row kernel's product combined, or the GEMM's epilogue) to bf16 precision; the C++ loop is told so. A layer
+    with a bias, or in fp32, is left as it was."""
+    if torch.bfloat16 not in int8.gemm_dtypes():
+        pytest.skip("aserve's int8 GEMM takes bf16 rows only with AVX512-BF16")
+    from aserve.ops.cpu_gemm import SILU_AND_MUL
+
+    def layer_of(weight, bias=False, dtype=torch.bfloat16):
+        layer = Linear(96, [64, 64], bias=bias).to(dtype)
+        layer.set_method(int8.Int8LinearMethod(), dtype)
+        layer.weight.data.copy_(weight)
+        layer.method.process_after_loading(layer)
+        return layer
+
+    weight = torch.randn(128, 96) / 10
+    plain, gated = layer_of(weight), layer_of(weight)
+    assert gated.prepack(torch.bfloat16, gated=True) and gated.int8_gated and gated.silu_and_mul_fused is not None
+    assert plain.silu_and_mul_fused is None and not layer_of(weight, bias=True).prepack(torch.bfloat16, gated=True)
+    assert not layer_of(weight, dtype=torch.float32).prepack(torch.float32, gated=True)
+    assert gated.method.native_projection(gated).activation == SILU_AND_MUL
+    dequantized = int8.codes(plain).double() * plain.scales.double()[:, None]
+    with torch.inference_mode():
+        for rows in (1, 3, 8, 9, 64, 100):
+            x = torch.randn(2, rows, 96).to(torch.bfloat16)
+            assert torch.equal(gated(x), plain(x)), rows
+            product = x.double() @ dequantized.t()
+            expected = torch.nn.functional.silu(product[..., :64]) * product[..., 64:]
+            got = gated.forward_silu_and_mul(x)
+            assert got.shape == (2, rows, 64)
+            torch.testing.assert_close(got.double(), expected, atol=4e-3, rtol=2 ** -6)
+
+
 @pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])
 def test_int8_logits_and_greedy_stay_close_to_fp32(model_dirs, family):
     """Along the common greedy path the chosen tokens' logprobs move by 0.03 on average (at most 0.1; measured

@@ -25,7 +25,6 @@ on and off in alternate pairs of steps of one engine (tools/step_ab.py --compare
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable, NamedTuple
 
@@ -35,7 +34,7 @@ from torch import nn
 from aserve.attention import Attention, kv_quant
 from aserve.attention.torch_backend import TorchAttentionBackend
 from aserve.models.layers import RMSNorm
-from aserve.ops import cpu_gemm, cpu_kernels
+from aserve.ops import cpu_kernels
 from aserve.quantization.base import LinearMethod, NativeProjection
 
 UNBUILT = object()  # a model's `flat` before its first step
@@ -86,10 +85,8 @@ class FlatLayer(NamedTuple):
                 or any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms)):
             return None
         qkv, o, gate_up, down = linears
-        packed = getattr(gate_up_proj, "packed", None)
-        if packed is not None and packed.gated:
-            gated = functools.partial(cpu_gemm.packed_silu_and_mul, packed=packed)
-        else:
+        gated = getattr(gate_up_proj, "silu_and_mul_fused", None)  # in the GEMM's epilogue (Linear.prepack)
+        if gated is None:
             def gated(x, gate_up=gate_up):
                 return torch.ops.aserve.silu_and_mul(gate_up(x))
         loras = tuple(getattr(x, "lora", None) for x in (qkv_proj, o_proj, gate_up_proj, down_proj))

@@ -7,7 +7,7 @@ are tested against.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,8 @@ class Linear(nn.Module):
         self.method: LinearMethod = UNQUANTIZED
         self.method.create_weights(self, torch.get_default_dtype())
         self.lora: nn.Module | None = None  # adapters' batched deltas (aserve.lora.layers), set when LoRA is on
+        # x [rows, in] -> silu(gate) * up in the GEMM's epilogue, once prepack has packed a gate | up for it
+        self.silu_and_mul_fused: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Trade the dense weight for `method`'s checkpoint tensors (before the weights are filled)."""
@@ -43,7 +45,9 @@ class Linear(nn.Module):
     def prepack(self, dtype: torch.dtype, gated: bool = False) -> bool:
         """Pack the weight for the CPU's GEMM where the method can; `gated`: this is a SwiGLU's gate | up (see
         forward_silu_and_mul)."""
-        return self.method.prepack(self, dtype, gated)
+        packed = self.method.prepack(self, dtype, gated)
+        self.silu_and_mul_fused = self.method.silu_and_mul_projection(self)
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
@@ -63,10 +67,10 @@ class Linear(nn.Module):
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate | up projection: in the GEMM's epilogue where the weight was packed for it
-        (prepack with `gated`, ops.cpu_gemm.pack_gated_weight), else the product then silu_and_mul."""
-        packed = getattr(self, "packed", None)
-        if self.lora is None and packed is not None and packed.gated:
-            return cpu_gemm.packed_silu_and_mul(x, packed)
+        (prepack with `gated`: ops.cpu_gemm.pack_gated_weight, or int8's gated tiles), else the product then
+        silu_and_mul."""
+        if self.lora is None and self.silu_and_mul_fused is not None:
+            return self.silu_and_mul_fused(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return silu_and_mul(self(x))
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:

@@ -125,8 +125,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> PackedWeight:
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if packed.gated:  # the product in the interleaved rows' order, put back as gate | up (LoRA steps need it so)
-        y = torch.ops.aserve.gemm_packed(x, packed.data, bias, packed.out_features)
-        return y.unflatten(-1, (-1, 2, GATE_ROWS)).transpose(-3, -2).reshape(y.shape)
+        return gates_in_order(torch.ops.aserve.gemm_packed(x, packed.data, bias, packed.out_features))
     if packed.aserve:
         return torch.ops.aserve.gemm_packed(x, packed.data, bias, packed.out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
@@ -134,6 +133,18 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
 SILU_AND_MUL = 3  # gemm_packed's activation code: silu(gate) * up, over a weight packed by pack_gated_weight
 GATE_ROWS = 16  # a gated panel's 32 rows: this many gates, then their ups
+
+
+def interleave_gates(rows: torch.Tensor) -> torch.Tensor:
+    """A gate | up projection's rows (weight rows, codes or per-row scales: [2I, ...]) reordered 16 gates, their 16
+    ups, the next 16 gates...: the order the GEMMs' SiLU-and-mul epilogue reads them in. I a multiple of 16."""
+    n = rows.shape[0]
+    return rows.view(2, n // (2 * GATE_ROWS), GATE_ROWS, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
+def gates_in_order(y: torch.Tensor) -> torch.Tensor:
+    """A product over interleave_gates' rows [..., 2I] put back as gate | up."""
+    return y.unflatten(-1, (-1, 2, GATE_ROWS)).transpose(-3, -2).reshape(y.shape)
 
 
 def pack_gated_weight(weight: torch.Tensor) -> PackedWeight | None:
@@ -147,8 +158,7 @@ def pack_gated_weight(weight: torch.Tensor) -> PackedWeight | None:
     if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or rows % (2 * GATE_ROWS)
             or gemm_for(weight.dtype, _LARGE_STEPS.get()) != "aserve"):
         return None
-    interleaved = weight.view(2, rows // (2 * GATE_ROWS), GATE_ROWS, -1).transpose(0, 1).reshape(rows, -1)
-    return PackedWeight(torch.ops.aserve.pack_gemm_weight(interleaved), rows, True, True)
+    return PackedWeight(torch.ops.aserve.pack_gemm_weight(interleave_gates(weight)), rows, True, True)
 
 
 def packed_silu_and_mul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

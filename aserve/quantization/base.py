@@ -90,6 +90,11 @@ class LinearMethod:
         layer is a SwiGLU's gate | up, which the GEMM may pack for its SiLU-and-mul epilogue."""
         return False
 
+    def silu_and_mul_projection(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """x [rows, in_features] -> silu(gate) * up of this gate | up layer, in its GEMM's epilogue, where `prepack`
+        with `gated` packed it for that; None where it did not."""
+        return None
+
     def projection(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """x [rows, in_features] -> `apply(layer, x)` for the flat forward (models.flat_forward), which calls it on
         the CPU with the kernels built, in the layer's dtype, no gradient recorded. A format may return a leaner
@@ -123,6 +128,12 @@ class UnquantizedLinearMethod(LinearMethod):
             return False
         layer.packed = (gated and layer.bias is None and cpu_gemm.pack_gated_weight(w)) or cpu_gemm.pack_weight(w)
         return True
+
+    def silu_and_mul_projection(self, layer):
+        packed = layer.packed
+        if packed is None or not packed.gated:
+            return None
+        return functools.partial(cpu_gemm.packed_silu_and_mul, packed=packed)
 
     def apply(self, layer, x):
         if layer.packed is not None:

@@ -24,6 +24,7 @@
 //  - threads split the panels: each reads only its share of the weights.
 // Summation is in fp32, each output's K products in order (one FMA chain per kc chunk): what F.linear computes
 // up to the order of the sums.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -647,6 +648,7 @@ void pack_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t mc, int64_t K
 // (DensePanels), or two int8 tiles widened into a scratch panel (Int8Panels, below).
 struct DensePanels {
   static constexpr bool kWidensInFirstCall = false;
+  static constexpr bool kWidensAhead = false;  // (quantized panels on AMX tiles: widen_rows, see amx::gemm_panels)
   const uint16_t* w;
   int64_t kp;
   int64_t bytes() const { return kp * 2 * kNR * 2; }  // a stored panel's
@@ -756,9 +758,12 @@ inline void finish(float* sums, int rows, const uint16_t* x, int64_t ldx, int64_
     store_row(_mm512_loadu_ps(sums + i * kNR), _mm512_loadu_ps(sums + i * kNR + 16), c + i * ldc, cols);
 }
 
-// gemm_panels on AMX tiles: blocks of x's rows that fit half of L2, each against all of [p0, p1)'s panels (an int8
-// panel widened into scratch first, whole), 32 rows at a time. The next panel is prefetched, shared out to the
-// panel's row slices.
+// gemm_panels on AMX tiles: blocks of x's rows that fit half of L2, each against all of [p0, p1)'s panels, 32 rows at a
+// time. The next panel is prefetched, shared out to the panel's row slices. Quantized panels (int8, int4) are widened
+// to bf16 one panel ahead: each call's tile products are followed by its share of the next panel's widening, which
+// the vector units run while the tiles multiply, and the panel after that is the one prefetched. The bench model's
+// 120 layers at 64 rows, int8 (Xeon with AMX, 2 threads): 16.7-18.5 ms widened whole before each panel's products,
+// 14.5-15.5 ms so, against 17.4-20.7 ms for the dense bf16 weights.
 template <class Panels>
 void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
                  const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1, int64_t act) {
@@ -790,18 +795,35 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
              pending.scale, act);
     pending.rows = 0;
   };
+  // Quantized panels: two scratch panels, p's (its tiles read by the tile products) and p + 1's (widened meanwhile)
+  thread_local std::vector<__m512i> widened;
+  if constexpr (Panels::kWidensAhead) widened.resize(4 * kp);
+  bool ahead = false;  // (set per row block)
+  const auto scratch_of = [&](int64_t p) { return widened.data() + (ahead ? (p & 1) * 2 * kp : 0); };
   int configured = 0;
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
     const int64_t mc = std::min(row_block, M - m0), slices = (mc + 31) / 32;
+    // One slice (32 rows or fewer) is bound by its tile loads, which the next panel's stores slowed (int8, 16 rows:
+    // 10.1-11.1 -> 11.6-12.0 ms a step's layers): there a panel is widened whole just before its products, into
+    // the one scratch panel, still in L1 when they read it.
+    ahead = slices > 1;
+    if constexpr (Panels::kWidensAhead) {
+      if (ahead && p0 + 1 < p1)  // the panel widened during p0's products: fetched now, the later ones a panel early
+        for (int64_t l = 0; l < total_lines; ++l) _mm_prefetch(panels.stored(p0 + 1) + l * 64, _MM_HINT_T1);
+      if (ahead) panels.widen_rows(p0, 0, kp, scratch_of(p0));
+    }
     for (int64_t p = p0; p < p1; ++p) {
-      if constexpr (Panels::kWidensInFirstCall) {
-        finish_pending();  // the scratch panel is about to change
-        const auto widen_rows = panels.widen(p);
-        __m512bh w0, w1;
-        for (int64_t k = 0; k < kp; ++k) widen_rows(k, w0, w1);
+      const uint16_t* panel;
+      if constexpr (Panels::kWidensAhead) {
+        if (!ahead) panels.widen_rows(p, 0, kp, scratch_of(p));
+        panel = reinterpret_cast<const uint16_t*>(scratch_of(p));
+      } else {
+        panel = panels.get(p);
       }
-      const uint16_t* panel = panels.get(p);
-      const char* next = p + 1 < p1 ? panels.stored(p + 1) : nullptr;
+      // the panel whose weights are fetched during this one's products: the next, or with widening ahead the one
+      // after (the next is widened meanwhile, and its reads would wait on the lines just asked for)
+      const int64_t fetched = p + (ahead && Panels::kWidensAhead ? 2 : 1);
+      const char* next = fetched < p1 ? panels.stored(fetched) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
       const float* ps = scale != nullptr ? scale + p * kNR : nullptr;
@@ -818,6 +840,12 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
           float* sums = block.data() + r * 32 * kNR;
           if (pending.sums == sums) finish_pending();  // (one slice: its own sums are pending)
           block_sums(xr, ldx, rows > 16, panel, k0, k1, sums, next != nullptr ? next + from * 64 : nullptr, lines);
+          if constexpr (Panels::kWidensAhead) {
+            if (ahead && p + 1 < p1) {  // this call's share of the next panel, in whole blocks of 4 pair rows
+              const int64_t a = call * kp / calls / 4 * 4, b = call + 1 == calls ? kp : (call + 1) * kp / calls / 4 * 4;
+              panels.widen_rows(p + 1, a, b, scratch_of(p + 1));
+            }
+          }
           if (k1 < kt) continue;
           finish_pending();
           uint16_t* c = out + first * ldo + p * po;
@@ -973,8 +1001,18 @@ struct WidenInt8 {
 
 struct Int8Panels {
   static constexpr bool kWidensInFirstCall = true;
+  static constexpr bool kWidensAhead = true;
   const int8_t* tiles;
   int64_t K, num_tiles;
+  // Pair rows [k0, k1) of panel p into rows ([kp][2] vectors), for the AMX GEMM's widening ahead.
+  void widen_rows(int64_t p, int64_t k0, int64_t k1, __m512i* rows) const {
+    const int8_t* t0 = tiles + 2 * p * K * 16;
+    const int8_t* t1 = 2 * p + 1 < num_tiles ? t0 + K * 16 : nullptr;
+    for (int64_t k = k0; k < k1; ++k) {
+      _mm512_store_si512(rows + 2 * k, int8_pair_row(t0, k, K / 2));
+      _mm512_store_si512(rows + 2 * k + 1, t1 != nullptr ? int8_pair_row(t1, k, K / 2) : _mm512_setzero_si512());
+    }
+  }
   int64_t bytes() const { return 2 * K * 16; }  // two stored tiles
   const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * K * 16); }
   static __m512i* scratch(int64_t kp) {
@@ -989,13 +1027,15 @@ struct Int8Panels {
   }
 };
 
-void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale, at::Tensor& out) {
+// `act`: kSiluMul for a gate | up weight tiled 16 gates then their 16 ups (quantization.int8's gated tiling), so
+// that a panel's two tiles are a gate and its up, as pack_gated_weight's rows are for the dense GEMM.
+void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale, at::Tensor& out, int64_t act) {
   const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int8Panels panels{tiled.data_ptr<int8_t>(), args.K, tiled.size(0)};
   at::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
     gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), scale, o,
-                args.N, begin, end);
+                args.N, begin, end, act);
   });
 }
 
@@ -1021,27 +1061,41 @@ template <int S> inline void int4_pair_row(__m512i block, __m512 s16, __m512 c, 
 
 struct Int4Panels {
   static constexpr bool kWidensInFirstCall = false;
+  static constexpr bool kWidensAhead = true;
   const uint8_t* tiles;
   const uint16_t* scales_zeros;
   int64_t K, group, num_tiles;
   int64_t bytes() const { return 2 * (K / 2) * 16; }  // two stored tiles
   const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * (K / 2) * 16); }
-  const uint16_t* get(int64_t p) const {
+  // Tile t's pair rows [k0, k1) (whole blocks of 4) into rows[kk * 2].
+  void widen_tile(int64_t t, int64_t k0, int64_t k1, __m512i* rows) const {
     const int64_t kp = K / 2, groups = K / group;
-    return panel_of_tiles(p, kp, num_tiles, [&](int64_t t, __m512i* rows) {
-      const uint8_t* src = tiles + t * kp * 16;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint16_t* sz = scales_zeros + (t * groups + g) * 32;
-        const __m512 s16 = _mm512_mul_ps(widen(sz), _mm512_set1_ps(16.0f)), c = _mm512_add_ps(s16, widen(sz + 16));
-        for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: pair rows kk..kk+3
-          const __m512i block = _mm512_loadu_si512(src + kk * 16);
-          int4_pair_row<0>(block, s16, c, rows + kk * 2);
-          int4_pair_row<1>(block, s16, c, rows + (kk + 1) * 2);
-          int4_pair_row<2>(block, s16, c, rows + (kk + 2) * 2);
-          int4_pair_row<3>(block, s16, c, rows + (kk + 3) * 2);
-        }
+    const uint8_t* src = tiles + t * kp * 16;
+    for (int64_t kk = k0; kk < k1;) {
+      const int64_t g = kk * 2 / group, stop = std::min(k1, (g + 1) * group / 2);
+      const uint16_t* sz = scales_zeros + (t * groups + g) * 32;
+      const __m512 s16 = _mm512_mul_ps(widen(sz), _mm512_set1_ps(16.0f)), c = _mm512_add_ps(s16, widen(sz + 16));
+      for (; kk < stop; kk += 4) {  // a block: pair rows kk..kk+3
+        const __m512i block = _mm512_loadu_si512(src + kk * 16);
+        int4_pair_row<0>(block, s16, c, rows + kk * 2);
+        int4_pair_row<1>(block, s16, c, rows + (kk + 1) * 2);
+        int4_pair_row<2>(block, s16, c, rows + (kk + 2) * 2);
+        int4_pair_row<3>(block, s16, c, rows + (kk + 3) * 2);
       }
-    });
+    }
+  }
+  const uint16_t* get(int64_t p) const {
+    return panel_of_tiles(p, K / 2, num_tiles, [&](int64_t t, __m512i* rows) { widen_tile(t, 0, K / 2, rows); });
+  }
+  // Pair rows [k0, k1) of panel p into rows ([kp][2] vectors), for the AMX GEMM's widening ahead.
+  void widen_rows(int64_t p, int64_t k0, int64_t k1, __m512i* rows) const {
+    for (int h = 0; h < 2; ++h) {
+      if (2 * p + h < num_tiles) {
+        widen_tile(2 * p + h, k0, k1, rows + h);
+      } else {
+        for (int64_t kk = k0; kk < k1; ++kk) rows[kk * 2 + h] = _mm512_setzero_si512();
+      }
+    }
   }
 };
 
@@ -1091,7 +1145,7 @@ struct Int8Panels {
 // each panel is widened once per row block into the dense GEMM's layout and run by its micro-kernel (bf16 dot
 // products with AVX512-BF16). Sums are scaled per output column in fp32, then the bias added.
 at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales,
-                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+                     const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t act) {
   TORCH_CHECK(x.dim() >= 1, "gemm_int8: x must be [..., in_features]");
   TORCH_CHECK(tiled.dim() == 3 && tiled.is_contiguous() && tiled.scalar_type() == at::kChar &&
                   tiled.size(1) == x.size(-1) && tiled.size(2) == kNR &&
@@ -1100,16 +1154,28 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
   TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.size(0) == out_features &&
                   scales.scalar_type() == x.scalar_type(),
               "gemm_int8: scales must be a contiguous [out] vector of x's dtype");
-  GemmArgs args = gemm_args(x, bias, out_features);
+  TORCH_CHECK(act == kNoActivation || act == kSiluMul, "gemm_int8: the activation is none or SiLU-and-mul");
+  TORCH_CHECK(act != kSiluMul || (x.scalar_type() == at::kBFloat16 && out_features % 32 == 0 && x.size(-1) > 0),
+              "gemm_int8: SiLU-and-mul needs bf16 rows and gate | up tiles of whole 32-row panels (2 x a multiple of "
+              "16)");
+  GemmArgs args = gemm_args(x, bias, out_features, act == kSiluMul ? out_features / 2 : -1);
   const int64_t M = args.M, K = args.K, N = args.N;
   at::Tensor out = args.out;
   if (M == 0 || N == 0 || K == 0) return out;
-  std::vector<float> scale(((N + 31) / 32) * 32, 0.f);  // whole panels of either GEMM
-  at::Tensor scale_f = scales.to(at::kFloat);
-  std::memcpy(scale.data(), scale_f.data_ptr<float>(), N * sizeof(float));
+  // fp32 scales for whole panels of either GEMM, widened here: scales.to(kFloat) was an ATen op a call (a decode
+  // step of the bench model makes 120 of these calls; ~13 us each in the profiler, 2.6% of a 64 x 128/128 run)
+  std::vector<float> scale(((N + 31) / 32) * 32, 0.f);
+  if (scales.scalar_type() == at::kFloat) {
+    std::memcpy(scale.data(), scales.data_ptr<float>(), N * sizeof(float));
+  } else {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(scales.scalar_type(), "gemm_int8", [&] {
+      const scalar_t* from = scales.data_ptr<scalar_t>();
+      for (int64_t j = 0; j < N; ++j) scale[j] = static_cast<float>(from[j]);
+    });
+  }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kBFloat16) {
-    bf16::gemm_int8(args, tiled, scale.data(), out);
+    bf16::gemm_int8(args, tiled, scale.data(), out, act);
     return out;
   }
 #endif
@@ -1230,7 +1296,7 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("gemm_packed(Tensor x, Tensor packed, Tensor? bias, int out_features, int activation=0) -> Tensor");
   m.def("gemm_packs_bf16() -> bool", &gemm_packs_bf16);  // no tensor to dispatch on: one kernel for all
-  m.def("gemm_int8(Tensor x, Tensor tiled, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("gemm_int8(Tensor x, Tensor tiled, Tensor scales, Tensor? bias, int out_features, int act=0) -> Tensor");
   m.def("gemm_int4(Tensor x, Tensor tiled, Tensor scales_zeros, int group, Tensor? bias, int out_features) -> Tensor");
 }
 

@@ -58,10 +58,10 @@ struct Kernels {
                       int64_t, double, double, double, int64_t);
   using Prefill = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                        double, int64_t, double, double, double, int64_t);
-  using Activation = Tensor(const Tensor&);
+  using Activation = Tensor(const Tensor&, int64_t);  // last: the gate and up blocks' width (0: halves)
   using Gemm = Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t);  // last: activation
   using Int8Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t);
-  using GemmInt8 = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t);
+  using GemmInt8 = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t);
   using Int4Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
   using GemmInt4 = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t);
 
@@ -82,10 +82,12 @@ struct Kernels {
 
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kOneDnn = 3 };
 constexpr int64_t kSiluMul = 3;  // gemm_packed's SiLU-and-mul epilogue (cpu_gemm.cpp's Activation)
+constexpr int64_t kInt8GateBlock = 16;  // int8 gate | up tiles: 16 gates, then their 16 ups (quantization.int8)
 
 // x [rows, in] -> x W^T + b, as the method's Python projection computes it (quantization/*.py). `activation`:
-// kSiluMul for a dense gate | up weight packed for the GEMM's SwiGLU epilogue (the projection then gives
-// silu(gate) * up, [rows, out / 2]), else 0.
+// kSiluMul for a gate | up weight packed for the GEMM's SwiGLU epilogue, dense or int8 (the projection then gives
+// silu(gate) * up, [rows, out / 2]; int8's row kernel gives the product, its gates and ups in alternate blocks of
+// 16, which silu_and_mul then combines), else 0.
 struct Projection {
   int64_t kind, out_features, group, kernel_rows, activation;
   Tensor weight, scales, perm;  // scales: int8's per-channel scales or int4's scales and zeros; perm: act-order
@@ -98,9 +100,11 @@ struct Projection {
       case kOneDnn:
         return k.onednn_linear(x, weight, bias);
       case kInt8:
-        if (x.size(0) <= kernel_rows)
-          return with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
-        return k.gemm_int8.call(x, weight, scales, bias, out_features);
+        if (x.size(0) <= kernel_rows) {
+          const Tensor out = with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
+          return activation == kSiluMul ? k.silu_and_mul.call(out, kInt8GateBlock) : out;
+        }
+        return k.gemm_int8.call(x, weight, scales, bias, out_features, activation);
       default: {
         const Tensor in = perm.defined() ? x.index_select(1, perm) : x;
         if (in.size(0) <= kernel_rows)
@@ -137,8 +141,8 @@ struct DecoderStack : torch::CustomClassHolder {
   int64_t add_projection(int64_t kind, Tensor weight, OptTensor scales, OptTensor bias, OptTensor perm, int64_t group,
                          int64_t out_features, int64_t kernel_rows, int64_t activation) {
     TORCH_CHECK(kind >= kDense && kind <= kOneDnn, "DecoderStack: unknown projection kind ", kind);
-    TORCH_CHECK(activation == 0 || (activation == kSiluMul && kind == kDense),
-                "DecoderStack: only a dense projection applies an activation (SiLU and mul)");
+    TORCH_CHECK(activation == 0 || (activation == kSiluMul && (kind == kDense || kind == kInt8)),
+                "DecoderStack: only a dense or int8 projection applies an activation (SiLU and mul)");
     TORCH_CHECK(kind != kOneDnn || kernels.onednn_linear.op.has_value(), "DecoderStack: torch has no oneDNN here");
     TORCH_CHECK(kind == kDense || kind == kOneDnn || scales.has_value(),
                 "DecoderStack: int8 and int4 projections need their scales");
@@ -216,7 +220,7 @@ struct DecoderStack : torch::CustomClassHolder {
       out = out.view({T, L.heads * L.head_dim});
       x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
       const Projection& gate_up = projections[L.gate_up];  // silu(gate) * up in its GEMM's epilogue, or after it
-      const Tensor act = gate_up.activation == kSiluMul ? gate_up(k, x) : k.silu_and_mul.call(gate_up(k, x));
+      const Tensor act = gate_up.activation == kSiluMul ? gate_up(k, x) : k.silu_and_mul.call(gate_up(k, x), 0);
       x = projections[L.down](k, act);
     }
     return {x, residual};

@@ -323,55 +323,60 @@ inline __m256i as_bits(__m256bh x) { return reinterpret_cast<__m256i&>(x); }
 inline fVec widen_bf16(__m256bh x) { return bf16_bits_to_float(as_bits(x)); }
 #endif
 
-template <typename T> void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
-  const int64_t rows = x.size(0), d = out.size(1);
+// block 0: x = [gate | up]; block b: x alternates b gates and their b ups (int8's gated tiles), out in order.
+template <typename T> void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x, int64_t block) {
+  const int64_t rows = x.size(0), width = out.size(1), d = block > 0 ? block : width;
   const T* x_ptr = x.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* gate = x_ptr + r * xs;
-      const T* up = gate + d;
-      T* o = o_ptr + r * d;
-      int64_t i = 0;
-      if constexpr (std::is_same_v<T, float>) {
-        for (; i + fVec::size() <= d; i += fVec::size())
-          (silu<T>(fVec::loadu(gate + i)) * fVec::loadu(up + i)).store(o + i);
-      } else {
+      for (int64_t j = 0; j < width; j += d) {
+        const T* gate = x_ptr + r * xs + 2 * j;
+        const T* up = gate + d;
+        T* o = o_ptr + r * width + j;
+        int64_t i = 0;
+        if constexpr (std::is_same_v<T, float>) {
+          for (; i + fVec::size() <= d; i += fVec::size())
+            (silu<T>(fVec::loadu(gate + i)) * fVec::loadu(up + i)).store(o + i);
+        } else {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the hardware's round-to-nearest-even, 16 lanes a step
-          for (; i + 16 <= d; i += 16) {
-            const fVec g = widen_bf16(gate + i), u = widen_bf16(up + i);
-            const fVec s = widen_bf16(_mm512_cvtneps_pbh(silu<T>(g)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), as_bits(_mm512_cvtneps_pbh(s * u)));
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the hardware's round-to-nearest-even, 16 lanes a step
+            for (; i + 16 <= d; i += 16) {
+              const fVec g = widen_bf16(gate + i), u = widen_bf16(up + i);
+              const fVec s = widen_bf16(_mm512_cvtneps_pbh(silu<T>(g)));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), as_bits(_mm512_cvtneps_pbh(s * u)));
+            }
+          }
+#endif
+          using bVec = at::vec::Vectorized<T>;
+          for (; i + bVec::size() <= d; i += bVec::size()) {
+            auto [g0, g1] = at::vec::convert_to_float<T>(bVec::loadu(gate + i));
+            auto [u0, u1] = at::vec::convert_to_float<T>(bVec::loadu(up + i));
+            // silu rounded to T first, where the torch path stores it
+            auto [s0, s1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(silu<T>(g0), silu<T>(g1)));
+            at::vec::convert_from_float<T>(s0 * u0, s1 * u1).store(o + i);
           }
         }
-#endif
-        using bVec = at::vec::Vectorized<T>;
-        for (; i + bVec::size() <= d; i += bVec::size()) {
-          auto [g0, g1] = at::vec::convert_to_float<T>(bVec::loadu(gate + i));
-          auto [u0, u1] = at::vec::convert_to_float<T>(bVec::loadu(up + i));
-          // silu rounded to T first, where the torch path stores it
-          auto [s0, s1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(silu<T>(g0), silu<T>(g1)));
-          at::vec::convert_from_float<T>(s0 * u0, s1 * u1).store(o + i);
+        for (; i < d; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const float sg = static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g))));
+          o[i] = static_cast<T>(sg * static_cast<float>(up[i]));
         }
-      }
-      for (; i < d; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float sg = static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g))));
-        o[i] = static_cast<T>(sg * static_cast<float>(up[i]));
       }
     }
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [rows, 2 * d]");
+  TORCH_CHECK(block >= 0 && (block == 0 || x.size(1) % (2 * block) == 0),
+              "silu_and_mul: block must be 0 (x = gate | up) or divide d (x alternates blocks of gates and ups)");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: silu_and_mul_impl<float>(out, x); break;
-    case at::kBFloat16: silu_and_mul_impl<c10::BFloat16>(out, x); break;
-    case at::kHalf: silu_and_mul_impl<c10::Half>(out, x); break;
+    case at::kFloat: silu_and_mul_impl<float>(out, x, block); break;
+    case at::kBFloat16: silu_and_mul_impl<c10::BFloat16>(out, x, block); break;
+    case at::kHalf: silu_and_mul_impl<c10::Half>(out, x, block); break;
     default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
   }
   return out;
@@ -384,7 +389,7 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("add_layer_norm(Tensor(a!) x, Tensor residual, Tensor weight, Tensor bias, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int rotary_dim) -> ()");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("silu_and_mul(Tensor x, int block=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
