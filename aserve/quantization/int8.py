@@ -98,6 +98,7 @@ class Int8LinearMethod(LinearMethod):
         tiled = q.device.type == "cpu" and scale.dtype in TILED_DTYPES and cpu_kernels.available()
         replace_params(layer, weight=None, qweight=tile(q) if tiled else q, scales=scale)
         layer.int8_tiled = tiled
+        layer.int8_gated = False  # prepack may tile a gate | up for the SiLU-and-mul epilogue
 
     def prepack(self, layer, dtype, gated=False):
         """A SwiGLU's gate | up, bf16 on aserve's int8 GEMM: its codes and scales reordered 16 gates, then their 16
@@ -105,7 +106,7 @@ class Int8LinearMethod(LinearMethod):
         silu(gate) * up as it writes (gemm_int8's SiLU-and-mul: `silu_and_mul_projection`). The layer's product
         stays gate | up (apply puts it back in order). Without it the bench model's int8 run at 64 x 128/128 spent
         5% of its time in a separate silu_and_mul and ran at 0.90-0.92x the dense bf16 weights (Xeon with AMX)."""
-        if (not gated or not layer.int8_tiled or getattr(layer, "int8_gated", False) or layer.bias is not None
+        if (not gated or not layer.int8_tiled or layer.int8_gated or layer.bias is not None
                 or dtype != torch.bfloat16 or layer.scales.dtype != dtype or dtype not in gemm_dtypes()
                 or layer.out_features % (2 * cpu_gemm.GATE_ROWS)):
             return False
@@ -115,10 +116,12 @@ class Int8LinearMethod(LinearMethod):
         return True
 
     def silu_and_mul_projection(self, layer):
-        if not getattr(layer, "int8_gated", False):
+        if not layer.int8_gated:
             return None
-        qweight, scales, out_features, most = layer.qweight, layer.scales, layer.out_features, kernel_rows(torch.bfloat16)
-        kernel, gemm, silu_and_mul = torch.ops.aserve.int8_linear, torch.ops.aserve.gemm_int8, torch.ops.aserve.silu_and_mul
+        qweight, scales, out_features = layer.qweight, layer.scales, layer.out_features
+        most = kernel_rows(torch.bfloat16)
+        kernel, gemm = torch.ops.aserve.int8_linear, torch.ops.aserve.gemm_int8
+        silu_and_mul = torch.ops.aserve.silu_and_mul
 
         def gated(x: torch.Tensor) -> torch.Tensor:  # a few rows: the row kernel's product, its blocks then combined
             if x.shape[0] <= most:
@@ -128,7 +131,7 @@ class Int8LinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         out = self._product(layer, x)
-        return cpu_gemm.gates_in_order(out) if getattr(layer, "int8_gated", False) else out
+        return cpu_gemm.gates_in_order(out) if layer.int8_gated else out
 
     def _product(self, layer, x):
         """x W^T + b in the order the tiles hold the rows."""
@@ -152,7 +155,7 @@ class Int8LinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def projection(self, layer):
-        if not layer.int8_tiled or getattr(layer, "int8_gated", False):  # (gated: apply puts the product in order)
+        if not layer.int8_tiled or layer.int8_gated:  # (gated: apply puts the product in order)
             return super().projection(layer)
         qweight, scales, out_features, bias = layer.qweight, layer.scales, layer.out_features, layer.bias
         kernel, untile, linear = torch.ops.aserve.int8_linear, torch.ops.aserve.int8_untile, nn.functional.linear
@@ -178,4 +181,4 @@ class Int8LinearMethod(LinearMethod):
             return None
         return NativeProjection(INT8, layer.qweight, layer.scales, layer.bias, None, 0, layer.out_features,
                                 kernel_rows(layer.scales.dtype),
-                                cpu_gemm.SILU_AND_MUL if getattr(layer, "int8_gated", False) else 0)
+                                cpu_gemm.SILU_AND_MUL if layer.int8_gated else 0)
