@@ -1012,12 +1012,9 @@ struct Int8Panels {
   int64_t K, num_tiles;
   // Pair rows [k0, k1) of panel p into rows ([kp][2] vectors), for the AMX GEMM's widening ahead.
   void widen_rows(int64_t p, int64_t k0, int64_t k1, __m512i* rows) const {
-    const int8_t* t0 = tiles + 2 * p * K * 16;
-    const int8_t* t1 = 2 * p + 1 < num_tiles ? t0 + K * 16 : nullptr;
-    for (int64_t k = k0; k < k1; ++k) {
-      _mm512_store_si512(rows + 2 * k, int8_pair_row(t0, k, K / 2));
-      _mm512_store_si512(rows + 2 * k + 1, t1 != nullptr ? int8_pair_row(t1, k, K / 2) : _mm512_setzero_si512());
-    }
+    const WidenInt8 widen_row = widen_into(p, rows);
+    __m512bh b0, b1;
+    for (int64_t k = k0; k < k1; ++k) widen_row(k, b0, b1);
   }
   int64_t bytes() const { return 2 * K * 16; }  // two stored tiles
   const char* stored(int64_t p) const { return reinterpret_cast<const char*>(tiles + 2 * p * K * 16); }
@@ -1027,9 +1024,10 @@ struct Int8Panels {
     return rows.data();
   }
   const uint16_t* get(int64_t) const { return reinterpret_cast<const uint16_t*>(scratch((K + 1) / 2)); }
-  WidenInt8 widen(int64_t p) const {
+  WidenInt8 widen(int64_t p) const { return widen_into(p, scratch((K + 1) / 2)); }
+  WidenInt8 widen_into(int64_t p, __m512i* rows) const {
     const int8_t* t1 = 2 * p + 1 < num_tiles ? tiles + (2 * p + 1) * K * 16 : nullptr;
-    return {tiles + 2 * p * K * 16, t1, K / 2, scratch((K + 1) / 2)};
+    return {tiles + 2 * p * K * 16, t1, K / 2, rows};
   }
 };
 
