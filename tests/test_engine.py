@@ -50,12 +50,17 @@ def resident_pages(tensor: torch.Tensor) -> list[bool]:
     return [bool(f & 1) for f in flags]
 
 
-def test_zero_blocks_zeroes_those_blocks_in_every_layer_and_nothing_else(model_dirs):
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
+def test_zero_blocks_zeroes_those_blocks_in_every_layer_and_nothing_else(model_dirs, monkeypatch, path):
     """Freshly handed-out blocks are zeroed (a NaN an earlier owner left must not reach a new one): every layer's K
-    and V of every KV head, those blocks only."""
+    and V of every KV head, those blocks only; an empty list zeroes nothing. "cuda" takes the GPU's index_fill_
+    branch over this CPU cache (it once built a float index from an empty list, which the GPU refused)."""
     llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB", device="cpu")
     runner = llm.engine.executor.worker.runner
+    monkeypatch.setattr(runner, "device", torch.device(path))
     runner.kv_cache.fill_(float("nan"))
+    runner.zero_blocks([])
+    assert runner.kv_cache.isnan().all()
     runner.zero_blocks([2, 5])
     per_block = runner.kv_cache.movedim(runner.block_dim, 0)
     assert not per_block[[2, 5]].isnan().any() and not per_block[[2, 5]].any()
