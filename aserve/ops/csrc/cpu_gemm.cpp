@@ -19,8 +19,8 @@
 //    (each chunk reloads and stores the outputs, and the x block is copied once per chunk);
 //  - while it works through one panel a thread prefetches the next panel into L1, one line every few k steps
 //    inside the micro-kernel (with weights in DRAM: 140-155 GFLOP/s at M = 64 where a burst of prefetches before
-//    each tile gave 128-134, and 20.5 GB/s at M = 1 against 15, Zen 4); the bf16 GEMM does not at up to
-//    kRowsWithoutPrefetch rows, where on Zen 5 the hardware prefetchers alone stream faster;
+//    each tile gave 128-134, and 20.5 GB/s at M = 1 against 15, Zen 4); the bf16 GEMM on AMD's cores does not at
+//    up to kRowsWithoutPrefetch rows, where on Zen 5 the hardware prefetchers alone stream faster;
 //  - threads split the panels: each reads only its share of the weights.
 // Summation is in fp32, each output's K products in order (one FMA chain per kc chunk): what F.linear computes
 // up to the order of the sums.
@@ -60,11 +60,15 @@ inline int64_t block_bytes() {
   return bytes;
 }
 
-// Up to this many rows the next panel is not prefetched: a decode batch's few rows multiply too little to pace the
-// prefetches by, and the hardware prefetchers alone stream the weights faster. Bench model's 120 layers, bf16, cold
-// weights, Zen 5, 2 threads, builds alternated four times: 1 row 42.4-44.2 -> 47.1-48.1 GB/s (stream_read 48.6-50.3),
-// 2 rows 39-44 -> 48-49, 4 rows 41-42 -> 45.6; 8 rows level; 16 rows 38 -> 30 and 64 rows 14.0 -> 12.0 without.
+// On AMD's cores, up to this many rows the next panel is not prefetched: a decode batch's few rows multiply too little
+// to pace the prefetches by, and the hardware prefetchers alone stream the weights faster. Bench model's 120 layers,
+// bf16, cold weights, Zen 5, 2 threads, builds alternated four times: 1 row 42.4-44.2 -> 47.1-48.1 GB/s (stream_read
+// 48.6-50.3), 2 rows 39-44 -> 48-49, 4 rows 41-42 -> 45.6; 8 rows level; 16 rows 38 -> 30 and 64 rows 14.0 -> 12.0
+// without. Intel's prefetchers do not keep up alone: on a Xeon with AVX512-BF16 and no AMX tiles (2 threads, the
+// engine's own weights in their huge pages, six rounds alternated) 1 row ran 9.55 ms without against 8.63 with,
+// 2 rows 12.2 against 9.8, 4 rows 15.3 against 12.6; 8 and 16 rows level.
 constexpr int64_t kRowsWithoutPrefetch = 4;
+inline int64_t rows_without_prefetch() { return aserve_kernels::cpu_is_amd() ? kRowsWithoutPrefetch : 0; }
 
 // How a block's mc rows are cut into micro-kernel calls of at most MR rows (call r's copy of x at slot r, MR rows
 // wide): MR at a time, except that a short last call (under MR / 2 rows) is evened out with the one before it
@@ -887,7 +891,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
     const RowCalls<kMR> calls(mc);
     for (int64_t p = p0; p < p1; ++p) {
       const Stored stored{panels.get(p)};  // int8 panels: the scratch the block's first call widens them into
-      const char* next = p + 1 < p1 && M > kRowsWithoutPrefetch ? panels.stored(p + 1) : nullptr;
+      const char* next = p + 1 < p1 && M > rows_without_prefetch() ? panels.stored(p + 1) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
       const float* ps = scale != nullptr ? scale + p * kNR : nullptr;
