@@ -264,6 +264,76 @@ def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm, dtype):
         torch.ops.aserve.gemm_packed(torch.randn(2, 20, dtype=torch.float16), packed.data, None, 24)
 
 
+@pytest.fixture
+def bf16_products():
+    """products(name): what multiplies aserve's bf16 panels in this test (gemm_bf16_products), put back after."""
+    bf16_gemm_or_skip()
+    before = torch.ops.aserve.gemm_bf16_products()
+    yield torch.ops.aserve.gemm_bf16_products
+    torch.ops.aserve.gemm_bf16_products(before)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 13, 64, 257])  # vdpbf16ps up to 4 rows, then FMAs; 257: two row blocks
+@pytest.mark.parametrize("out_features,in_features", [(40, 33), (96, 576), (33, 2100)])  # panel and K tails
+def test_fma_products_give_the_bits_of_vdpbf16ps(aserve_gemm, bf16_products, rows, out_features, in_features):
+    """Off AMX tiles bf16 panels are multiplied by vdpbf16ps or by fp32 FMAs on widened values (Intel's default):
+    the same bits, with a bias, the GELU epilogue and SiLU-and-mul, and both what F.linear computes. On a CPU with
+    AMX tiles this takes both paths the tiles otherwise keep it from."""
+    from aserve.ops.cpu_gemm import pack_gated_weight, pack_weight, packed_linear, packed_linear_gelu, packed_silu_and_mul
+
+    gen = torch.Generator().manual_seed(rows * 100 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    gate_up = (torch.randn(64, in_features, generator=gen) * 2 / in_features ** 0.5).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    packed, gated = pack_weight(weight), pack_gated_weight(gate_up)
+    outputs = {}
+    for products in ("dpbf16", "fma"):
+        assert bf16_products(products) == products
+        outputs[products] = (packed_linear(x, packed, bias), packed_linear_gelu(x, packed, bias, "gelu"),
+                             packed_silu_and_mul(x, gated))
+    for dpbf16, fma in zip(outputs["dpbf16"], outputs["fma"]):
+        assert torch.equal(dpbf16, fma)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(outputs["fma"][0].double(), expected, atol=1e-3, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("rows", [9, 13, 64])  # past int8_linear's few rows: gemm_int8, its first call on vdpbf16ps
+def test_int8_panels_give_the_same_bits_on_fma_products(aserve_gemm, bf16_products, rows):
+    """int8 panels are widened by each row block's first call (on vdpbf16ps) and read by the others, on FMAs where
+    those are the products: the same bits as on vdpbf16ps throughout."""
+    from aserve.models.layers import Linear
+    from aserve.quantization import int8
+
+    layer = Linear(600, 164, bias=True).to(torch.bfloat16)
+    layer.set_method(int8.Int8LinearMethod(), torch.bfloat16)
+    gen = torch.Generator().manual_seed(rows)
+    layer.weight.data.copy_(torch.randn(164, 600, generator=gen))
+    layer.bias.data.copy_(torch.randn(164, generator=gen))
+    layer.method.process_after_loading(layer)
+    x = torch.randn(rows, 600, generator=gen).to(torch.bfloat16)
+    outputs = {}
+    with torch.inference_mode():
+        for products in ("dpbf16", "fma"):
+            bf16_products(products)
+            outputs[products] = layer(x)
+    assert torch.equal(outputs["dpbf16"], outputs["fma"])
+
+
+def test_unknown_bf16_products_are_an_error(aserve_gemm, bf16_products, monkeypatch):
+    from aserve.ops import cpu_gemm
+
+    with pytest.raises(RuntimeError, match="expected dpbf16, fma"):
+        bf16_products("avx2")
+    monkeypatch.setenv("ASERVE_BF16_PRODUCTS", "avx2")
+    cpu_gemm.gemm_for.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="ASERVE_BF16_PRODUCTS='avx2'"):
+            cpu_gemm.gemm_for(torch.bfloat16)
+    finally:
+        cpu_gemm.gemm_for.cache_clear()
+
+
 def test_asking_for_an_unknown_gemm_is_an_error(monkeypatch):
     from aserve.ops import cpu_gemm
 

@@ -28,6 +28,9 @@ log = logging.getLogger("aserve")
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMMS = ("aserve", "onednn")
+# What multiplies aserve's bf16 panels (csrc/cpu_gemm.cpp's bf16::products): AMX tiles where the CPU lends them,
+# else vdpbf16ps (AMD) or fp32 FMAs on widened bf16 (Intel without AMX), with vdpbf16ps's bits.
+BF16_PRODUCTS = {"amx": "AMX tiles", "dpbf16": "vdpbf16ps", "fma": "fp32 FMAs"}
 
 
 class PackedWeight(NamedTuple):
@@ -74,13 +77,17 @@ def gemm_for(dtype: torch.dtype, large_steps: bool = False) -> str:
     64 44.1 against 46.8 ms, batch 1 11.3 against 15.6, prefill steps 115.7 against 120.7; fp32 batch 64 98.4
     against 121.9, batch 1 23.5 against 29.5, prefill steps 418 against 384 (oneDNN's AVX-512 fp32 keeps both FMA
     ports busier on large shapes).
-    ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels, and AVX512-BF16 for bf16)."""
+    ASERVE_GEMM=aserve|onednn overrides (aserve still needs the kernels, and AVX512-BF16 for bf16);
+    ASERVE_BF16_PRODUCTS=amx|dpbf16|fma what multiplies aserve's bf16 panels (BF16_PRODUCTS)."""
     from aserve.hardware import cpu_info
     from aserve.ops import cpu_kernels
 
     asked = os.environ.get("ASERVE_GEMM", "").lower()
     if asked and asked not in GEMMS:
         raise ValueError(f"ASERVE_GEMM={asked!r}: expected one of {', '.join(GEMMS)}")
+    products = os.environ.get("ASERVE_BF16_PRODUCTS", "")
+    if products and products not in BF16_PRODUCTS:
+        raise ValueError(f"ASERVE_BF16_PRODUCTS={products!r}: expected one of {', '.join(BF16_PRODUCTS)}")
     built = cpu_kernels.available() and hasattr(torch.ops.aserve, "gemm_packed")
     can = built and (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.aserve.gemm_packs_bf16()))
     if asked == "aserve" and not can and dtype in (torch.float32, torch.bfloat16):
@@ -94,7 +101,11 @@ def gemm_for(dtype: torch.dtype, large_steps: bool = False) -> str:
 
 def gemm_name(dtype: torch.dtype, large_steps: bool = False) -> str:
     """The GEMM that multiplies weights of `dtype` packed here, for the start-up log."""
-    return "aserve's GEMM" if gemm_for(dtype, large_steps) == "aserve" else "oneDNN"
+    if gemm_for(dtype, large_steps) != "aserve":
+        return "oneDNN"
+    if dtype == torch.bfloat16:
+        return f"aserve's GEMM on {BF16_PRODUCTS[torch.ops.aserve.gemm_bf16_products()]}"
+    return "aserve's GEMM"
 
 
 class PackedLinear(nn.Module):

@@ -39,7 +39,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <unistd.h>
@@ -508,6 +510,84 @@ inline void micro_kernel(const uint32_t* a, const Source& source, int64_t kp, __
   for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
 }
 
+// The same products in fp32 FMAs, for CPUs whose two FMA ports outrun vdpbf16ps (products(), below). A panel's
+// pair row is widened to four fp32 vectors (the even and odd k of its two 16-column halves: a bf16 is the top half
+// of its fp32), and x's block is widened once before the panels ([kp][2][12]: a pair row's 12 evens, then its 12
+// odds; widen_block), so a row costs two broadcasts and four FMAs a pair row, and each output sums its k in order.
+struct FmaStored {
+  const uint16_t* b;
+};
+
+template <int MR>
+inline void micro_kernel(const uint32_t* a_block, const FmaStored& source, int64_t kp, __m512 (&acc)[kMR][2],
+                         const char* pf, int64_t lines) {
+  const float* a = reinterpret_cast<const float*>(a_block);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 r[MR][2];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) r[i][0] = acc[i][0], r[i][1] = acc[i][1];
+  PacedPrefetch ahead(pf, lines, kp);
+  for (int64_t k = 0; k < kp; ++k) {
+    ahead.at(k);
+    const __m512i p0 = _mm512_load_si512(source.b + k * 2 * kNR), p1 = _mm512_load_si512(source.b + k * 2 * kNR + kNR);
+    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+    const float* ak = a + k * 2 * kMR;
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xe = _mm512_set1_ps(ak[i]), xo = _mm512_set1_ps(ak[kMR + i]);
+      r[i][0] = _mm512_fmadd_ps(xo, o0, r[i][0]);
+      r[i][1] = _mm512_fmadd_ps(xo, o1, r[i][1]);
+      r[i][0] = _mm512_fmadd_ps(xe, e0, r[i][0]);
+      r[i][1] = _mm512_fmadd_ps(xe, e1, r[i][1]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
+}
+
+// A packed block's [kp][12] pairs as [kp][2][12] fp32 (FmaStored's x). Words of rows the block does not have are
+// widened too and never read.
+inline void widen_block(const uint32_t* pairs, int64_t kp, float* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < kp; ++k) {
+    const __m512i v = _mm512_maskz_loadu_epi32(0x0FFF, pairs + k * kMR);
+    _mm512_mask_storeu_ps(out + k * 2 * kMR, 0x0FFF, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    _mm512_mask_storeu_ps(out + k * 2 * kMR + kMR, 0x0FFF, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+  }
+}
+
+// What multiplies bf16 panels: AMX tiles where the CPU lends them (amx::gemm_panels, below), else vdpbf16ps or fp32
+// FMAs on widened values (FmaStored), which give vdpbf16ps's bits: it is two fp32 FMAs, the odd k's product first, of
+// products exact in fp32 (but with denormal inputs read as zero and denormal sums flushed). On AMD's cores
+// vdpbf16ps has the FMAs' rate in two products' work; on an Intel Xeon with AVX512-BF16 and no AMX tiles (2 threads,
+// hot shapes) the fp32 GEMM ran at 193-197 GFLOP/s and this one on vdpbf16ps at 140-146, on FMAs at 207-262.
+// ASERVE_BF16_PRODUCTS=amx|dpbf16|fma overrides (amx only where the tiles are lent); gemm_bf16_products reads and
+// sets it (tests, A/B runs).
+enum class Products { kAmx, kDpbf16, kFma };
+inline bool amx_tiles() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return aserve_kernels::amx_ready();
+#else
+  return false;
+#endif
+}
+inline Products& products() {
+  static Products chosen = [] {
+    const char* asked = std::getenv("ASERVE_BF16_PRODUCTS");
+    if (asked != nullptr && std::strcmp(asked, "dpbf16") == 0) return Products::kDpbf16;
+    if (asked != nullptr && std::strcmp(asked, "fma") == 0) return Products::kFma;
+    if (amx_tiles()) return Products::kAmx;
+    return aserve_kernels::cpu_is_amd() ? Products::kDpbf16 : Products::kFma;
+  }();
+  return chosen;
+}
+// Up to this many rows vdpbf16ps multiplies even so: a GEMV's few rows are bound by the weights' streaming, and there
+// the FMAs' dependent pairs were slower (the bench model's 120 layers, Xeon as above: 1 row 9.4 against 11.2 ms,
+// 2 rows 10.0 against 11.6, 4 rows level; 5 and 6 rows 7% faster on FMAs, 8 rows 16.3 against 13.4, 64 rows 89
+// against 61). The same bits either way, so a row's output does not depend on its batch.
+constexpr int64_t kRowsOnDpbf16 = 4;
+
 inline __m512 widen(const uint16_t* p) { return aserve_kernels::load_bf16_as_float(p); }
 
 // A tile row's 32 fp32 sums rounded to bf16 (RNE) into c: `cols` of them (fewer than 32 only in the last panel).
@@ -877,7 +957,7 @@ template <class Panels>
 void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
                  const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (aserve_kernels::amx_ready()) return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
+  if (products() == Products::kAmx) return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
 #endif
   const int64_t kp = (K + 1) / 2;
   const int64_t ldo = act == kSiluMul ? N / 2 : N, po = act == kSiluMul ? kNR / 2 : kNR;  // out's pitch, a panel's columns
@@ -885,9 +965,16 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   const int64_t total_lines = (panels.bytes() + 63) / 64;
   thread_local std::vector<uint32_t> packed;
   packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
+  // int8 panels' first call widens them on vdpbf16ps; the block's other calls read the scratch on FMAs (same bits)
+  const bool fma = products() == Products::kFma && M > kRowsOnDpbf16;
+  thread_local std::vector<float> widened;  // fma: the x block widened ([kp][2][12] a call)
+  if (fma) widened.resize(packed.size() * 2);
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
     const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
     pack_rows(x, ldx, m0, mc, K, packed.data());
+    if (fma) {
+      for (int64_t r = 0; r < blocks; ++r) widen_block(packed.data() + r * kMR * kp, kp, widened.data() + r * 2 * kMR * kp);
+    }
     const RowCalls<kMR> calls(mc);
     for (int64_t p = p0; p < p1; ++p) {
       const Stored stored{panels.get(p)};  // int8 panels: the scratch the block's first call widens them into
@@ -907,6 +994,12 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
             kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, ldo, cols, pb, ps, pf, lines, act);
             continue;
           }
+        }
+        if (fma) {
+          const FmaStored source{panels.get(p)};
+          const auto* a = reinterpret_cast<const uint32_t*>(widened.data() + r * 2 * kMR * kp);
+          kTilesOf<FmaStored>[rows](a, &source, kp, c, ldo, cols, pb, ps, pf, lines, act);
+          continue;
         }
         kTilesOf<Stored>[rows](packed.data() + r * kMR * kp, &stored, kp, c, ldo, cols, pb, ps, pf, lines, act);
       }
@@ -1290,6 +1383,21 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10:
   return gemm_fp32(x, packed, bias, out_features, activation);
 }
 
+// What multiplies the bf16 GEMM's panels: "amx", "dpbf16" or "fma" (bf16::products), which `set` changes for the
+// process first (tests, A/B runs; "amx" only where the tiles are lent). "" where the bf16 GEMM is not built.
+std::string gemm_bf16_products(const std::string& set) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  using bf16::Products;
+  TORCH_CHECK(set.empty() || set == "dpbf16" || set == "fma" || (set == "amx" && bf16::amx_tiles()),
+              "gemm_bf16_products: expected dpbf16, fma", bf16::amx_tiles() ? " or amx" : "", "; got ", set);
+  if (!set.empty()) bf16::products() = set == "amx" ? Products::kAmx : set == "fma" ? Products::kFma : Products::kDpbf16;
+  const Products now = bf16::products();
+  return now == Products::kAmx ? "amx" : now == Products::kFma ? "fma" : "dpbf16";
+#else
+  return "";
+#endif
+}
+
 bool gemm_packs_bf16() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return true;
@@ -1304,6 +1412,7 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("gemm_packed(Tensor x, Tensor packed, Tensor? bias, int out_features, int activation=0) -> Tensor");
   m.def("gemm_packs_bf16() -> bool", &gemm_packs_bf16);  // no tensor to dispatch on: one kernel for all
+  m.def("gemm_bf16_products(str set=\"\") -> str", &gemm_bf16_products);
   m.def("gemm_int8(Tensor x, Tensor tiled, Tensor scales, Tensor? bias, int out_features, int act=0) -> Tensor");
   m.def("gemm_int4(Tensor x, Tensor tiled, Tensor scales_zeros, int group, Tensor? bias, int out_features) -> Tensor");
 }
