@@ -965,7 +965,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   const int64_t total_lines = (panels.bytes() + 63) / 64;
   thread_local std::vector<uint32_t> packed;
   packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
-  // int8 panels' first call widens them on vdpbf16ps; the block's other calls read the scratch on FMAs (same bits)
+  // int8 panels, widened in a block's first call on vdpbf16ps, are widened alone first on FMAs (same bits)
   const bool fma = products() == Products::kFma && M > kRowsOnDpbf16;
   thread_local std::vector<float> widened;  // fma: the x block widened ([kp][2][12] a call)
   if (fma) widened.resize(packed.size() * 2);
@@ -989,7 +989,11 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
         const char* pf = next != nullptr ? next + from * 64 : nullptr;
         uint16_t* c = out + (m0 + calls.first(r)) * ldo + p * po;
         if constexpr (Panels::kWidensInFirstCall) {
-          if (r == 0) {
+          if (r == 0 && fma) {  // widened alone first, so that every call multiplies on FMAs
+            const auto widen = panels.widen(p);
+            __m512bh b0, b1;
+            for (int64_t k = 0; k < kp; ++k) widen(k, b0, b1);
+          } else if (r == 0) {
             const auto widen = panels.widen(p);
             kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, ldo, cols, pb, ps, pf, lines, act);
             continue;
