@@ -320,28 +320,20 @@ def test_int8_panels_give_the_same_bits_on_fma_products(aserve_gemm, bf16_produc
     assert torch.equal(outputs["dpbf16"], outputs["fma"])
 
 
-def test_unknown_bf16_products_are_an_error(aserve_gemm, bf16_products, monkeypatch):
-    from aserve.ops import cpu_gemm
-
+def test_unknown_bf16_products_are_an_error(aserve_gemm, bf16_products):
     with pytest.raises(RuntimeError, match="expected dpbf16, fma"):
         bf16_products("avx2")
-    monkeypatch.setenv("ASERVE_BF16_PRODUCTS", "avx2")
-    cpu_gemm.gemm_for.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="ASERVE_BF16_PRODUCTS='avx2'"):
-            cpu_gemm.gemm_for(torch.bfloat16)
-    finally:
-        cpu_gemm.gemm_for.cache_clear()
 
 
-def test_asking_for_an_unknown_gemm_is_an_error(monkeypatch):
+@pytest.mark.parametrize("variable,dtype", [("ASERVE_GEMM", torch.float32), ("ASERVE_BF16_PRODUCTS", torch.bfloat16)])
+def test_asking_for_an_unknown_gemm_is_an_error(monkeypatch, variable, dtype):
     from aserve.ops import cpu_gemm
 
-    monkeypatch.setenv("ASERVE_GEMM", "blas")
+    monkeypatch.setenv(variable, "blas")
     cpu_gemm.gemm_for.cache_clear()
     try:
-        with pytest.raises(ValueError, match="ASERVE_GEMM='blas'"):
-            cpu_gemm.gemm_for(torch.float32)
+        with pytest.raises(ValueError, match=f"{variable}='blas'"):
+            cpu_gemm.gemm_for(dtype)
     finally:
         cpu_gemm.gemm_for.cache_clear()
 
