@@ -298,10 +298,10 @@ def test_fma_products_give_the_bits_of_vdpbf16ps(aserve_gemm, bf16_products, row
     torch.testing.assert_close(outputs["fma"][0].double(), expected, atol=1e-3, rtol=2 ** -8)
 
 
-@pytest.mark.parametrize("rows", [9, 13, 64])  # past int8_linear's few rows: gemm_int8, its first call on vdpbf16ps
+@pytest.mark.parametrize("rows", [9, 13, 64])  # past int8_linear's few rows: gemm_int8
 def test_int8_panels_give_the_same_bits_on_fma_products(aserve_gemm, bf16_products, rows):
-    """int8 panels are widened by each row block's first call (on vdpbf16ps) and read by the others, on FMAs where
-    those are the products: the same bits as on vdpbf16ps throughout."""
+    """int8 panels are widened by each row block's first call as it multiplies on vdpbf16ps, or, on FMA products,
+    widened alone first and then multiplied on FMAs by every call: the same bits either way."""
     from aserve.models.layers import Linear
     from aserve.quantization import int8
 

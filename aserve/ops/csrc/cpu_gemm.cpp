@@ -989,14 +989,14 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
         const char* pf = next != nullptr ? next + from * 64 : nullptr;
         uint16_t* c = out + (m0 + calls.first(r)) * ldo + p * po;
         if constexpr (Panels::kWidensInFirstCall) {
-          if (r == 0 && fma) {  // widened alone first, so that every call multiplies on FMAs
+          if (r == 0) {
             const auto widen = panels.widen(p);
-            __m512bh b0, b1;
+            if (!fma) {
+              kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, ldo, cols, pb, ps, pf, lines, act);
+              continue;
+            }
+            __m512bh b0, b1;  // on FMAs: widened alone first, so that every call multiplies on them
             for (int64_t k = 0; k < kp; ++k) widen(k, b0, b1);
-          } else if (r == 0) {
-            const auto widen = panels.widen(p);
-            kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, ldo, cols, pb, ps, pf, lines, act);
-            continue;
           }
         }
         if (fma) {
