@@ -85,6 +85,19 @@ def pick_gemm(monkeypatch):
     cpu_gemm.gemm_for.cache_clear()
 
 
+@pytest.fixture
+def bf16_products():
+    """products(name): what multiplies aserve's bf16 GEMMs in this test (gemm_bf16_products: "fma", "dpbf16" or,
+    where the CPU lends AMX tiles, "amx"), put back after. Skips where the bf16 GEMM is not built (no AVX512-BF16)."""
+    from aserve.ops import cpu_kernels
+
+    if not cpu_kernels.available() or not torch.ops.aserve.gemm_packs_bf16():
+        pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+    before = torch.ops.aserve.gemm_bf16_products()
+    yield torch.ops.aserve.gemm_bf16_products
+    torch.ops.aserve.gemm_bf16_products(before)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

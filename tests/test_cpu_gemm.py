@@ -264,15 +264,6 @@ def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm, dtype):
         torch.ops.aserve.gemm_packed(torch.randn(2, 20, dtype=torch.float16), packed.data, None, 24)
 
 
-@pytest.fixture
-def bf16_products():
-    """products(name): what multiplies aserve's bf16 panels in this test (gemm_bf16_products), put back after."""
-    bf16_gemm_or_skip()
-    before = torch.ops.aserve.gemm_bf16_products()
-    yield torch.ops.aserve.gemm_bf16_products
-    torch.ops.aserve.gemm_bf16_products(before)
-
-
 @pytest.mark.parametrize("rows", [1, 4, 5, 13, 64, 257])  # vdpbf16ps up to 4 rows, then FMAs; 257: two row blocks
 @pytest.mark.parametrize("out_features,in_features", [(40, 33), (96, 576), (33, 2100)])  # panel and K tails
 def test_fma_products_give_the_bits_of_vdpbf16ps(aserve_gemm, bf16_products, rows, out_features, in_features):

@@ -536,22 +536,27 @@ def test_silu_and_mul_takes_gates_and_ups_in_alternate_blocks(dtype):
         torch.ops.aserve.silu_and_mul(x, 40)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_kernels_match_the_dequantized_product(dtype):
+@pytest.mark.parametrize("dtype,products", [(torch.float32, None), (torch.bfloat16, None),
+                                            (torch.bfloat16, "dpbf16"), (torch.bfloat16, "fma")])
+def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     """GPTQ/AWQ layers on aserve's int4 kernels: int4_linear (1-8 rows) and gemm_int4 (any rows) equal x @ (q * s -
-    s * z)^T with the stored (dtype-rounded) s and s * z, for group sizes 32/64/128 and a whole row, output widths
-    that end mid-tile and mid-panel, a batch over one row block, inputs past the fp32 GEMM's k chunk, and several
-    row slices over several panels a thread (the AMX GEMM's widening ahead, 200 x 576 and 130 x 1536); int4_linear
-    the same for rows that are a view into wider ones."""
+    s * z)^T with the stored (dtype-rounded) s and s * z, for group sizes 24/32/64/128 and a whole row, output widths
+    that end mid-tile and mid-panel, inputs that end mid-way through 16 (72), a batch over one row block, inputs
+    past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
+    ahead, 200 x 576 and 130 x 1536); bf16 on each of the CPU's products (gemm_int4 on FMAs takes a tile at a time,
+    16 rows at once, in row blocks: 70 rows of 4224 are two); int4_linear the same for rows that are a view into
+    wider ones."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes
 
     if dtype not in gemm_dtypes():
         pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
+    if products is not None:
+        request.getfixturevalue("bf16_products")(products)
     gen = torch.Generator().manual_seed(7)
     for out_features, in_features, group, rows in ((33, 64, 32, 1), (200, 128, 64, 3), (48, 576, 64, 8),
-                                                   (100, 4224, 64, 20), (40, 96, 96, 300), (64, 1536, 128, 5),
-                                                   (200, 576, 64, 70), (130, 1536, 128, 131)):
+                                                   (100, 4224, 64, 70), (40, 96, 96, 300), (64, 1536, 128, 5),
+                                                   (33, 72, 24, 9), (200, 576, 64, 70), (130, 1536, 128, 131)):
         groups = in_features // group
         codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
         scales = torch.rand(groups, out_features, generator=gen) * 0.1

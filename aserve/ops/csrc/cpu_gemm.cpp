@@ -37,11 +37,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -672,30 +674,36 @@ constexpr TileFn kTilesOf[kMR + 1] = {nullptr, tile<1, Source>, tile<2, Source>,
                                       tile<5, Source>, tile<6, Source>, tile<7, Source>, tile<8, Source>,
                                       tile<9, Source>, tile<10, Source>, tile<11, Source>, tile<12, Source>};
 
-// Pairs [k, k + 16) of `rows` (up to 12) rows as 16 groups of 12 at out[k * 12]: a 16 x 16 transpose of 32-bit words
-// (the missing rows zero), the first 12 words of each column stored.
-inline void pack_16_pairs(const uint16_t* const* src, int rows, int64_t k, uint32_t* out) {
-  __m512i r[16], a[16], b[16];
-  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_si512(src[i] + 2 * k) : _mm512_setzero_si512();
+// 16 vectors of 16 32-bit words transposed in place: word j of r[i] becomes word i of r[j].
+inline void transpose_16x16(__m512i (&r)[16]) {
+  __m512i a[16], b[16];
   for (int j = 0; j < 8; ++j) {  // within 128-bit lanes: words of rows 2j, 2j + 1
     a[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
     a[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
   }
-  for (int j = 0; j < 4; ++j) {  // b[4j + c], lane L: rows 4j..4j+3 of pair 4L + c
+  for (int j = 0; j < 4; ++j) {  // b[4j + c], lane L: rows 4j..4j+3 of word 4L + c
     b[4 * j] = _mm512_unpacklo_epi64(a[4 * j], a[4 * j + 2]);
     b[4 * j + 1] = _mm512_unpackhi_epi64(a[4 * j], a[4 * j + 2]);
     b[4 * j + 2] = _mm512_unpacklo_epi64(a[4 * j + 1], a[4 * j + 3]);
     b[4 * j + 3] = _mm512_unpackhi_epi64(a[4 * j + 1], a[4 * j + 3]);
   }
-  for (int c = 0; c < 4; ++c) {  // 128-bit lanes transposed: pair 4L + c gathers lane L of b[c], b[4 + c], ...
+  for (int c = 0; c < 4; ++c) {  // 128-bit lanes transposed: word 4L + c gathers lane L of b[c], b[4 + c], ...
     const __m512i p0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), p1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
     const __m512i p2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
     const __m512i p3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
-    _mm512_mask_storeu_epi32(out + (k + c) * kMR, 0x0FFF, _mm512_shuffle_i32x4(p0, p2, 0x88));
-    _mm512_mask_storeu_epi32(out + (k + 4 + c) * kMR, 0x0FFF, _mm512_shuffle_i32x4(p0, p2, 0xDD));
-    _mm512_mask_storeu_epi32(out + (k + 8 + c) * kMR, 0x0FFF, _mm512_shuffle_i32x4(p1, p3, 0x88));
-    _mm512_mask_storeu_epi32(out + (k + 12 + c) * kMR, 0x0FFF, _mm512_shuffle_i32x4(p1, p3, 0xDD));
+    r[c] = _mm512_shuffle_i32x4(p0, p2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(p0, p2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(p1, p3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(p1, p3, 0xDD);
   }
+}
+
+// Pairs [k, k + 16) of `rows` (up to 12) rows as 16 groups of 12 at out[k * 12] (the missing rows zero).
+inline void pack_16_pairs(const uint16_t* const* src, int rows, int64_t k, uint32_t* out) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_si512(src[i] + 2 * k) : _mm512_setzero_si512();
+  transpose_16x16(r);
+  for (int j = 0; j < 16; ++j) _mm512_mask_storeu_epi32(out + (k + j) * kMR, 0x0FFF, r[j]);
 }
 
 // x rows [m0, m0 + mc) as ceil(mc / 12) blocks of [kp][12] pairs (odd K's last half zero), one per call (RowCalls).
@@ -1204,8 +1212,123 @@ struct Int4Panels {
   }
 };
 
+// gemm_int4 on FMA products: each tile's codes dequantized in registers (fmsub, fp32) and multiplied at once by up to
+// kInt4RowsAtOnce rows, the tile widened again for each further call (from L1: a tile is K / 2 x 16 bytes). Widening
+// panels into scratch for the dense micro-kernel (as on vdpbf16ps) was half of a 16-row product on an Intel Xeon
+// without AMX (2 threads): writing a panel's bf16 pairs and reading them back cost as much as its products. In
+// registers a tile's pair row costs four widening ops and two fmsubs beside its 2 x 16 FMAs at 16 rows. The bench
+// model's 120 int4 layers (ms, panels against tiles): 16 rows 40.3 against 20.0 (dense 21.7 / 21.3 in the same runs),
+// 64 rows 102-109 against 67-73, 512 rows 694-772 against 527-552, 2048 rows 2985 against 2298; 24 rows at once spilled
+// registers (64 rows 117 ms). The weights stay fp32 (not rounded to bf16 as the panels' are); each output's sums are
+// fp32, in k order.
+constexpr int kInt4RowsAtOnce = 16;
+
+// Rows [0, rows) of x (bf16, ldx apart) as fp32 [K][rows]: x's transpose, 16 rows by 16 k at a time.
+inline void transpose_rows_fp32(const uint16_t* x, int64_t ldx, int rows, int64_t K, float* out) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    for (int m0 = 0; m0 < rows; m0 += 16) {
+      const int n = std::min(16, rows - m0);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < n ? _mm512_castps_si512(widen(x + (m0 + i) * ldx + k)) : _mm512_setzero_si512();
+      transpose_16x16(r);
+      const auto lanes = static_cast<__mmask16>((1u << n) - 1);
+      for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(out + (k + j) * rows + m0, lanes, _mm512_castsi512_ps(r[j]));
+    }
+  }
+  for (; k < K; ++k) {
+    for (int m = 0; m < rows; ++m) {
+      const uint32_t bits = static_cast<uint32_t>(x[m * ldx + k]) << 16;
+      std::memcpy(out + k * rows + m, &bits, sizeof bits);
+    }
+  }
+}
+
+// One tile's 16 outputs (`cols` real) for MR rows of x (fp32 [K][MR], transpose_rows_fp32), from the bias or zero,
+// rounded to bf16 once.
+template <int MR>
+void int4_tile_rows(const uint8_t* tile, const uint16_t* sz, int64_t K, int64_t group, const float* x,
+                    const uint16_t* bias, uint16_t* c, int64_t ldc, int cols) {
+  __m512 acc[MR];
+  alignas(64) uint16_t edge[16] = {};
+  if (bias != nullptr) std::memcpy(edge, bias, cols * sizeof(uint16_t));
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) acc[m] = widen(edge);
+  for (int64_t g = 0, kk = 0; g < K / group; ++g) {
+    const __m512 s16 = _mm512_mul_ps(widen(sz + g * 32), _mm512_set1_ps(16.0f));
+    const __m512 cz = _mm512_add_ps(s16, widen(sz + g * 32 + 16));
+    for (const int64_t stop = (g + 1) * group / 2; kk < stop; kk += 4) {  // a block: pair rows kk..kk+3
+      const __m512i block = _mm512_loadu_si512(tile + kk * 16);
+      const auto pair_row = [&](int s, __m512 even, __m512 odd) __attribute__((always_inline)) {
+        even = _mm512_fmsub_ps(even, s16, cz), odd = _mm512_fmsub_ps(odd, s16, cz);
+        const float* xk = x + 2 * (kk + s) * MR;  // the MR rows' x[2kk], then their x[2kk + 1]
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), even, acc[m]);
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[MR + m]), odd, acc[m]);
+        }
+      };
+      pair_row(0, nibble_as_float<19>(block), nibble_as_float<3>(block));
+      pair_row(1, nibble_as_float<15>(block), nibble_as_float<-1>(block));
+      pair_row(2, nibble_as_float<11>(block), nibble_as_float<-5>(block));
+      pair_row(3, nibble_as_float<7>(block), nibble_as_float<-9>(block));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const __m256bh v = _mm512_cvtneps_pbh(acc[m]);
+    alignas(32) uint16_t row[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(row), reinterpret_cast<const __m256i&>(v));
+    std::memcpy(c + m * ldc, row, cols * sizeof(uint16_t));
+  }
+}
+
+using Int4TileFn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, const float*, const uint16_t*,
+                            uint16_t*, int64_t, int);
+template <int... MR>
+constexpr std::array<Int4TileFn, sizeof...(MR) + 1> int4_tile_table(std::integer_sequence<int, MR...>) {
+  return {nullptr, int4_tile_rows<MR + 1>...};
+}
+constexpr auto kInt4Tiles = int4_tile_table(std::make_integer_sequence<int, kInt4RowsAtOnce>());
+
+// Row blocks whose fp32 rows fit half of L2 (block_bytes), each against all of a thread's tiles: a tile's codes are
+// read once per block, the block's rows once per tile.
+void gemm_int4_by_tiles(const GemmArgs& args, const uint8_t* tiles, const uint16_t* sz, int64_t group,
+                        int64_t num_tiles, uint16_t* out) {
+  const int64_t M = args.M, K = args.K, N = args.N, groups = K / group, ldx = args.rows.stride(0);
+  const int64_t row_block = std::max<int64_t>(kInt4RowsAtOnce, block_bytes() / (K * 4) / kInt4RowsAtOnce * kInt4RowsAtOnce);
+  thread_local std::vector<float> rows;  // each call's rows as [K][rows] fp32, one call after the other
+  rows.resize(M * K);
+  const auto* x = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
+  for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+    const RowCalls<kInt4RowsAtOnce> calls(std::min(row_block, M - m0));
+    for (int64_t r = 0; r < calls.count; ++r) {
+      const int64_t first = m0 + calls.first(r);
+      transpose_rows_fp32(x + first * ldx, ldx, calls.rows(r), K, rows.data() + first * K);
+    }
+  }
+  const float* xt = rows.data();  // (the workers' own `rows` are other vectors)
+  const auto* bias = static_cast<const uint16_t*>(args.bias);
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const RowCalls<kInt4RowsAtOnce> calls(std::min(row_block, M - m0));
+      for (int64_t t = begin; t < end; ++t) {
+        const int cols = static_cast<int>(std::min<int64_t>(16, N - t * 16));
+        for (int64_t r = 0; r < calls.count; ++r) {
+          const int64_t first = m0 + calls.first(r);
+          kInt4Tiles[calls.rows(r)](tiles + t * (K / 2) * 16, sz + t * groups * 32, K, group, xt + first * K,
+                                    bias != nullptr ? bias + t * 16 : nullptr, out + first * N + t * 16, N, cols);
+        }
+      }
+    }
+  });
+}
+
 void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                at::Tensor& out) {
+  if (products() == Products::kFma)
+    return gemm_int4_by_tiles(args, tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
+                              group, tiled.size(0), reinterpret_cast<uint16_t*>(out.data_ptr()));
   const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int4Panels panels{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
@@ -1337,7 +1460,8 @@ struct Int4Panels {
 
 // torch.ops.aserve.gemm_int4: x @ W^T + bias for GPTQ/AWQ weights in int4 tiles with per-group scales and zero terms,
 // as a GEMM (the batches too large for int4_linear): each panel dequantized once per row block into the dense GEMM's
-// layout. bf16 with AVX512-BF16 (the weights rounded to bf16, as a dequantized bf16 layer's are), else fp32.
+// layout (bf16 on FMA products: each tile in registers, gemm_int4_by_tiles). bf16 with AVX512-BF16 (the weights
+// rounded to bf16, as a dequantized bf16 layer's are, except on FMA products), else fp32.
 at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dim() >= 1, "gemm_int4: x must be [..., in_features]");
