@@ -290,10 +290,12 @@ def test_fma_products_give_the_bits_of_vdpbf16ps(aserve_gemm, bf16_products, row
 
 
 @pytest.mark.parametrize("rows", [9, 13, 64])  # past int8_linear's few rows: gemm_int8
-def test_int8_panels_give_the_same_bits_on_fma_products(aserve_gemm, bf16_products, rows):
-    """int8 panels are widened by each row block's first call as it multiplies on vdpbf16ps, or, on FMA products,
-    widened alone first and then multiplied on FMAs by every call: the same bits either way."""
+def test_int8_gives_the_same_bits_on_fma_products(aserve_gemm, bf16_products, rows):
+    """int8 weights on vdpbf16ps (panels widened by each row block's first call) and on FMA products (a tile at a
+    time, widened to fp32 in registers, the odd k's product first): the same bits, for a layer with a bias, for an
+    odd number of inputs, and for gated tiles' SiLU-and-mul."""
     from aserve.models.layers import Linear
+    from aserve.ops.cpu_gemm import SILU_AND_MUL, interleave_gates
     from aserve.quantization import int8
 
     layer = Linear(600, 164, bias=True).to(torch.bfloat16)
@@ -303,12 +305,17 @@ def test_int8_panels_give_the_same_bits_on_fma_products(aserve_gemm, bf16_produc
     layer.bias.data.copy_(torch.randn(164, generator=gen))
     layer.method.process_after_loading(layer)
     x = torch.randn(rows, 600, generator=gen).to(torch.bfloat16)
+    q, scale = int8.quantize_per_channel(torch.randn(64, 601, generator=gen), torch.bfloat16)
+    odd_x = torch.randn(rows, 601, generator=gen).to(torch.bfloat16)
+    gated, gated_scale = int8.tile(interleave_gates(q)), interleave_gates(scale)
     outputs = {}
     with torch.inference_mode():
         for products in ("dpbf16", "fma"):
             bf16_products(products)
-            outputs[products] = layer(x)
-    assert torch.equal(outputs["dpbf16"], outputs["fma"])
+            outputs[products] = (layer(x), torch.ops.aserve.gemm_int8(odd_x, int8.tile(q), scale, None, 64),
+                                 torch.ops.aserve.gemm_int8(odd_x, gated, gated_scale, None, 64, SILU_AND_MUL))
+    for dpbf16, fma in zip(outputs["dpbf16"], outputs["fma"]):
+        assert torch.equal(dpbf16, fma)
 
 
 def test_unknown_bf16_products_are_an_error(aserve_gemm, bf16_products):

@@ -43,6 +43,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -973,8 +974,8 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   const int64_t total_lines = (panels.bytes() + 63) / 64;
   thread_local std::vector<uint32_t> packed;
   packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
-  // int8 panels, widened in a block's first call on vdpbf16ps, are widened alone first on FMAs (same bits)
-  const bool fma = products() == Products::kFma && M > kRowsOnDpbf16;
+  // (quantized weights on FMA products take the tile GEMM, gemm_by_tiles)
+  const bool fma = std::is_same_v<Panels, DensePanels> && products() == Products::kFma && M > kRowsOnDpbf16;
   thread_local std::vector<float> widened;  // fma: the x block widened ([kp][2][12] a call)
   if (fma) widened.resize(packed.size() * 2);
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
@@ -999,12 +1000,8 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
         if constexpr (Panels::kWidensInFirstCall) {
           if (r == 0) {
             const auto widen = panels.widen(p);
-            if (!fma) {
-              kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, ldo, cols, pb, ps, pf, lines, act);
-              continue;
-            }
-            __m512bh b0, b1;  // on FMAs: widened alone first, so that every call multiplies on them
-            for (int64_t k = 0; k < kp; ++k) widen(k, b0, b1);
+            kTilesOf<decltype(widen)>[rows](packed.data(), &widen, kp, c, ldo, cols, pb, ps, pf, lines, act);
+            continue;
           }
         }
         if (fma) {
@@ -1140,18 +1137,6 @@ struct Int8Panels {
   }
 };
 
-// `act`: kSiluMul for a gate | up weight tiled 16 gates then their 16 ups (quantization.int8's gated tiling), so
-// that a panel's two tiles are a gate and its up, as pack_gated_weight's rows are for the dense GEMM.
-void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale, at::Tensor& out, int64_t act) {
-  const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const Int8Panels panels{tiled.data_ptr<int8_t>(), args.K, tiled.size(0)};
-  at::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), scale, o,
-                args.N, begin, end, act);
-  });
-}
-
 // GPTQ/AWQ int4 tiles ([ceil(N/16)][K/8] blocks of 64 bytes: int8_linear.cpp's int4 layout) two at a time as a
 // bf16 panel, dequantized on the way: w = q * s - s * z with each group's s and s * z ([tiles][groups][2][16],
 // bf16), rounded to bf16 once. Pair row kk = 4b + s of block b: 32-bit word j holds output j's codes for k = 2kk at
@@ -1212,18 +1197,19 @@ struct Int4Panels {
   }
 };
 
-// gemm_int4 on FMA products: each tile's codes dequantized in registers (fmsub, fp32) and multiplied at once by up to
-// kInt4RowsAtOnce rows, the tile widened again for each further call (from L1: a tile is K / 2 x 16 bytes). Widening
-// panels into scratch for the dense micro-kernel (as on vdpbf16ps) was half of a 16-row product on an Intel Xeon
-// without AMX (2 threads): writing a panel's bf16 pairs and reading them back cost as much as its products. In
-// registers a tile's pair row costs four widening ops and two fmsubs beside its 2 x 16 FMAs at 16 rows. The bench
-// model's 120 int4 layers (ms, panels against tiles): 16 rows 40.3 against 20.0 (dense 21.7 / 21.3 in the same runs),
-// 64 rows 102-109 against 67-73, 512 rows 694-772 against 527-552, 2048 rows 2985 against 2298; 24 rows at once spilled
-// registers (64 rows 117 ms). The weights stay fp32 (not rounded to bf16 as the panels' are); each output's sums are
-// fp32, in k order.
-constexpr int kInt4RowsAtOnce = 16;
+// int8 and int4 GEMMs on FMA products: a tile (16 outputs) at a time, its weights made fp32 in registers (int8:
+// widened; int4: dequantized with one fmsub, fp32, not rounded to bf16 as the panels' are) and multiplied at once by up
+// to kRowsAtOnce rows, the tile widened again for each further call (from L1: a tile is K x 16 or K / 2 x 16 bytes).
+// Widening panels into scratch for the dense micro-kernel (as on vdpbf16ps) was half of a 16-row int4 product on an
+// Intel Xeon without AMX (2 threads): writing a panel's bf16 pairs and reading them back cost as much as its
+// products. In registers a tile's pair row costs four widening ops (int4: and two fmsubs) beside its 2 x 16 FMAs at
+// 16 rows. The bench model's 120 int4 layers (ms, panels against tiles): 16 rows 40.3 against 20.0 (dense 21.7 / 21.3
+// in the same runs), 64 rows 102-109 against 67-73, 512 rows 694-772 against 527-552, 2048 rows 2985 against 2298;
+// 24 rows at once spilled registers (64 rows 117 ms). Each output's sums are fp32, in k order.
+constexpr int kRowsAtOnce = 16;
 
-// Rows [0, rows) of x (bf16, ldx apart) as fp32 [K][rows]: x's transpose, 16 rows by 16 k at a time.
+// Rows [0, rows) of x (bf16, ldx apart) as fp32 [2 ceil(K / 2)][rows]: x's transpose, 16 rows by 16 k at a time (an
+// odd K's last row zeros, for the last pair row's odd half).
 inline void transpose_rows_fp32(const uint16_t* x, int64_t ldx, int rows, int64_t K, float* out) {
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
@@ -1243,92 +1229,184 @@ inline void transpose_rows_fp32(const uint16_t* x, int64_t ldx, int rows, int64_
       std::memcpy(out + k * rows + m, &bits, sizeof bits);
     }
   }
+  if (K % 2 != 0) std::fill(out + K * rows, out + (K + 1) * rows, 0.f);
 }
 
-// One tile's 16 outputs (`cols` real) for MR rows of x (fp32 [K][MR], transpose_rows_fp32), from the bias or zero,
-// rounded to bf16 once.
-template <int MR>
-void int4_tile_rows(const uint8_t* tile, const uint16_t* sz, int64_t K, int64_t group, const float* x,
-                    const uint16_t* bias, uint16_t* c, int64_t ldc, int cols) {
-  __m512 acc[MR];
-  alignas(64) uint16_t edge[16] = {};
-  if (bias != nullptr) std::memcpy(edge, bias, cols * sizeof(uint16_t));
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) acc[m] = widen(edge);
-  for (int64_t g = 0, kk = 0; g < K / group; ++g) {
-    const __m512 s16 = _mm512_mul_ps(widen(sz + g * 32), _mm512_set1_ps(16.0f));
-    const __m512 cz = _mm512_add_ps(s16, widen(sz + g * 32 + 16));
-    for (const int64_t stop = (g + 1) * group / 2; kk < stop; kk += 4) {  // a block: pair rows kk..kk+3
-      const __m512i block = _mm512_loadu_si512(tile + kk * 16);
-      const auto pair_row = [&](int s, __m512 even, __m512 odd) __attribute__((always_inline)) {
-        even = _mm512_fmsub_ps(even, s16, cz), odd = _mm512_fmsub_ps(odd, s16, cz);
-        const float* xk = x + 2 * (kk + s) * MR;  // the MR rows' x[2kk], then their x[2kk + 1]
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) {
-          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), even, acc[m]);
-          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[MR + m]), odd, acc[m]);
-        }
-      };
-      pair_row(0, nibble_as_float<19>(block), nibble_as_float<3>(block));
-      pair_row(1, nibble_as_float<15>(block), nibble_as_float<-1>(block));
-      pair_row(2, nibble_as_float<11>(block), nibble_as_float<-5>(block));
-      pair_row(3, nibble_as_float<7>(block), nibble_as_float<-9>(block));
+// A tile's pair rows as fp32 (even k, odd k), handed to f(kk, even, odd) in order: GPTQ/AWQ codes in 64-byte blocks
+// (a block's pair row s: int4_pair_row's nibbles), dequantized with each group's s and s * z.
+struct Int4Tile {
+  const uint8_t* codes;  // [K / 2][16]
+  const uint16_t* sz;    // [groups][2][16]
+  int64_t K, group;
+  template <class F> inline void pair_rows(F&& f) const {
+    for (int64_t g = 0, kk = 0; g < K / group; ++g) {
+      const __m512 s16 = _mm512_mul_ps(widen(sz + g * 32), _mm512_set1_ps(16.0f));
+      const __m512 cz = _mm512_add_ps(s16, widen(sz + g * 32 + 16));
+      const auto w = [&](__m512 code) { return _mm512_fmsub_ps(code, s16, cz); };
+      for (const int64_t stop = (g + 1) * group / 2; kk < stop; kk += 4) {
+        const __m512i block = _mm512_loadu_si512(codes + kk * 16);
+        f(kk, w(nibble_as_float<19>(block)), w(nibble_as_float<3>(block)));
+        f(kk + 1, w(nibble_as_float<15>(block)), w(nibble_as_float<-1>(block)));
+        f(kk + 2, w(nibble_as_float<11>(block)), w(nibble_as_float<-5>(block)));
+        f(kk + 3, w(nibble_as_float<7>(block)), w(nibble_as_float<-9>(block)));
+      }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    const __m256bh v = _mm512_cvtneps_pbh(acc[m]);
-    alignas(32) uint16_t row[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(row), reinterpret_cast<const __m256i&>(v));
-    std::memcpy(c + m * ldc, row, cols * sizeof(uint16_t));
+};
+
+// int8 rows ([K][16]) widened (an odd K's last pair row has a zero odd half); the scales come after the sums.
+struct Int8Tile {
+  const int8_t* rows;
+  int64_t K;
+  static inline __m512 row(const int8_t* r) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r))));
   }
+  template <class F> inline void pair_rows(F&& f) const {
+    int64_t kk = 0;
+    for (; 2 * kk + 1 < K; ++kk) f(kk, row(rows + 2 * kk * 16), row(rows + (2 * kk + 1) * 16));
+    if (K % 2 != 0) f(kk, row(rows + 2 * kk * 16), _mm512_setzero_ps());
+  }
+};
+
+// acc[m] += the tile's products with row m of x (fp32 [2 ceil(K / 2)][MR]: transpose_rows_fp32), a pair row's odd k
+// first, as vdpbf16ps and the FMA micro-kernel add them: exact products (int8 weights) give their bits.
+template <int MR, class Tile>
+inline void tile_sums(const Tile& tile, const float* x, __m512 (&acc)[MR]) {
+  tile.pair_rows([&](int64_t kk, __m512 even, __m512 odd) __attribute__((always_inline)) {
+    const float* xk = x + 2 * kk * MR;  // the MR rows' x[2kk], then their x[2kk + 1]
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[MR + m]), odd, acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), even, acc[m]);
+    }
+  });
 }
 
-using Int4TileFn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, const float*, const uint16_t*,
-                            uint16_t*, int64_t, int);
-template <int... MR>
-constexpr std::array<Int4TileFn, sizeof...(MR) + 1> int4_tile_table(std::integer_sequence<int, MR...>) {
-  return {nullptr, int4_tile_rows<MR + 1>...};
+inline void store_tile_row(__m512 v, uint16_t* c, int cols) {
+  const __m256bh words = _mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16(c, static_cast<__mmask16>((1u << cols) - 1), reinterpret_cast<const __m256i&>(words));
 }
-constexpr auto kInt4Tiles = int4_tile_table(std::make_integer_sequence<int, kInt4RowsAtOnce>());
 
-// Row blocks whose fp32 rows fit half of L2 (block_bytes), each against all of a thread's tiles: a tile's codes are
-// read once per block, the block's rows once per tile.
-void gemm_int4_by_tiles(const GemmArgs& args, const uint8_t* tiles, const uint16_t* sz, int64_t group,
-                        int64_t num_tiles, uint16_t* out) {
-  const int64_t M = args.M, K = args.K, N = args.N, groups = K / group, ldx = args.rows.stride(0);
-  const int64_t row_block = std::max<int64_t>(kInt4RowsAtOnce, block_bytes() / (K * 4) / kInt4RowsAtOnce * kInt4RowsAtOnce);
-  thread_local std::vector<float> rows;  // each call's rows as [K][rows] fp32, one call after the other
-  rows.resize(M * K);
+// What a call multiplies: its rows' fp32 transpose x, their outputs c (ldc apart), and the work item (a tile, or
+// for SiLU-and-mul a gate tile and its up tile).
+struct TileCall {
+  const float* x;
+  uint16_t* c;
+  int64_t ldc, item;
+};
+
+// int4: tile `item`'s 16 outputs (`cols` real), from the bias.
+struct Int4Items {
+  const uint8_t* tiles;
+  const uint16_t* sz;
+  const uint16_t* bias;
+  int64_t K, group, N;
+  int64_t count() const { return (N + 15) / 16; }
+  template <int MR> void run(const TileCall& call) const {
+    const int64_t t = call.item;
+    const int cols = static_cast<int>(std::min<int64_t>(16, N - t * 16));
+    alignas(64) uint16_t edge[16] = {};
+    if (bias != nullptr) std::memcpy(edge, bias + t * 16, cols * sizeof(uint16_t));
+    __m512 acc[MR];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) acc[m] = widen(edge);
+    tile_sums<MR>(Int4Tile{tiles + t * (K / 2) * 16, sz + t * (K / group) * 32, K, group}, call.x, acc);
+    for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + t * 16, cols);
+  }
+};
+
+// int8: tile `item`'s sums scaled per column, then the bias added; with SiLU-and-mul (gate | up tiles alternating,
+// quantization.int8's gated tiling) item p's gates are tile 2p and its ups 2p + 1, out 16 columns of silu(gate) * up.
+struct Int8Items {
+  const int8_t* tiles;
+  const float* scale;  // fp32, per column (zero-padded to whole panels)
+  const uint16_t* bias;
+  int64_t K, N, act;
+  int64_t count() const { return act == kSiluMul ? N / 32 : (N + 15) / 16; }
+  template <int MR> void scaled_sums(int64_t t, const float* x, int cols, __m512 (&acc)[MR]) const {
+    alignas(64) uint16_t edge[16] = {};
+    if (bias != nullptr) std::memcpy(edge, bias + t * 16, cols * sizeof(uint16_t));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    tile_sums<MR>(Int8Tile{tiles + t * K * 16, K}, x, acc);
+    const __m512 s = _mm512_loadu_ps(scale + t * 16), b = widen(edge);
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(acc[m], s, b);
+  }
+  template <int MR> void run(const TileCall& call) const {
+    __m512 acc[MR];
+    if (act != kSiluMul) {
+      const int cols = static_cast<int>(std::min<int64_t>(16, N - call.item * 16));
+      scaled_sums<MR>(call.item, call.x, cols, acc);
+      for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + call.item * 16, cols);
+      return;
+    }
+    __m512 gates[MR];
+    scaled_sums<MR>(2 * call.item, call.x, 16, gates);
+    scaled_sums<MR>(2 * call.item + 1, call.x, 16, acc);
+    for (int m = 0; m < MR; ++m) store_tile_row(silu_times(gates[m], acc[m]), call.c + m * call.ldc + call.item * 16, 16);
+  }
+};
+
+template <class Items, int... MR>
+constexpr std::array<void (Items::*)(const TileCall&) const, sizeof...(MR) + 1> rows_table(
+    std::integer_sequence<int, MR...>) {
+  return {nullptr, &Items::template run<MR + 1>...};
+}
+
+// The tile GEMM: row blocks whose fp32 rows fit half of L2 (block_bytes), each against all of a thread's items in
+// calls of up to kRowsAtOnce rows: an item's weights are read once per block, the block's rows once per item.
+template <class Items>
+void gemm_by_tiles(const GemmArgs& args, const Items& items, uint16_t* out, int64_t ldo) {
+  static constexpr auto kRuns = rows_table<Items>(std::make_integer_sequence<int, kRowsAtOnce>());
+  const int64_t M = args.M, K = args.K, K2 = (K + 1) / 2 * 2, ldx = args.rows.stride(0);
+  const int64_t row_block = std::max<int64_t>(kRowsAtOnce, block_bytes() / (K2 * 4) / kRowsAtOnce * kRowsAtOnce);
+  thread_local std::vector<float> rows;  // each call's rows as [K2][rows] fp32, one call after the other
+  rows.resize(M * K2);
   const auto* x = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-    const RowCalls<kInt4RowsAtOnce> calls(std::min(row_block, M - m0));
+    const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
     for (int64_t r = 0; r < calls.count; ++r) {
       const int64_t first = m0 + calls.first(r);
-      transpose_rows_fp32(x + first * ldx, ldx, calls.rows(r), K, rows.data() + first * K);
+      transpose_rows_fp32(x + first * ldx, ldx, calls.rows(r), K, rows.data() + first * K2);
     }
   }
   const float* xt = rows.data();  // (the workers' own `rows` are other vectors)
-  const auto* bias = static_cast<const uint16_t*>(args.bias);
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-      const RowCalls<kInt4RowsAtOnce> calls(std::min(row_block, M - m0));
-      for (int64_t t = begin; t < end; ++t) {
-        const int cols = static_cast<int>(std::min<int64_t>(16, N - t * 16));
+      const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
+      for (int64_t item = begin; item < end; ++item) {
         for (int64_t r = 0; r < calls.count; ++r) {
           const int64_t first = m0 + calls.first(r);
-          kInt4Tiles[calls.rows(r)](tiles + t * (K / 2) * 16, sz + t * groups * 32, K, group, xt + first * K,
-                                    bias != nullptr ? bias + t * 16 : nullptr, out + first * N + t * 16, N, cols);
+          (items.*kRuns[calls.rows(r)])(TileCall{xt + first * K2, out + first * ldo, ldo, item});
         }
       }
     }
   });
 }
 
+// `act`: kSiluMul for a gate | up weight tiled 16 gates then their 16 ups (quantization.int8's gated tiling), so
+// that a panel's two tiles are a gate and its up, as pack_gated_weight's rows are for the dense GEMM.
+void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale, at::Tensor& out, int64_t act) {
+  if (products() == Products::kFma) {
+    const Int8Items items{tiled.data_ptr<int8_t>(), scale, static_cast<const uint16_t*>(args.bias), args.K, args.N, act};
+    return gemm_by_tiles(args, items, reinterpret_cast<uint16_t*>(out.data_ptr()), out.size(-1));
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const Int8Panels panels{tiled.data_ptr<int8_t>(), args.K, tiled.size(0)};
+  at::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
+    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), scale, o,
+                args.N, begin, end, act);
+  });
+}
+
 void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                at::Tensor& out) {
-  if (products() == Products::kFma)
-    return gemm_int4_by_tiles(args, tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
-                              group, tiled.size(0), reinterpret_cast<uint16_t*>(out.data_ptr()));
+  if (products() == Products::kFma) {
+    const Int4Items items{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
+                          static_cast<const uint16_t*>(args.bias), args.K, group, args.N};
+    return gemm_by_tiles(args, items, reinterpret_cast<uint16_t*>(out.data_ptr()), args.N);
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int4Panels panels{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
@@ -1460,7 +1538,7 @@ struct Int4Panels {
 
 // torch.ops.aserve.gemm_int4: x @ W^T + bias for GPTQ/AWQ weights in int4 tiles with per-group scales and zero terms,
 // as a GEMM (the batches too large for int4_linear): each panel dequantized once per row block into the dense GEMM's
-// layout (bf16 on FMA products: each tile in registers, gemm_int4_by_tiles). bf16 with AVX512-BF16 (the weights
+// layout (bf16 on FMA products: each tile in registers, gemm_by_tiles). bf16 with AVX512-BF16 (the weights
 // rounded to bf16, as a dequantized bf16 layer's are, except on FMA products), else fp32.
 at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
