@@ -55,10 +55,13 @@ def kernel_rows(dtype: torch.dtype) -> int:
     4.11 against 3.55 (its widening of the int8 panels inside the first micro-kernel call, ef0b195, and the 8-row
     tiles make it pay from 7); fp32 int8_linear stays ahead through 8 rows (4.24 against 6.30). On AMX CPUs
     gemm_int8 runs AMX tiles, and int8_linear stays ahead through 8 rows there too (Xeon, AMX: 7 rows 8.99 against
-    9.25, 8 rows 9.44 against 10.14)."""
+    9.25, 8 rows 9.44 against 10.14); so it does where the bf16 GEMM multiplies on fp32 FMAs (gemm_bf16_products
+    "fma", a Xeon without AMX tiles: 7 rows 14.96 against 15.44, 8 rows 16.02 against 16.63, gemm_int8 a tile at a
+    time)."""
     from aserve.hardware import cpu_info
 
-    fast_from_7 = dtype == torch.bfloat16 and dtype in gemm_dtypes() and not cpu_info().amx_bf16
+    fast_from_7 = (dtype == torch.bfloat16 and dtype in gemm_dtypes() and not cpu_info().amx_bf16
+                   and torch.ops.aserve.gemm_bf16_products() != "fma")
     return 6 if fast_from_7 else KERNEL_MAX_ROWS
 
 
