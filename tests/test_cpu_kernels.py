@@ -544,7 +544,7 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     that end mid-tile and mid-panel, inputs that end mid-way through 16 (72), a batch over one row block, inputs
     past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
     ahead, 200 x 576 and 130 x 1536); bf16 on each of the CPU's products (gemm_int4 on FMAs takes a tile at a time,
-    16 rows at once, in row blocks: 70 rows of 4224 are two); int4_linear the same for rows that are a view into
+    16 rows at once, in row blocks: 70 rows of 4224 are two); both kernels the same for rows that are a view into
     wider ones."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes
@@ -570,16 +570,19 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
         bias = torch.randn(out_features, generator=gen).to(dtype)
         expected = x.float() @ weight.t()
         bound = float(expected.abs().max()) * (1e-5 if dtype == torch.float32 else 8e-3)
+        # rows read where they are: a view one element into wider rows (an odd offset and stride)
+        wide = torch.zeros(rows, in_features + 3, dtype=dtype)
+        wide[:, 1:in_features + 1] = x
+        view = wide[:, 1:in_features + 1]
         if rows <= 8:
             got = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
             assert got.dtype == dtype and (got.float() - expected).abs().max() <= bound, (out_features, rows)
-            # rows read where they are: a view one element into wider rows (an odd offset and stride)
-            wide = torch.zeros(rows, in_features + 3, dtype=dtype)
-            wide[:, 1:in_features + 1] = x
-            again = torch.ops.aserve.int4_linear(wide[:, 1:in_features + 1], tiles, sz, group, out_features)
+            again = torch.ops.aserve.int4_linear(view, tiles, sz, group, out_features)
             assert torch.equal(again, got), (out_features, rows)
         got = torch.ops.aserve.gemm_int4(x, tiles, sz, group, bias, out_features)
         assert got.dtype == dtype and (got.float() - expected - bias.float()).abs().max() <= bound, (out_features, rows)
+        again = torch.ops.aserve.gemm_int4(view, tiles, sz, group, bias, out_features)
+        assert torch.equal(again, got), (out_features, rows)
     with pytest.raises(RuntimeError, match="group size"):
         torch.ops.aserve.int4_linear(x, tiles, sz, 60, out_features)
 
