@@ -1083,15 +1083,17 @@ inline const uint16_t* panel_of_tiles(int64_t p, int64_t kp, int64_t num_tiles, 
   return reinterpret_cast<const uint16_t*>(scratch.data());
 }
 
+// An int8 tile's row of 16 as fp32.
+inline __m512 int8_row(const int8_t* row) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+}
+
 // Pair row kk of an int8 tile ([K][16]) as bf16 pairs: rows 2kk and 2kk + 1 widened to fp32 (an odd K's last pair
 // has a zero odd row). An int8 value is exact in bf16, whose bits are then the fp32's top half, so each pair word is
 // the odd row's top half over the even row's: a shift and a ternary logic op, no rounding conversion, no word permute.
 inline __m512i int8_pair_row(const int8_t* tile, int64_t kk, int64_t whole) {
-  const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 2 * kk * 16)))));
-  const __m512i odd = kk < whole ? _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + (2 * kk + 1) * 16)))))
-                                 : _mm512_setzero_si512();
+  const __m512i even = _mm512_castps_si512(int8_row(tile + 2 * kk * 16));
+  const __m512i odd = kk < whole ? _mm512_castps_si512(int8_row(tile + (2 * kk + 1) * 16)) : _mm512_setzero_si512();
   return _mm512_ternarylogic_epi32(odd, _mm512_srli_epi32(even, 16), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)),
                                    0xEC);  // (odd & mask) | even >> 16
 }
@@ -1258,13 +1260,10 @@ struct Int4Tile {
 struct Int8Tile {
   const int8_t* rows;
   int64_t K;
-  static inline __m512 row(const int8_t* r) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r))));
-  }
   template <class F> inline void pair_rows(F&& f) const {
     int64_t kk = 0;
-    for (; 2 * kk + 1 < K; ++kk) f(kk, row(rows + 2 * kk * 16), row(rows + (2 * kk + 1) * 16));
-    if (K % 2 != 0) f(kk, row(rows + 2 * kk * 16), _mm512_setzero_ps());
+    for (; 2 * kk + 1 < K; ++kk) f(kk, int8_row(rows + 2 * kk * 16), int8_row(rows + (2 * kk + 1) * 16));
+    if (K % 2 != 0) f(kk, int8_row(rows + 2 * kk * 16), _mm512_setzero_ps());
   }
 };
 
@@ -1287,6 +1286,13 @@ inline void store_tile_row(__m512 v, uint16_t* c, int cols) {
   _mm256_mask_storeu_epi16(c, static_cast<__mmask16>((1u << cols) - 1), reinterpret_cast<const __m256i&>(words));
 }
 
+// Tile t's 16 biases (`cols` real, the rest zero) in fp32; zeros without a bias.
+inline __m512 tile_bias(const uint16_t* bias, int64_t t, int cols) {
+  alignas(64) uint16_t edge[16] = {};
+  if (bias != nullptr) std::memcpy(edge, bias + t * 16, cols * sizeof(uint16_t));
+  return widen(edge);
+}
+
 // What a call multiplies: its rows' fp32 transpose x, their outputs c (ldc apart), and the work item (a tile, or
 // for SiLU-and-mul a gate tile and its up tile).
 struct TileCall {
@@ -1305,11 +1311,10 @@ struct Int4Items {
   template <int MR> void run(const TileCall& call) const {
     const int64_t t = call.item;
     const int cols = static_cast<int>(std::min<int64_t>(16, N - t * 16));
-    alignas(64) uint16_t edge[16] = {};
-    if (bias != nullptr) std::memcpy(edge, bias + t * 16, cols * sizeof(uint16_t));
+    const __m512 b = tile_bias(bias, t, cols);
     __m512 acc[MR];
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) acc[m] = widen(edge);
+    for (int m = 0; m < MR; ++m) acc[m] = b;
     tile_sums<MR>(Int4Tile{tiles + t * (K / 2) * 16, sz + t * (K / group) * 32, K, group}, call.x, acc);
     for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + t * 16, cols);
   }
@@ -1324,12 +1329,10 @@ struct Int8Items {
   int64_t K, N, act;
   int64_t count() const { return act == kSiluMul ? N / 32 : (N + 15) / 16; }
   template <int MR> void scaled_sums(int64_t t, const float* x, int cols, __m512 (&acc)[MR]) const {
-    alignas(64) uint16_t edge[16] = {};
-    if (bias != nullptr) std::memcpy(edge, bias + t * 16, cols * sizeof(uint16_t));
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
     tile_sums<MR>(Int8Tile{tiles + t * K * 16, K}, x, acc);
-    const __m512 s = _mm512_loadu_ps(scale + t * 16), b = widen(edge);
+    const __m512 s = _mm512_loadu_ps(scale + t * 16), b = tile_bias(bias, t, cols);
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(acc[m], s, b);
   }
   template <int MR> void run(const TileCall& call) const {
