@@ -110,6 +110,35 @@ def test_decode_attention_gives_a_request_the_same_bits_in_any_batch(dtype):
             assert torch.equal(alone, batched[i:i + 1]), lengths[i]
 
 
+@pytest.mark.parametrize("products", ["dpbf16", "fma"])
+@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (128, (4, 2)), (256, (2, 1))])
+def test_decode_attention_over_a_bf16_cache_on_either_product(bf16_products, products, head_dim, heads):
+    """A bf16 cache's products run on vdpbf16ps or on fp32 FMAs (rows split into even and odd dims), whichever
+    bf16_products chose: both match the torch path, windows and soft-capping included, from a strided query, and
+    give a request the same bits in any batch."""
+    bf16_products(products)
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = [1, 2, 15, 16, 17, 33, 127, 128, 129, 300]
+    query, k_cache, v_cache, tables, lens, num_physical = paged_case(lengths, 16, heads, head_dim, torch.bfloat16, gen)
+    wide = torch.zeros(len(lengths), heads[0], head_dim + 32, dtype=torch.bfloat16)
+    wide[:, :, :head_dim] = query
+    strided = wide[:, :, :head_dim]
+    scale = head_dim ** -0.5
+    for window, softcap in [(None, None), (20, None), (None, 30.0), (150, 20.0)]:
+        out = torch.empty_like(query)
+        with torch.inference_mode():
+            torch.ops.aserve.paged_decode_attention(out, strided, k_cache, v_cache, tables, lens, scale, window or 0,
+                                                    softcap or 0.0)
+        expected = reference(query, k_cache, v_cache, tables, lens, num_physical, 16, scale, window, softcap)
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    for i in (0, 5, 8, 9):
+        alone = torch.empty_like(query[i:i + 1])
+        with torch.inference_mode():
+            torch.ops.aserve.paged_decode_attention(alone, query[i:i + 1], k_cache, v_cache, tables[i:i + 1],
+                                                    lens[i:i + 1], scale, 150, 20.0)
+        assert torch.equal(alone, out[i:i + 1]), lengths[i]
+
+
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 40])  # the unrolled sizes' vector widening and the scalar one

@@ -1,5 +1,6 @@
 // Decode attention over the paged KV cache, torch.ops.aserve.paged_decode_attention (the cache in the query's
-// dtype, or FP8 bytes), with an AVX512-BF16 path for bf16 caches.
+// dtype, or FP8 bytes), with AVX-512 paths for bf16 caches: vdpbf16ps, or fp32 FMAs where bf16_products() picks
+// them.
 //
 // One query token per request. Work items are (request, kv head, group of query heads): each reads its
 // request's keys once for the queries of its group (scores, then softmax), then the values once. Tokens
@@ -393,12 +394,118 @@ void value_sum_bf16(const uint16_t* p, int64_t stride, int64_t heads, const BF16
     value_pass_bf16<HeadDim, decltype(nh)::value>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
   });
 }
+
+// The same products on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX
+// tiles, where one vdpbf16ps takes as long as four FMAs). A bf16 is the top half of its fp32, so a 32-bit lane of
+// two bf16 values gives the even one shifted up 16 and the odd one masked: a 64-byte chunk of a row is its 16 even
+// and 16 odd dims as two fp32 vectors, two instructions and no shuffle. The query is split the same way once an
+// item, so a key row meets it in dims' pairs (even, then odd) and the sums are the same products as vdpbf16ps's.
+// Values keep their dims' order: each head sums evens and odds apart, interleaved at the end; the probabilities
+// stay fp32.
+inline __m512 even_half(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 odd_half(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// q's heads as [head][chunk][even 16, odd 16] fp32.
+template <int HeadDim> inline void split_query(const BF16* q, int64_t q_stride, int64_t heads, float* out) {
+  for (int64_t g = 0; g < heads; ++g)
+    for (int c = 0; c < HeadDim / 32; ++c) {
+      const __m512i pairs = _mm512_loadu_si512(q + g * q_stride + c * 32);
+      _mm512_storeu_ps(out + (g * HeadDim / 32 + c) * 32, even_half(pairs));
+      _mm512_storeu_ps(out + (g * HeadDim / 32 + c) * 32 + 16, odd_half(pairs));
+    }
+}
+
+// key_scores_bf16 on FMAs: each group of 16 keys is split into evens and odds once ([row][chunk][32] fp32 in
+// `wide`, in L1), then met by every head, 16 sums in registers folded by one reduce_lanes.
+template <int HeadDim>
+void key_scores_fma(const float* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
+                    int64_t n, float scale, float* scores, Ahead& ahead) {
+  constexpr int C = HeadDim / 32;
+  alignas(64) float wide[16 * HeadDim];
+  const fVec scale_v(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    ahead.step();
+    const int count = static_cast<int>(std::min<int64_t>(16, n - i));
+    for (int64_t j = i + 32; j < std::min(n, i + 48); ++j) prefetch(k_head + offsets[j], HeadDim * 2);
+    for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], HeadDim * 2);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const BF16* row = k_head + offsets[i + std::min(r, count - 1)];
+      for (int c = 0; c < C; ++c) {
+        const __m512i pairs = _mm512_loadu_si512(row + c * 32);
+        _mm512_store_ps(wide + r * HeadDim + c * 32, even_half(pairs));
+        _mm512_store_ps(wide + r * HeadDim + c * 32 + 16, odd_half(pairs));
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) {
+      __m512 qv[2 * C];
+      for (int c = 0; c < 2 * C; ++c) qv[c] = _mm512_loadu_ps(q + g * HeadDim + c * 16);
+      fVec acc[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        __m512 a = _mm512_mul_ps(_mm512_load_ps(wide + r * HeadDim), qv[0]);
+        for (int c = 1; c < 2 * C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(wide + r * HeadDim + c * 16), qv[c], a);
+        acc[r] = a;
+      }
+      const fVec sums = reduce_lanes(acc) * scale_v;
+      if (count == 16) sums.store(scores + g * n + i); else sums.store(scores + g * n + i, count);
+    }
+  }
+}
+
+// value_pass_bf16 on FMAs: acc[h] = sum_t p[h][t] * v[t] for NH heads (p fp32, rows `stride` apart), a row's
+// evens and odds summed apart in registers and put back in order at the end.
+template <int HeadDim, int NH>
+void value_pass_fma(const float* p, int64_t stride, int64_t n, const BF16* v_head, const int64_t* offsets,
+                    float* acc, Ahead& ahead) {
+  constexpr int C = HeadDim / 32;
+  __m512 sums[NH][2 * C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 2 * C; ++c) sums[h][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    if ((i & 15) == 0) ahead.step();
+    const BF16* row = v_head + offsets[i];
+    __m512 v[2 * C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i pairs = _mm512_loadu_si512(row + c * 32);
+      v[2 * c] = even_half(pairs), v[2 * c + 1] = odd_half(pairs);
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * stride + i]);
+      for (int c = 0; c < 2 * C; ++c) sums[h][c] = _mm512_fmadd_ps(w, v[c], sums[h][c]);
+    }
+  }
+  const __m512i lo_order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi_order = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) {
+      float* out = acc + h * HeadDim + c * 32;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(sums[h][2 * c], lo_order, sums[h][2 * c + 1]));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(sums[h][2 * c], hi_order, sums[h][2 * c + 1]));
+    }
+}
+
+template <int HeadDim>
+void value_sum_fma(const float* p, int64_t stride, int64_t heads, const BF16* v_head, const int64_t* offsets,
+                   int64_t n, float* acc, Ahead& ahead) {
+  constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // sums in half the registers, as above
+  head_groups<HG>(heads, [&](auto nh, int64_t g) {
+    value_pass_fma<HeadDim, decltype(nh)::value>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
+  });
+}
 #else  // declared only, so the branches that would call them compile away
 template <int HeadDim>
 void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
 float exp_to_bf16(const float*, float, int64_t, uint16_t*);
 template <int HeadDim>
 void value_sum_bf16(const uint16_t*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
+template <int HeadDim> void split_query(const BF16*, int64_t, int64_t, float*);
+template <int HeadDim>
+void key_scores_fma(const float*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
+template <int HeadDim>
+void value_sum_fma(const float*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
 #endif
 
 // Tokens a work item attends to at most: longer contexts are split in parts of this size, their softmaxes merged.
@@ -463,6 +570,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #else
   constexpr bool bf16_dot = false;
 #endif
+  // bf16 products on fp32 FMAs rather than vdpbf16ps (the choice cpu_gemm's bf16 panels follow)
+  const bool fma_dot = bf16_dot && bf16_products() == Products::kFma;
   // One thread's scratch, and the items it runs in turn (the next one's rows found and prefetched meanwhile).
   struct Worker {
     std::vector<float> q, row, acc, scores, merged, totals;
@@ -504,9 +613,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
     for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
     if constexpr (bf16_dot) {
-      for (int64_t g = 0; g < group; ++g)
-        std::memcpy(w.qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
-      key_scores_bf16<HeadDim>(w.qb.data(), group, k_head, v_head, offsets, n, fscale, scores, ahead);
+      if (fma_dot) {
+        split_query<HeadDim>(q_ptr + b * q_stride0 + h0 * q_stride1, q_stride1, group, w.q.data());
+        key_scores_fma<HeadDim>(w.q.data(), group, k_head, v_head, offsets, n, fscale, scores, ahead);
+      } else {
+        for (int64_t g = 0; g < group; ++g)
+          std::memcpy(w.qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
+        key_scores_bf16<HeadDim>(w.qb.data(), group, k_head, v_head, offsets, n, fscale, scores, ahead);
+      }
     } else {
       for (int64_t g = 0; g < group; ++g) {
         load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, w.q.data() + g * head_dim, head_dim);
@@ -516,23 +630,23 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
     if (cap > 0.f)  // soft-capping
       at::vec::map([cap](fVec x) { return tanh_rational(x / fVec(cap)) * fVec(cap); }, scores, scores, group * n);
-    // Softmax. bf16 cache: exp(s - max) rounded to bf16 in the same pass that sums it, into rows of even length
-    // (the value pass reads a pair of tokens' probabilities as one word), and the value sums divided by the total
-    // after. Else in place, normalized before the value pass.
+    // Softmax. bf16 cache on vdpbf16ps: exp(s - max) rounded to bf16 in the same pass that sums it, into rows of
+    // even length (the value pass reads a pair of tokens' probabilities as one word); on FMAs in place. Either way
+    // the value sums are divided by the total after. Other caches: in place, normalized before the value pass.
     const int64_t stride = (n + 1) / 2 * 2;
-    if constexpr (bf16_dot) w.probs.resize(group * stride);
+    if (bf16_dot && !fma_dot) w.probs.resize(group * stride);
     float* totals = w.totals.data();
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * n;
       const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
       float total;
-      if constexpr (bf16_dot) {
-        total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride);
+      if (bf16_dot && !fma_dot) {
+        if constexpr (bf16_dot) total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride);
       } else {
         const fVec log2e(kLog2e), top(peak);
         at::vec::map([&](fVec x) { return exp2_bounded((x - top) * log2e); }, s, s, n);
         total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
-        scale_row(s, 1.f / total, n);
+        if (!bf16_dot) scale_row(s, 1.f / total, n);  // bf16 caches divide the value sums instead
       }
       totals[g] = total;
       if (it.part >= 0) {
@@ -542,7 +656,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
     float* sums = it.part >= 0 ? acc_out + it.part * group * head_dim : w.acc.data();
     if constexpr (bf16_dot) {
-      value_sum_bf16<HeadDim>(w.probs.data(), stride, group, v_head, offsets, n, sums, ahead);
+      if (fma_dot)
+        value_sum_fma<HeadDim>(scores, n, group, v_head, offsets, n, sums, ahead);
+      else
+        value_sum_bf16<HeadDim>(w.probs.data(), stride, group, v_head, offsets, n, sums, ahead);
       for (int64_t g = 0; g < group; ++g) scale_row(sums + g * head_dim, vscale / totals[g], head_dim);
     } else {
       value_sum<C, HeadDim>(scores, group, head_dim, v_head, offsets, n, sums, w.row.data(), ahead);

@@ -562,33 +562,15 @@ inline void widen_block(const uint32_t* pairs, int64_t kp, float* out) {
 
 // What multiplies bf16 panels: AMX tiles where the CPU lends them (amx::gemm_panels, below), else vdpbf16ps or fp32
 // FMAs on widened values (FmaStored), which give vdpbf16ps's bits: it is two fp32 FMAs, the odd k's product first, of
-// products exact in fp32 (but with denormal inputs read as zero and denormal sums flushed). On AMD's cores
-// vdpbf16ps has the FMAs' rate in two products' work; on an Intel Xeon with AVX512-BF16 and no AMX tiles (2 threads,
-// hot shapes) the fp32 GEMM ran at 193-197 GFLOP/s and this one on vdpbf16ps at 140-146, on FMAs at 207-262.
-// ASERVE_BF16_PRODUCTS=amx|dpbf16|fma overrides (amx only where the tiles are lent); gemm_bf16_products reads and
-// sets it (tests, A/B runs).
-enum class Products { kAmx, kDpbf16, kFma };
-inline bool amx_tiles() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return aserve_kernels::amx_ready();
-#else
-  return false;
-#endif
-}
-inline Products& products() {
-  static Products chosen = [] {
-    const char* asked = std::getenv("ASERVE_BF16_PRODUCTS");
-    if (asked != nullptr && std::strcmp(asked, "dpbf16") == 0) return Products::kDpbf16;
-    if (asked != nullptr && std::strcmp(asked, "fma") == 0) return Products::kFma;
-    if (amx_tiles()) return Products::kAmx;
-    return aserve_kernels::cpu_is_amd() ? Products::kDpbf16 : Products::kFma;
-  }();
-  return chosen;
-}
+// products exact in fp32 (but with denormal inputs read as zero and denormal sums flushed). The choice is
+// aserve_kernels::bf16_products() (vec_helpers.h), which decode attention follows too.
+using aserve_kernels::amx_tiles;
+using aserve_kernels::Products;
+inline Products& products() { return aserve_kernels::bf16_products(); }
 // Up to this many rows vdpbf16ps multiplies even so: a GEMV's few rows are bound by the weights' streaming, and there
-// the FMAs' dependent pairs were slower (the bench model's 120 layers, Xeon as above: 1 row 9.4 against 11.2 ms,
-// 2 rows 10.0 against 11.6, 4 rows level; 5 and 6 rows 7% faster on FMAs, 8 rows 16.3 against 13.4, 64 rows 89
-// against 61). The same bits either way, so a row's output does not depend on its batch.
+// the FMAs' dependent pairs were slower (the bench model's 120 layers, an Intel Xeon without AMX tiles: 1 row 9.4
+// against 11.2 ms, 2 rows 10.0 against 11.6, 4 rows level; 5 and 6 rows 7% faster on FMAs, 8 rows 16.3 against 13.4,
+// 64 rows 89 against 61). The same bits either way, so a row's output does not depend on its batch.
 constexpr int64_t kRowsOnDpbf16 = 4;
 
 inline __m512 widen(const uint16_t* p) { return aserve_kernels::load_bf16_as_float(p); }

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -266,6 +267,32 @@ inline void configure_tiles(const int (&rows)[8]) {
   _tile_loadconfig(&config);
 }
 #endif
+
+// What multiplies bf16 values in the kernels that can choose (cpu_gemm's bf16 panels, decode attention over a bf16
+// cache): AMX tiles where the CPU lends them, else vdpbf16ps on AMD's cores, where it has the FMAs' rate in two
+// products' work, and fp32 FMAs on values widened to fp32 on Intel's: on an Intel Xeon with AVX512-BF16 and no AMX
+// tiles, one vdpbf16ps took as long as four FMAs (two products a lane against one: half the rate), and the bf16 GEMM
+// ran at 140-146 GFLOP/s on vdpbf16ps against 207-262 on FMAs (2 threads, hot shapes).
+// ASERVE_BF16_PRODUCTS=amx|dpbf16|fma overrides (amx only where the tiles are lent); gemm_bf16_products reads and
+// sets it (tests, A/B runs). One choice for the whole extension: an inline function's static is one object.
+enum class Products { kAmx, kDpbf16, kFma };
+inline bool amx_tiles() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+inline Products& bf16_products() {
+  static Products chosen = [] {
+    const char* asked = std::getenv("ASERVE_BF16_PRODUCTS");
+    if (asked != nullptr && std::strcmp(asked, "dpbf16") == 0) return Products::kDpbf16;
+    if (asked != nullptr && std::strcmp(asked, "fma") == 0) return Products::kFma;
+    if (amx_tiles()) return Products::kAmx;
+    return cpu_is_amd() ? Products::kDpbf16 : Products::kFma;
+  }();
+  return chosen;
+}
 
 inline float reduce_sum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, v);
