@@ -344,6 +344,18 @@ inline float exp_to_bf16(const float* s, float peak, int64_t n, uint16_t* out) {
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, total);
 }
 
+// A value pass's sums, two vectors per 32 dims of each head, into acc[h] in dims' order: a chunk's first 16 dims
+// are lanes `lo` of the pair (0-15 the first vector's, 16-31 the second's), its last 16 lanes `hi`.
+template <int HeadDim, int NH>
+inline void store_value_sums(const __m512 (&sums)[NH][HeadDim / 16], __m512i lo, __m512i hi, float* acc) {
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < HeadDim / 32; ++c) {
+      float* out = acc + h * HeadDim + c * 32;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(sums[h][2 * c], lo, sums[h][2 * c + 1]));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(sums[h][2 * c], hi, sums[h][2 * c + 1]));
+    }
+}
+
 // acc[h] = sum_t p[h][t] * v[t] for NH heads (p as bf16 bits, rows n apart), their sums in registers. Tokens go
 // in pairs; an odd last one is paired with a zero row. Lane i of chunk c's low/high sums holds dim
 // 32c + 8(i/4) + i%4 (+ 4 for the high ones), the order unpacklo/unpackhi leave, put back in order at the end.
@@ -375,25 +387,10 @@ void value_pass_bf16(const uint16_t* p, int64_t stride, int64_t n, const BF16* v
       }
     }
   }
-  const __m512i lo_order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi_order = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < C; ++c) {
-      float* out = acc + h * HeadDim + c * 32;
-      _mm512_storeu_ps(out, _mm512_permutex2var_ps(sums[h][2 * c], lo_order, sums[h][2 * c + 1]));
-      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(sums[h][2 * c], hi_order, sums[h][2 * c + 1]));
-    }
+  store_value_sums<HeadDim, NH>(sums, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                                _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), acc);
 }
 
-// acc[g] = sum_t p[g][t] * v[t]: the heads in passes whose sums fill half the registers.
-template <int HeadDim>
-void value_sum_bf16(const uint16_t* p, int64_t stride, int64_t heads, const BF16* v_head, const int64_t* offsets,
-                    int64_t n, float* acc, Ahead& ahead) {
-  constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // 4 heads at 64 dims, 2 at 128, 1 at 256
-  head_groups<HG>(heads, [&](auto nh, int64_t g) {
-    value_pass_bf16<HeadDim, decltype(nh)::value>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
-  });
-}
 
 // The same products on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX
 // tiles, where one vdpbf16ps takes as long as four FMAs). A bf16 is the top half of its fp32, so a 32-bit lane of
@@ -477,35 +474,33 @@ void value_pass_fma(const float* p, int64_t stride, int64_t n, const BF16* v_hea
       for (int c = 0; c < 2 * C; ++c) sums[h][c] = _mm512_fmadd_ps(w, v[c], sums[h][c]);
     }
   }
-  const __m512i lo_order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi_order = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < C; ++c) {
-      float* out = acc + h * HeadDim + c * 32;
-      _mm512_storeu_ps(out, _mm512_permutex2var_ps(sums[h][2 * c], lo_order, sums[h][2 * c + 1]));
-      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(sums[h][2 * c], hi_order, sums[h][2 * c + 1]));
-    }
+  store_value_sums<HeadDim, NH>(sums, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                                _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), acc);
 }
 
-template <int HeadDim>
-void value_sum_fma(const float* p, int64_t stride, int64_t heads, const BF16* v_head, const int64_t* offsets,
-                   int64_t n, float* acc, Ahead& ahead) {
-  constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // sums in half the registers, as above
+// acc[g] = sum_t p[g][t] * v[t] over a bf16 cache, p as bf16 bits (vdpbf16ps) or fp32 (FMAs), rows `stride` apart:
+// the heads in passes whose sums fill half the registers.
+template <int HeadDim, typename P>
+void value_sum_bf16(const P* p, int64_t stride, int64_t heads, const BF16* v_head, const int64_t* offsets, int64_t n,
+                    float* acc, Ahead& ahead) {
+  constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // 4 heads at 64 dims, 2 at 128, 1 at 256
   head_groups<HG>(heads, [&](auto nh, int64_t g) {
-    value_pass_fma<HeadDim, decltype(nh)::value>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
+    constexpr int NH = decltype(nh)::value;
+    if constexpr (std::is_same_v<P, float>)
+      value_pass_fma<HeadDim, NH>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
+    else
+      value_pass_bf16<HeadDim, NH>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
   });
 }
 #else  // declared only, so the branches that would call them compile away
 template <int HeadDim>
 void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
 float exp_to_bf16(const float*, float, int64_t, uint16_t*);
-template <int HeadDim>
-void value_sum_bf16(const uint16_t*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
+template <int HeadDim, typename P>
+void value_sum_bf16(const P*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
 template <int HeadDim> void split_query(const BF16*, int64_t, int64_t, float*);
 template <int HeadDim>
 void key_scores_fma(const float*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
-template <int HeadDim>
-void value_sum_fma(const float*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
 #endif
 
 // Tokens a work item attends to at most: longer contexts are split in parts of this size, their softmaxes merged.
@@ -657,7 +652,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     float* sums = it.part >= 0 ? acc_out + it.part * group * head_dim : w.acc.data();
     if constexpr (bf16_dot) {
       if (fma_dot)
-        value_sum_fma<HeadDim>(scores, n, group, v_head, offsets, n, sums, ahead);
+        value_sum_bf16<HeadDim>(scores, n, group, v_head, offsets, n, sums, ahead);
       else
         value_sum_bf16<HeadDim>(w.probs.data(), stride, group, v_head, offsets, n, sums, ahead);
       for (int64_t g = 0; g < group; ++g) scale_row(sums + g * head_dim, vscale / totals[g], head_dim);
