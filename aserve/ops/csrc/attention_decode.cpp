@@ -391,7 +391,6 @@ void value_pass_bf16(const uint16_t* p, int64_t stride, int64_t n, const BF16* v
                                 _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), acc);
 }
 
-
 // The same products on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX
 // tiles, where one vdpbf16ps takes as long as four FMAs). A bf16 is the top half of its fp32, so a 32-bit lane of
 // two bf16 values gives the even one shifted up 16 and the odd one masked: a 64-byte chunk of a row is its 16 even
@@ -567,6 +566,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #endif
   // bf16 products on fp32 FMAs rather than vdpbf16ps (the choice cpu_gemm's bf16 panels follow)
   const bool fma_dot = bf16_dot && bf16_products() == Products::kFma;
+  const bool bf16_probs = bf16_dot && !fma_dot;  // probabilities rounded to bf16 pairs for vdpbf16ps
   // One thread's scratch, and the items it runs in turn (the next one's rows found and prefetched meanwhile).
   struct Worker {
     std::vector<float> q, row, acc, scores, merged, totals;
@@ -629,13 +629,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     // even length (the value pass reads a pair of tokens' probabilities as one word); on FMAs in place. Either way
     // the value sums are divided by the total after. Other caches: in place, normalized before the value pass.
     const int64_t stride = (n + 1) / 2 * 2;
-    if (bf16_dot && !fma_dot) w.probs.resize(group * stride);
+    if (bf16_probs) w.probs.resize(group * stride);
     float* totals = w.totals.data();
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * n;
       const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
       float total;
-      if (bf16_dot && !fma_dot) {
+      if (bf16_probs) {  // (exp_to_bf16 is only declared where bf16_dot is false)
         if constexpr (bf16_dot) total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride);
       } else {
         const fVec log2e(kLog2e), top(peak);

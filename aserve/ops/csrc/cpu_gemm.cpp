@@ -513,7 +513,7 @@ inline void micro_kernel(const uint32_t* a, const Source& source, int64_t kp, __
   for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
 }
 
-// The same products in fp32 FMAs, for CPUs whose two FMA ports outrun vdpbf16ps (products(), below). A panel's
+// The same products in fp32 FMAs, for CPUs whose two FMA ports outrun vdpbf16ps (bf16_products(), below). A panel's
 // pair row is widened to four fp32 vectors (the even and odd k of its two 16-column halves: a bf16 is the top half
 // of its fp32), and x's block is widened once before the panels ([kp][2][12]: a pair row's 12 evens, then its 12
 // odds; widen_block), so a row costs two broadcasts and four FMAs a pair row, and each output sums its k in order.
@@ -566,7 +566,7 @@ inline void widen_block(const uint32_t* pairs, int64_t kp, float* out) {
 // aserve_kernels::bf16_products() (vec_helpers.h), which decode attention follows too.
 using aserve_kernels::amx_tiles;
 using aserve_kernels::Products;
-inline Products& products() { return aserve_kernels::bf16_products(); }
+using aserve_kernels::bf16_products;
 // Up to this many rows vdpbf16ps multiplies even so: a GEMV's few rows are bound by the weights' streaming, and there
 // the FMAs' dependent pairs were slower (the bench model's 120 layers, an Intel Xeon without AMX tiles: 1 row 9.4
 // against 11.2 ms, 2 rows 10.0 against 11.6, 4 rows level; 5 and 6 rows 7% faster on FMAs, 8 rows 16.3 against 13.4,
@@ -948,7 +948,8 @@ template <class Panels>
 void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
                  const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (products() == Products::kAmx) return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
+  if (bf16_products() == Products::kAmx)
+    return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
 #endif
   const int64_t kp = (K + 1) / 2;
   const int64_t ldo = act == kSiluMul ? N / 2 : N, po = act == kSiluMul ? kNR / 2 : kNR;  // out's pitch, a panel's columns
@@ -957,7 +958,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   thread_local std::vector<uint32_t> packed;
   packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
   // (quantized weights on FMA products take the tile GEMM, gemm_by_tiles)
-  const bool fma = std::is_same_v<Panels, DensePanels> && products() == Products::kFma && M > kRowsOnDpbf16;
+  const bool fma = std::is_same_v<Panels, DensePanels> && bf16_products() == Products::kFma && M > kRowsOnDpbf16;
   thread_local std::vector<float> widened;  // fma: the x block widened ([kp][2][12] a call)
   if (fma) widened.resize(packed.size() * 2);
   for (int64_t m0 = 0; m0 < M; m0 += row_block) {
@@ -1372,7 +1373,7 @@ void gemm_by_tiles(const GemmArgs& args, const Items& items, uint16_t* out, int6
 // `act`: kSiluMul for a gate | up weight tiled 16 gates then their 16 ups (quantization.int8's gated tiling), so
 // that a panel's two tiles are a gate and its up, as pack_gated_weight's rows are for the dense GEMM.
 void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale, at::Tensor& out, int64_t act) {
-  if (products() == Products::kFma) {
+  if (bf16_products() == Products::kFma) {
     const Int8Items items{tiled.data_ptr<int8_t>(), scale, static_cast<const uint16_t*>(args.bias), args.K, args.N, act};
     return gemm_by_tiles(args, items, reinterpret_cast<uint16_t*>(out.data_ptr()), out.size(-1));
   }
@@ -1387,7 +1388,7 @@ void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale
 
 void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                at::Tensor& out) {
-  if (products() == Products::kFma) {
+  if (bf16_products() == Products::kFma) {
     const Int4Items items{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
                           static_cast<const uint16_t*>(args.bias), args.K, group, args.N};
     return gemm_by_tiles(args, items, reinterpret_cast<uint16_t*>(out.data_ptr()), args.N);
@@ -1581,8 +1582,9 @@ std::string gemm_bf16_products(const std::string& set) {
   using bf16::Products;
   TORCH_CHECK(set.empty() || set == "dpbf16" || set == "fma" || (set == "amx" && bf16::amx_tiles()),
               "gemm_bf16_products: expected dpbf16, fma", bf16::amx_tiles() ? " or amx" : "", "; got ", set);
-  if (!set.empty()) bf16::products() = set == "amx" ? Products::kAmx : set == "fma" ? Products::kFma : Products::kDpbf16;
-  const Products now = bf16::products();
+  if (!set.empty())
+    bf16::bf16_products() = set == "amx" ? Products::kAmx : set == "fma" ? Products::kFma : Products::kDpbf16;
+  const Products now = bf16::bf16_products();
   return now == Products::kAmx ? "amx" : now == Products::kFma ? "fma" : "dpbf16";
 #else
   return "";
