@@ -310,15 +310,16 @@ inline VecF vec_fnma(VecF a, VecF b, VecF c) {  // c - a * b
 #endif
 }
 
-// x's M rows of K inputs (scaled for widen_nibbles) and their sums per group (M x K / group), as fp32 in this
-// thread's scratch, kept between calls: a batch-1 GPTQ step makes ~120, and their two allocations and a division per
-// input, in a serial loop, were 6.6% of the step on the calling thread while the other waited (perf, bench model, Zen 5).
+// x's M rows of K inputs (scaled for widen_nibbles where `for_nibbles`; the bf16 kernel reads only the sums) and their
+// sums per group (M x K / group), as fp32 in this thread's scratch, kept between calls: a batch-1 GPTQ step makes
+// ~120, and their two allocations and a division per input, in a serial loop, were 6.6% of the step on the calling
+// thread while the other waited (perf, bench model, Zen 5).
 struct RowsAndSums {
   const float* rows;
   const float* sums;
 };
 template <typename T>
-inline RowsAndSums rows_and_group_sums(const at::Tensor& x, int M, int64_t K, int64_t group) {
+inline RowsAndSums rows_and_group_sums(const at::Tensor& x, int M, int64_t K, int64_t group, bool for_nibbles) {
   thread_local std::vector<float> sums;
   float* rows = rows_as_float<T>(x, M, K);
   const int64_t groups = K / group;
@@ -332,7 +333,8 @@ inline RowsAndSums rows_and_group_sums(const at::Tensor& x, int M, int64_t K, in
     for (; k < group; ++k) sum += p[k];
     sums[i] = sum;
   }
-  for (int m = 0; m < M; ++m) scale_for_nibbles(rows + m * K, K);
+  if (for_nibbles)
+    for (int m = 0; m < M; ++m) scale_for_nibbles(rows + m * K, K);
   return {rows, sums.data()};
 }
 
@@ -501,7 +503,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
 #if defined(ASERVE_INT4_BF16_DOT)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), stride = x.stride(0);
-    const float* xsum = rows_and_group_sums<c10::BFloat16>(x, M, K, group).sums;
+    const float* xsum = rows_and_group_sums<c10::BFloat16>(x, M, K, group, false).sums;
     const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
     const uint8_t* w = tiled.data_ptr<uint8_t>();
     const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
@@ -514,7 +516,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
 #endif
   constexpr int kTiles = int4_tiles_at_once(M);
   const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
-  const RowsAndSums xs = rows_and_group_sums<T>(x, M, K, group);
+  const RowsAndSums xs = rows_and_group_sums<T>(x, M, K, group, true);
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
   const T* sz = scales_zeros.data_ptr<T>();
