@@ -95,5 +95,10 @@ def test_roofline_command_prints_every_figure(model_dirs, capsys):
                     r"\| Python and scheduling \|", r"inside the GEMMs: \d+ GFLOP/s"):
         assert re.search(pattern, out), (pattern, out)
     assert re.search(r"Throughput: [0-9.]+ requests/s", out.splitlines()[-1])
+    # both peaks are read again after the run, and the fractions use the higher reading of each
+    before = float(re.search(r"peak GEMM: (\d+) GFLOP/s", out).group(1))
+    after, used = map(float, re.search(r"peak GEMM after the run: (\d+) GFLOP/s; the fractions below use (\d+)",
+                                       out).groups())
+    assert used == max(before, after)
     with pytest.raises(SystemExit, match="one process"):
         roofline.main(build_parser().parse_args(["bench", "roofline", "--tensor-parallel-size", "2"]))
