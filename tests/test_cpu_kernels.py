@@ -573,7 +573,7 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     that end mid-tile and mid-panel, inputs that end mid-way through 16 (72), a batch over one row block, inputs
     past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
     ahead, 200 x 576 and 130 x 1536); bf16 on each of the CPU's products (gemm_int4 on FMAs takes a tile at a time,
-    16 rows at once, in row blocks: 70 rows of 4224 are two); both kernels the same for rows that are a view into
+    up to 24 rows at once, in row blocks: 70 rows of 4224 are two); both kernels the same for rows that are a view into
     wider ones."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes

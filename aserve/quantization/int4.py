@@ -132,7 +132,7 @@ def kernel_rows(dtype: torch.dtype) -> int:
     gemm_int4): AMD EPYC Zen 5 (2 threads), bf16 at 4 rows 2.01 against 5.51, 6 rows 2.53 against 3.81, 8 rows 3.88
     against 4.19; fp32 3.08 against 8.46 at 4 rows, 5.55 against 9.99 at 8. Where aserve's bf16 GEMM multiplies on
     fp32 FMAs (an Intel Xeon without AMX tiles: gemm_bf16_products "fma"), gemm_int4 dequantizes each tile in
-    registers for up to 16 rows at once and pays from 5 rows there (2 threads): 4 rows 9.15 against 9.63, 5 rows 10.35
+    registers for many rows at once and pays from 5 rows there (2 threads): 4 rows 9.15 against 9.63, 5 rows 10.35
     against 9.67, 8 rows 16.7 against 12.4."""
     on_fmas = dtype == torch.bfloat16 and torch.ops.aserve.gemm_bf16_products() == "fma"
     return 4 if on_fmas else AserveInt4Method.KERNEL_MAX_ROWS

@@ -1189,9 +1189,15 @@ struct Int4Panels {
 // Intel Xeon without AMX (2 threads): writing a panel's bf16 pairs and reading them back cost as much as its
 // products. In registers a tile's pair row costs four widening ops (int4: and two fmsubs) beside its 2 x 16 FMAs at
 // 16 rows. The bench model's 120 int4 layers (ms, panels against tiles): 16 rows 40.3 against 20.0 (dense 21.7 / 21.3
-// in the same runs), 64 rows 102-109 against 67-73, 512 rows 694-772 against 527-552, 2048 rows 2985 against 2298;
-// 24 rows at once spilled registers (64 rows 117 ms). Each output's sums are fp32, in k order.
-constexpr int kRowsAtOnce = 16;
+// in the same runs), 64 rows 102-109 against 67-73, 512 rows 694-772 against 527-552, 2048 rows 2985 against 2298.
+// Each output's sums are fp32, in k order. Up to 24 rows a call (24 sums and a pair row's two vectors in registers;
+// the loops over rows unrolled up to 32, where an unroll of 16 had kept 24 rows' sums on the stack): a tile's widening
+// is shared by more FMAs where 16 split the rows badly (20 rows as one call, not 10 + 10; 64 as 24 + 24 + 16). The
+// bench model's 120 layers, int8 and GPTQ (group 64), bf16, 2 threads, both ways alternated in one process (30 rounds,
+// best, ms; an Intel Xeon without AMX tiles): 20 rows int8 21.4 -> 18.7, GPTQ 20.1 -> 17.8; 24 rows 23.4 -> 21.6,
+// 22.3 -> 20.3; 40 rows 36.1 -> 34.2, 36.1 -> 33.8; 64 rows 54.2 -> 52.6, 54.2 -> 52.8; 32 rows (16 + 16 either way)
+// level.
+constexpr int kRowsAtOnce = 24;
 
 // Rows [0, rows) of x (bf16, ldx apart) as fp32 [2 ceil(K / 2)][rows]: x's transpose, 16 rows by 16 k at a time (an
 // odd K's last row zeros, for the last pair row's odd half).
@@ -1256,7 +1262,7 @@ template <int MR, class Tile>
 inline void tile_sums(const Tile& tile, const float* x, __m512 (&acc)[MR]) {
   tile.pair_rows([&](int64_t kk, __m512 even, __m512 odd) __attribute__((always_inline)) {
     const float* xk = x + 2 * kk * MR;  // the MR rows' x[2kk], then their x[2kk + 1]
-#pragma GCC unroll 16
+#pragma GCC unroll 32
     for (int m = 0; m < MR; ++m) {
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[MR + m]), odd, acc[m]);
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), even, acc[m]);
@@ -1296,7 +1302,7 @@ struct Int4Items {
     const int cols = static_cast<int>(std::min<int64_t>(16, N - t * 16));
     const __m512 b = tile_bias(bias, t, cols);
     __m512 acc[MR];
-#pragma GCC unroll 16
+#pragma GCC unroll 32
     for (int m = 0; m < MR; ++m) acc[m] = b;
     tile_sums<MR>(Int4Tile{tiles + t * (K / 2) * 16, sz + t * (K / group) * 32, K, group}, call.x, acc);
     for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + t * 16, cols);
@@ -1312,7 +1318,7 @@ struct Int8Items {
   int64_t K, N, act;
   int64_t count() const { return act == kSiluMul ? N / 32 : (N + 15) / 16; }
   template <int MR> void scaled_sums(int64_t t, const float* x, int cols, __m512 (&acc)[MR]) const {
-#pragma GCC unroll 16
+#pragma GCC unroll 32
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
     tile_sums<MR>(Int8Tile{tiles + t * K * 16, K}, x, acc);
     const __m512 s = _mm512_loadu_ps(scale + t * 16), b = tile_bias(bias, t, cols);
