@@ -197,6 +197,9 @@ def sampled_joint(llm, prompt: list[int], count: int, top_k: int, depth: int) ->
     return counts
 
 
+SAMPLES = 2000  # continuations drawn per check: the negative control's p was 1e-49 at 2000 (1e-26 at 1000)
+
+
 def test_sampled_tokens_follow_the_target_with_a_different_draft(engines, target, monkeypatch):
     """Four-token continuations under top-2 sampling, with the perturbed draft proposing (about half accepted):
     their frequencies fit the reference model's exact joint distribution. Resampling a rejection from p instead of
@@ -205,14 +208,14 @@ def test_sampled_tokens_follow_the_target_with_a_different_draft(engines, target
     joint = exact_joint(load_reference(target), prompt, top_k=2, depth=4)
     llm = engines["other"]
     drafted, accepted = counter(llm, "spec_decode_num_draft_tokens"), counter(llm, "spec_decode_num_accepted_tokens")
-    counts = sampled_joint(llm, prompt, 3000, top_k=2, depth=4)
+    counts = sampled_joint(llm, prompt, SAMPLES, top_k=2, depth=4)
     drafted = counter(llm, "spec_decode_num_draft_tokens") - drafted
     accepted = counter(llm, "spec_decode_num_accepted_tokens") - accepted
-    assert drafted > 3000 and 0.2 < accepted / drafted < 0.95
+    assert drafted > SAMPLES and 0.2 < accepted / drafted < 0.95
     assert p_value(counts, joint) > MIN_P_VALUE
 
     monkeypatch.setattr(sampler, "rejection_sample", redrawn_from_p)
-    assert p_value(sampled_joint(llm, prompt, 3000, top_k=2, depth=4), joint) < 1e-6
+    assert p_value(sampled_joint(llm, prompt, SAMPLES, top_k=2, depth=4), joint) < 1e-6
     assert_draft_idle(llm)
 
 
