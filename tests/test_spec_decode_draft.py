@@ -18,7 +18,7 @@ from aserve.spec_decode.config import SpeculativeConfig
 from aserve.worker import sampler
 from conftest import build_tiny_model, kv_memory_for_blocks, load_reference, random_prompts, reference_greedy
 from test_sampling_stats import MIN_P_VALUE
-from test_spec_decode import counter, exact_joint, greedy, looping_prompts, options_hold, p_value
+from test_spec_decode import counter, exact_joint, greedy, looping_prompts, options_hold, p_value, sampled_joint
 
 
 def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 0) -> Path:
@@ -187,15 +187,6 @@ def test_disable_by_batch_size_stops_the_draft_for_big_batches(target, draft):
 
 
 # -- sampling: the target's distribution, whatever the draft proposes ---------------------------------
-
-def sampled_joint(llm, prompt: list[int], count: int, top_k: int, depth: int) -> dict[tuple[int, ...], int]:
-    params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=depth, ignore_eos=True)
-    counts: dict[tuple[int, ...], int] = {}
-    for out in llm.generate([prompt] * count, params, use_tqdm=False):
-        key = tuple(out.outputs[0].token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
 
 SAMPLES = 2000  # continuations drawn per check: the negative control's p was 1e-49 at 2000 (1e-26 at 1000)
 
