@@ -19,8 +19,9 @@
 //    (each chunk reloads and stores the outputs, and the x block is copied once per chunk);
 //  - while it works through one panel a thread prefetches the next panel into L1, one line every few k steps
 //    inside the micro-kernel (with weights in DRAM: 140-155 GFLOP/s at M = 64 where a burst of prefetches before
-//    each tile gave 128-134, and 20.5 GB/s at M = 1 against 15, Zen 4); the bf16 GEMM on AMD's cores does not at
-//    up to kRowsWithoutPrefetch rows, where on Zen 5 the hardware prefetchers alone stream faster;
+//    each tile gave 128-134, and 20.5 GB/s at M = 1 against 15, Zen 4), or into L2 where a call reads more lines
+//    than it takes k steps (PacedPrefetch); the bf16 GEMM on AMD's cores does not at up to kRowsWithoutPrefetch
+//    rows, where on Zen 5 the hardware prefetchers alone stream faster;
 //  - threads split the panels: each reads only its share of the weights.
 // Summation is in fp32, each output's K products in order (one FMA chain per kc chunk): what F.linear computes
 // up to the order of the sums.
@@ -99,14 +100,25 @@ struct RowCalls {
   int rows_of_last;
 };
 
-// Fetches `lines` 64-byte lines, from `from` on, into L1 at an even pace over `steps` k steps of a micro-kernel.
+// Fetches `lines` 64-byte lines, from `from` on, at an even pace over `steps` k steps of a micro-kernel: into L1, a
+// line every few steps, where they are no more than the steps (a block of a panel's rows, its share of the next
+// panel); else into L2, as many a step as it takes to fetch them all (a call of up to 12 rows reading a bf16 panel
+// pair row, or an fp32 pair of panels, 128 bytes a step: 2 lines a step). One line a step into L1 used to fetch
+// half of the next panel there: the bench model's 120 bf16 layers (Intel Xeon without AMX tiles, 2 threads, weights
+// in DRAM, both ways alternated in one process) took at 1 row 11.5-13.6 ms against 10.3-11.5 now, 4 rows 14.4-15.9
+// against 11.8-13.9, 8 rows 16.1-17.8 against 13.4-15.1; every line into L1 was faster only from 4 rows on, and half
+// of them into L2 no faster than before.
 struct PacedPrefetch {
   const char* next;
-  int64_t lines, every, due = 0;
+  int64_t lines, every, due = 0, per_step;  // per_step 0: a line every `every` steps, into L1
   PacedPrefetch(const void* from, int64_t lines, int64_t steps)
-      : next(static_cast<const char*>(from)), lines(lines), every(lines > 0 ? (steps + lines - 1) / lines : steps + 1) {}
+      : next(static_cast<const char*>(from)), lines(lines), every(lines > 0 ? (steps + lines - 1) / lines : steps + 1),
+        per_step(lines > steps ? (lines + steps - 1) / steps : 0) {}
   inline void at(int64_t k) {
-    if (k == due && lines > 0) {
+    if (lines <= 0) return;
+    if (per_step > 0) {
+      for (int64_t i = 0; i < per_step && lines > 0; ++i, --lines, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+    } else if (k == due) {
       _mm_prefetch(next, _MM_HINT_T0);
       next += 64, --lines, due += every;
     }
