@@ -119,15 +119,16 @@ def test_aserve_gemm_equals_linear(aserve_gemm, rows, out_features, in_features,
 def test_aserve_gemm_rows_do_not_depend_on_the_batch(aserve_gemm, dtype, in_features):
     """Each row's output has the same bits whatever rows it is multiplied with: a short last micro-kernel call is
     evened out with the one before it (12 + 4 rows run as 8 + 8), which changes which call a row is in, never the
-    order of its sums. On AMX tiles, K = 600 goes whole up to 32 rows and in chunks beyond: the sums wait in fp32
-    between chunks, so the same bits again."""
+    order of its sums. One row goes two panels at a time (200 outputs: 7 panels, the last of 8 columns, so some
+    thread's share is odd), with the same sums as a panel alone. On AMX tiles, K = 600 goes whole up to 32 rows and
+    in chunks beyond: the sums wait in fp32 between chunks, so the same bits again."""
     from aserve.ops.cpu_gemm import pack_weight, packed_linear
 
     if dtype == torch.bfloat16 and not torch.ops.aserve.gemm_packs_bf16():
         pytest.skip("aserve's bf16 GEMM needs AVX512-BF16")
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(40, in_features, generator=gen).to(dtype)
-    bias = torch.randn(40, generator=gen).to(dtype)
+    weight = torch.randn(200, in_features, generator=gen).to(dtype)
+    bias = torch.randn(200, generator=gen).to(dtype)
     x = torch.randn(70, in_features, generator=gen).to(dtype)
     packed = pack_weight(weight)
     alone = torch.cat([packed_linear(x[i:i + 1], packed, bias) for i in range(70)])

@@ -616,24 +616,30 @@ inline void store_silu_times(__m512 lo, __m512 hi, uint16_t* c) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), reinterpret_cast<const __m256i&>(v));
 }
 
-// One MR x 32 tile of out (bf16), from the bias or zero; with `scale` (32 fp32 column scales: int8 weights), the sums
-// are scaled and then the bias added, in fp32, before the one rounding. `cols` < 32 only in the last panel.
-template <int MR, class Source>
-void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, int64_t ldc, int cols,
-             const uint16_t* bias, const float* scale, const char* pf, int64_t lines, int64_t act) {
-  __m512 acc[kMR][2];
-  alignas(64) uint16_t edge[kNR] = {};
-  const uint16_t* init = bias;
-  if (bias != nullptr && cols < kNR) {
-    std::memcpy(edge, bias, cols * sizeof(uint16_t));
-    init = edge;
-  }
+// A tile's 32 biases as whole vectors can read them: `bias` itself, or (a last panel's `cols` < 32) its first `cols`
+// copied into `edge`, zeros after; null where there is none.
+inline const uint16_t* whole_bias(const uint16_t* bias, int cols, uint16_t* edge) {
+  if (bias == nullptr || cols == kNR) return bias;
+  std::memcpy(edge, bias, cols * sizeof(uint16_t));
+  return edge;
+}
+
+// Where a tile's MR rows of sums start: the bias (`init`, whole_bias), or zero where there is none or the sums are
+// scaled before it is added (int8 weights).
+template <int MR>
+inline void start_sums(__m512 (&acc)[kMR][2], const uint16_t* init, const float* scale) {
   const bool bias_first = init != nullptr && scale == nullptr;
   for (int i = 0; i < MR; ++i) {
     acc[i][0] = bias_first ? widen(init) : _mm512_setzero_ps();
     acc[i][1] = bias_first ? widen(init + 16) : _mm512_setzero_ps();
   }
-  micro_kernel<MR>(a, source, kp, acc, pf, lines);
+}
+
+// A tile's MR rows of sums into out (bf16): with `scale` (32 fp32 column scales: int8 weights) scaled and then the
+// bias added, in fp32, then the activation, before the one rounding. `cols` < 32 only in the last panel.
+template <int MR>
+inline void finish_tile(__m512 (&acc)[kMR][2], const uint16_t* init, const float* scale, uint16_t* c, int64_t ldc,
+                        int cols, int64_t act) {
   if (scale != nullptr) {
     const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
     const __m512 b0 = init != nullptr ? widen(init) : _mm512_setzero_ps();
@@ -654,6 +660,55 @@ void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, i
     for (int i = 0; i < MR; ++i) acc[i][0] = _mm512_load_ps(sums + i * kNR), acc[i][1] = _mm512_load_ps(sums + i * kNR + 16);
   }
   for (int i = 0; i < MR; ++i) store_row(acc[i][0], acc[i][1], c + i * ldc, cols);
+}
+
+// One MR x 32 tile of out (bf16), from the bias or zero (start_sums), finished by finish_tile.
+template <int MR, class Source>
+void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, int64_t ldc, int cols,
+             const uint16_t* bias, const float* scale, const char* pf, int64_t lines, int64_t act) {
+  __m512 acc[kMR][2];
+  alignas(64) uint16_t edge[kNR] = {};
+  const uint16_t* init = whole_bias(bias, cols, edge);
+  start_sums<MR>(acc, init, scale);
+  micro_kernel<MR>(a, source, kp, acc, pf, lines);
+  finish_tile<MR>(acc, init, scale, c, ldc, cols, act);
+}
+
+// One row against two stored panels at once, on vdpbf16ps: four chains of dot products where a panel alone has two.
+// With its weights in the caches a GEMV is bound by the chains' latency (a vdpbf16ps takes about twice an FMA's):
+// Intel Xeon without AMX tiles, 2 threads, a [2048, 576] weight in L2 46-51 -> 57-73 GB/s, [1536, 1536] 33-35 -> 48;
+// end to end, the bench model at batch 1 (whose weights partly sit in this VM's L3), p50 61.0-68.6 -> 65.8-71.4
+// tok/s, builds alternated three times. `first` describes panel p, `second` p + 1 (both stored, dense); each output's
+// sums are the same instructions in the same order as tile_of<1>'s.
+struct PanelOut {
+  const uint16_t* w;
+  uint16_t* c;
+  int cols;
+  const uint16_t* bias;
+  const float* scale;
+};
+
+inline void row_by_two_panels(const uint32_t* a, int64_t kp, const PanelOut& first, const PanelOut& second,
+                              const char* pf, int64_t lines, int64_t act) {
+  __m512 acc0[kMR][2], acc1[kMR][2];
+  alignas(64) uint16_t edge0[kNR] = {}, edge1[kNR] = {};
+  const uint16_t* init0 = whole_bias(first.bias, first.cols, edge0);
+  const uint16_t* init1 = whole_bias(second.bias, second.cols, edge1);
+  start_sums<1>(acc0, init0, first.scale);
+  start_sums<1>(acc1, init1, second.scale);
+  __m512 r0 = acc0[0][0], r1 = acc0[0][1], r2 = acc1[0][0], r3 = acc1[0][1];
+  PacedPrefetch ahead(pf, lines, kp);
+  for (int64_t k = 0; k < kp; ++k) {
+    ahead.at(k);
+    const __m512bh x = as_bh(_mm512_set1_epi32(static_cast<int>(a[k * kMR])));
+    r0 = _mm512_dpbf16_ps(r0, x, as_bh(_mm512_load_si512(first.w + k * 2 * kNR)));
+    r1 = _mm512_dpbf16_ps(r1, x, as_bh(_mm512_load_si512(first.w + k * 2 * kNR + kNR)));
+    r2 = _mm512_dpbf16_ps(r2, x, as_bh(_mm512_load_si512(second.w + k * 2 * kNR)));
+    r3 = _mm512_dpbf16_ps(r3, x, as_bh(_mm512_load_si512(second.w + k * 2 * kNR + kNR)));
+  }
+  acc0[0][0] = r0, acc0[0][1] = r1, acc1[0][0] = r2, acc1[0][1] = r3;
+  finish_tile<1>(acc0, init0, first.scale, first.c, 0, first.cols, act);
+  finish_tile<1>(acc1, init1, second.scale, second.c, 0, second.cols, act);
 }
 
 template <int MR, class Source>
@@ -981,11 +1036,24 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
     }
     const RowCalls<kMR> calls(mc);
     for (int64_t p = p0; p < p1; ++p) {
-      const Stored stored{panels.get(p)};  // int8 panels: the scratch the block's first call widens them into
-      const char* next = p + 1 < p1 && M > rows_without_prefetch() ? panels.stored(p + 1) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
       const float* ps = scale != nullptr ? scale + p * kNR : nullptr;
+      if constexpr (std::is_same_v<Panels, DensePanels>) {
+        if (M == 1 && !fma && p + 1 < p1) {  // a GEMV: two panels at a time, the two after them prefetched
+          const PanelOut second{panels.get(p + 1), out + (p + 1) * po,
+                                static_cast<int>(std::min<int64_t>(kNR, N - (p + 1) * kNR)),
+                                bias != nullptr ? bias + (p + 1) * kNR : nullptr,
+                                scale != nullptr ? scale + (p + 1) * kNR : nullptr};
+          const int64_t ahead = M > rows_without_prefetch() ? std::min<int64_t>(2, p1 - p - 2) : 0;
+          row_by_two_panels(packed.data(), kp, {panels.get(p), out + p * po, cols, pb, ps}, second,
+                            ahead > 0 ? panels.stored(p + 2) : nullptr, ahead > 0 ? ahead * total_lines : 0, act);
+          ++p;
+          continue;
+        }
+      }
+      const Stored stored{panels.get(p)};  // int8 panels: the scratch the block's first call widens them into
+      const char* next = p + 1 < p1 && M > rows_without_prefetch() ? panels.stored(p + 1) : nullptr;
       for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
         const int64_t from = r * total_lines / blocks;
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
