@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Decode speed of each weight format at one batch size, in one process, alternated round by round.
+"""Output tokens a second of each weight format at one batch size, in one process, alternated round by round.
 
---batch prompts (distinct, so nothing is shared through the prefix cache) of --input-len tokens, --output-len greedy
-tokens each (ignore_eos), through an engine per format: dense, int8, int8 with its head (--quantize-lm-head), GPTQ
-int4 and GPTQ with an int8 head. Each round runs every format once, in turn, so a VM whose speed drifts slows all of
-them alike; the last lines are each format's median output rate and its ratio to the first format's, and every
-round's ratios. A format named with "@4k" (dense@4k) is the same engine with its weights left in 4 KiB pages
-(ASERVE_HUGE_PAGE_WEIGHTS=0 while it loads), to measure what the 2 MiB pages give.
+--batch prompts of --input-len tokens, --output-len greedy tokens each (ignore_eos), through an engine per format:
+dense, int8, int8 with its head (--quantize-lm-head), GPTQ int4 and GPTQ with an int8 head. Each round runs every
+format once, in turn, so a VM whose speed drifts slows all of them alike; the last lines are each format's median
+output rate and its ratio to the first format's, and every round's ratios. Every prompt of the run is new to the
+engines' prefix caches (prompt_sets), so each round prefills its prompts as the first one does. A format named with
+"@4k" (dense@4k) is the same engine with its weights left in 4 KiB pages (ASERVE_HUGE_PAGE_WEIGHTS=0 while it
+loads), to measure what the 2 MiB pages give.
 
     python benchmarks/weight_formats.py --model /tmp/bench-model [--gptq DIR] [--rounds 5] [--formats dense,gptqh]
     python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,int8
@@ -50,6 +51,14 @@ def load(name: str, model: str, gptq: str | None, dtype: str):
             os.environ["ASERVE_HUGE_PAGE_WEIGHTS"] = before
 
 
+def prompt_sets(count: int, batch: int, input_len: int) -> list[list[list[int]]]:
+    """`count` sets of `batch` prompts, no two alike in their first token, so that no run finds a prompt's blocks in
+    its engine's prefix cache (prompt j's tokens step by 1 from 1000 + 7919 j mod 30000; 7919 is prime). Reusing one
+    set every round had decoded rounds after the first without their prefill, and the warm-up's prompt at batch 1."""
+    return [[[1000 + ((s * batch + b) * 7919 + i) % 30000 for i in range(input_len)] for b in range(batch)]
+            for s in range(count)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a 16/32-bit checkpoint (the bench model)")
@@ -81,13 +90,13 @@ def main() -> None:
         first = next(iter(engines.values()))
         print(f"weight_formats: {cpu_info().describe()}, dtype {str(first.engine.dtype).replace('torch.', '')}; "
               f"{args.batch} x {args.input_len}/{args.output_len}, {args.rounds} rounds")
-        prompts = [{"prompt_token_ids": [1000 + (b * 7919 + i) % 30000 for i in range(args.input_len)]}
-                   for b in range(args.batch)]
+        *rounds, warm = [[{"prompt_token_ids": p} for p in prompts]
+                         for prompts in prompt_sets(args.rounds + 1, args.batch, args.input_len)]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         rates: dict[str, list[float]] = {n: [] for n in names}
-        for _ in range(args.rounds):
+        for prompts in rounds:
             for name, llm in engines.items():
-                llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm
+                llm.generate(warm[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 rates[name].append(args.batch * args.output_len / (time.perf_counter() - start))

@@ -35,6 +35,22 @@ def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(
                      formats.stdout)
 
 
+def test_weight_formats_rounds_find_nothing_in_the_prefix_cache():
+    """Each round's prompts and the warm-up's differ from every other run's in their first block, so no round skips
+    its prefill (one set reused had timed rounds after the first without it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("weight_formats", BENCH / "weight_formats.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for count, batch, input_len in ((6, 64, 128), (10, 1, 16), (3, 16, 20)):
+        sets = module.prompt_sets(count, batch, input_len)
+        assert len(sets) == count and all(len(s) == batch for s in sets)
+        assert all(len(p) == input_len and all(0 < t < 49152 for t in p) for s in sets for p in s)
+        first_blocks = [tuple(p[:16]) for s in sets for p in s]
+        assert len(set(first_blocks)) == count * batch
+
+
 def test_comparison_scripts_parse_and_ask_for_vllm_when_it_is_missing(tmp_path):
     for script in ("setup_vllm_cpu.sh", "compare_throughput.sh", "compare_serve.sh"):
         assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0, script
