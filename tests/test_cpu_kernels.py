@@ -573,8 +573,8 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     that end mid-tile and mid-panel, inputs that end mid-way through 16 (72), a batch over one row block, inputs
     past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
     ahead, 200 x 576 and 130 x 1536); bf16 on each of the CPU's products (gemm_int4 on FMAs takes a tile at a time,
-    up to 24 rows at once, in row blocks: 70 rows of 4224 are two); both kernels the same for rows that are a view into
-    wider ones."""
+    up to 24 rows at once, in row blocks: 70 rows of 4224 are two; int4_linear on FMAs takes 2-4 rows, its two kinds of
+    sums folded per group of 24 or 96); both kernels the same for rows that are a view into wider ones."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes
 
@@ -585,7 +585,8 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     gen = torch.Generator().manual_seed(7)
     for out_features, in_features, group, rows in ((33, 64, 32, 1), (200, 128, 64, 3), (48, 576, 64, 8),
                                                    (100, 4224, 64, 70), (40, 96, 96, 300), (64, 1536, 128, 5),
-                                                   (33, 72, 24, 9), (200, 576, 64, 70), (130, 1536, 128, 131)):
+                                                   (33, 72, 24, 9), (200, 576, 64, 70), (130, 1536, 128, 131),
+                                                   (72, 192, 24, 2), (40, 192, 96, 4)):
         groups = in_features // group
         codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
         scales = torch.rand(groups, out_features, generator=gen) * 0.1

@@ -5,8 +5,9 @@ On the CPU, where aserve's kernels are built and the activations are fp32 (or bf
 aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
 (`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 8 rows
 (`kernel_rows`) `int4_linear` (csrc/int8_linear.cpp) sums x * q per group in registers (bf16: an output's two codes
-of a pair of inputs made a bf16 pair through a table, 32 products per vdpbf16ps) and folds in s * sum(x q) - s * z *
-sum(x); above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's
+of a pair of inputs made a bf16 pair by a shift and a ternary-logic op, 32 products per vdpbf16ps; 2-4 rows where
+aserve's bf16 GEMM multiplies on fp32 FMAs: the codes made fp32 the same way, a shift serving two) and folds in s *
+sum(x q) - s * z * sum(x); above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's
 layout, or, where that GEMM multiplies on fp32 FMAs, each tile in registers for every 16 rows (from 5 rows there).
 Any group size that is a multiple of 8 and divides the inputs.
 

@@ -540,6 +540,103 @@ inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_s
     for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<c10::BFloat16>(lanes[i]);
   }
 }
+
+// The same tile on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX tiles,
+// where vdpbf16ps multiplies at half the FMAs' rate): a code becomes the float 1 + q / 16 (its nibble at bits 19..22 of
+// 1.0's bits) or 1 + q / 256 (bits 15..18), so one shift of the block serves a pair of nibbles four bits apart, and
+// one vpternlogd (bits & mask | 1.0) each: four shifts, eight ternary-logic ops and 8 M FMAs a block, where the
+// vdpbf16ps loop takes three shifts, four ternary-logic ops and 4 M vdpbf16ps. The two kinds of sums, A (k = 2, 3, 6,
+// 7 mod 8) and B (k = 0, 1, 4, 5), fold into the output per group as s (16 (A - xa) + 256 (B - xb)) - s z x, xa and
+// xb the group's sums of x over those k: the 1s' share cancels, and what is left is x q at fp32 precision less the
+// few bits 256 x costs against q x (the vdpbf16ps loop's 128 x costs one fewer). For 2 to 4 rows (kernel_rows' limit
+// there): the bench model's 120 int4 layers, both kernels in shuffled order in one process (2 threads, caches flushed
+// before each pass / one layer's weights in L2, medians of 16 passes, ms, vdpbf16ps against this): 4 rows 10.09 ->
+// 8.45 / 9.57 -> 7.57 and 8.48 -> 7.20 / 7.84 -> 6.54, 3 rows 8.27 -> 6.95 / 7.98 -> 6.31, 2 rows 6.83 -> 6.52 / 5.90
+// -> 5.50 and level. At one row it was level or slower (5.23 against 5.45 flushed), though the inner loop alone (a
+// scratch microbenchmark, codes in L2) ran 0.95 against 1.23 ns a 32 weights: one row stays on vdpbf16ps. More than
+// four rows would spill the sums.
+template <int M>
+inline void int4_tile_fma(const uint8_t* w, const float* xf, int64_t K, int64_t group, const c10::BFloat16* sz,
+                          const float* xab, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
+  const int64_t groups = K / group, pairs = K / 2;
+  const uint8_t* tile = w + t * pairs * kInt8Tile;
+  const uint8_t* next = last ? nullptr : tile + pairs * kInt8Tile;
+  const __m512i one = _mm512_set1_epi32(0x3F800000);
+  const __m512i high = _mm512_set1_epi32(0x00780000), low = _mm512_set1_epi32(0x00078000);
+  __m512 out[M];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
+  prefetch_scales<1>(sz, t, groups, 0);
+  if (!last) {
+    const char* p = reinterpret_cast<const char*>(sz + (t + 1) * groups * 2 * kInt8Tile);
+    const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(c10::BFloat16)};
+    for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
+    __m512 a[2][M], b[2][M];  // two chains of each kind
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+      a[0][m] = a[1][m] = b[0][m] = b[1][m] = _mm512_setzero_ps();
+    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: inputs k0 = 2kk .. k0 + 7
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
+      const __m512i block = _mm512_loadu_si512(tile + kk * kInt8Tile);
+      // word bits 0, 4, 8, 12 hold k0, k0 + 2, + 4, + 6; bits 16, 20, 24, 28 hold k0 + 1, + 3, + 5, + 7
+      const __m512i w0 = _mm512_slli_epi32(block, 15), w1 = _mm512_slli_epi32(block, 7);
+      const __m512i w2 = _mm512_srli_epi32(block, 1), w3 = _mm512_srli_epi32(block, 9);
+      const auto hi = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, high, one, 0xEA)); };
+      const auto lo = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, low, one, 0xEA)); };
+      const __m512 c0 = lo(w0), c2 = hi(w0), c4 = lo(w1), c6 = hi(w1);
+      const __m512 c1 = lo(w2), c3 = hi(w2), c5 = lo(w3), c7 = hi(w3);
+      const int64_t k0 = 2 * kk;
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const float* x = xf + m * K + k0;
+        b[0][m] = _mm512_fmadd_ps(c0, _mm512_set1_ps(x[0]), b[0][m]);
+        a[0][m] = _mm512_fmadd_ps(c2, _mm512_set1_ps(x[2]), a[0][m]);
+        b[1][m] = _mm512_fmadd_ps(c4, _mm512_set1_ps(x[4]), b[1][m]);
+        a[1][m] = _mm512_fmadd_ps(c6, _mm512_set1_ps(x[6]), a[1][m]);
+        b[0][m] = _mm512_fmadd_ps(c1, _mm512_set1_ps(x[1]), b[0][m]);
+        a[0][m] = _mm512_fmadd_ps(c3, _mm512_set1_ps(x[3]), a[0][m]);
+        b[1][m] = _mm512_fmadd_ps(c5, _mm512_set1_ps(x[5]), b[1][m]);
+        a[1][m] = _mm512_fmadd_ps(c7, _mm512_set1_ps(x[7]), a[1][m]);
+      }
+    }
+    float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
+    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+    const __m512 sv = _mm512_loadu_ps(s), mv = _mm512_loadu_ps(s + kInt8Tile);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const float* sums = xab + (m * groups + g) * 2;  // the group's x sums over A's k, then B's
+      const __m512 qa = _mm512_sub_ps(_mm512_add_ps(a[0][m], a[1][m]), _mm512_set1_ps(sums[0]));
+      const __m512 qb = _mm512_sub_ps(_mm512_add_ps(b[0][m], b[1][m]), _mm512_set1_ps(sums[1]));
+      const __m512 q = _mm512_fmadd_ps(qa, _mm512_set1_ps(16.f), _mm512_mul_ps(qb, _mm512_set1_ps(256.f)));
+      out[m] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(sums[0] + sums[1]), _mm512_fmadd_ps(q, sv, out[m]));
+    }
+  }
+  const int64_t n0 = t * kInt8Tile, width = std::min<int64_t>(kInt8Tile, N - n0);
+  for (int m = 0; m < M; ++m) {
+    alignas(64) float lanes[kInt8Tile];
+    _mm512_store_ps(lanes, out[m]);
+    for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<c10::BFloat16>(lanes[i]);
+  }
+}
+
+// x's M rows as fp32 and, per row and group, the sums of x over the k int4_tile_fma's A sums take (k mod 8 in 2, 3,
+// 6, 7) and over B's (0, 1, 4, 5): [M][groups][2], in this thread's scratch.
+inline RowsAndSums rows_and_class_sums(const at::Tensor& x, int M, int64_t K, int64_t group) {
+  thread_local std::vector<float> sums;
+  const float* rows = rows_as_float<c10::BFloat16>(x, M, K);
+  const int64_t groups = K / group;
+  sums.resize(M * groups * 2);
+  for (int64_t i = 0; i < M * groups; ++i) {
+    const float* p = rows + i * group;
+    float a = 0.f, b = 0.f;
+    for (int64_t k = 0; k < group; ++k) ((k & 2) != 0 ? a : b) += p[k];
+    sums[2 * i] = a, sums[2 * i + 1] = b;
+  }
+  return {rows, sums.data()};
+}
 #endif
 
 template <typename T, int M>
@@ -548,6 +645,17 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
 #if defined(ASERVE_INT4_BF16_DOT)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), stride = x.stride(0);
+    if (M >= 2 && M <= 4 && bf16_products() == Products::kFma) {
+      const RowsAndSums xs = rows_and_class_sums(x, M, K, group);
+      const uint8_t* w = tiled.data_ptr<uint8_t>();
+      const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
+      c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        if constexpr (M >= 2 && M <= 4)
+          for (int64_t t = begin; t < end; ++t) int4_tile_fma<M>(w, xs.rows, K, group, sz, xs.sums, o, N, t, t + 1 == end);
+      });
+      return;
+    }
     const float* xsum = rows_and_group_sums<c10::BFloat16>(x, M, K, group, false).sums;
     const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
     const uint8_t* w = tiled.data_ptr<uint8_t>();
