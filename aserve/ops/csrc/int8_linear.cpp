@@ -477,6 +477,13 @@ template <int S> inline __m512i int4_pairs_bf16(__m512i block) {
   return _mm512_ternarylogic_epi32(nibbles, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);  // a&b | c
 }
 
+// Tile t's scales and s * z, all its groups, into L2 (the thread's next tile, while this one multiplies).
+inline void prefetch_tile_scales(const c10::BFloat16* sz, int64_t t, int64_t groups) {
+  const char* p = reinterpret_cast<const char*>(sz + t * groups * 2 * kInt8Tile);
+  const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(c10::BFloat16)};
+  for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
+}
+
 // Tile t (16 outputs) against M rows. One tile at a time, its pair rows in order in kChains interleaved sums: each
 // thread reads its run of tiles as one stream. Eight tiles at once (eight streams 4.6 KB apart, one sum each), the
 // bench model's int4 layers read 2.6 ms a step at one row from DRAM; one at a time in one chain 2.25; in four 2.0
@@ -493,11 +500,7 @@ inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_s
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
   prefetch_scales<1>(sz, t, groups, 0);
-  if (!last) {  // the next tile's scales, all its groups, into L2
-    const char* p = reinterpret_cast<const char*>(sz + (t + 1) * groups * 2 * kInt8Tile);
-    const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(c10::BFloat16)};
-    for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
-  }
+  if (!last) prefetch_tile_scales(sz, t + 1, groups);
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
     __m512 acc[kChains][M];
@@ -533,12 +536,7 @@ inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_s
                                 _mm512_fmadd_ps(sum, sv, out[m]));
     }
   }
-  const int64_t n0 = t * kInt8Tile, width = std::min<int64_t>(kInt8Tile, N - n0);
-  for (int m = 0; m < M; ++m) {
-    alignas(64) float lanes[kInt8Tile];
-    _mm512_store_ps(lanes, out[m]);
-    for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<c10::BFloat16>(lanes[i]);
-  }
+  store_tiles<c10::BFloat16, M, 1>(out, o, N, t, [](float sum, int64_t) { return sum; });
 }
 
 // The same tile on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX tiles,
@@ -567,11 +565,7 @@ inline void int4_tile_fma(const uint8_t* w, const float* xf, int64_t K, int64_t 
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
   prefetch_scales<1>(sz, t, groups, 0);
-  if (!last) {
-    const char* p = reinterpret_cast<const char*>(sz + (t + 1) * groups * 2 * kInt8Tile);
-    const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(c10::BFloat16)};
-    for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
-  }
+  if (!last) prefetch_tile_scales(sz, t + 1, groups);
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
     __m512 a[2][M], b[2][M];  // two chains of each kind
@@ -614,12 +608,7 @@ inline void int4_tile_fma(const uint8_t* w, const float* xf, int64_t K, int64_t 
       out[m] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(sums[0] + sums[1]), _mm512_fmadd_ps(q, sv, out[m]));
     }
   }
-  const int64_t n0 = t * kInt8Tile, width = std::min<int64_t>(kInt8Tile, N - n0);
-  for (int m = 0; m < M; ++m) {
-    alignas(64) float lanes[kInt8Tile];
-    _mm512_store_ps(lanes, out[m]);
-    for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<c10::BFloat16>(lanes[i]);
-  }
+  store_tiles<c10::BFloat16, M, 1>(out, o, N, t, [](float sum, int64_t) { return sum; });
 }
 
 // x's M rows as fp32 and, per row and group, the sums of x over the k int4_tile_fma's A sums take (k mod 8 in 2, 3,
@@ -629,10 +618,17 @@ inline RowsAndSums rows_and_class_sums(const at::Tensor& x, int M, int64_t K, in
   const float* rows = rows_as_float<c10::BFloat16>(x, M, K);
   const int64_t groups = K / group;
   sums.resize(M * groups * 2);
-  for (int64_t i = 0; i < M * groups; ++i) {
+  constexpr __mmask16 kInA = 0xCCCC;  // lanes k mod 8 in 2, 3, 6, 7; the rest are B's
+  for (int64_t i = 0; i < M * groups; ++i) {  // a group starts on a multiple of 8: its k mod 8 are the row's
     const float* p = rows + i * group;
-    float a = 0.f, b = 0.f;
-    for (int64_t k = 0; k < group; ++k) ((k & 2) != 0 ? a : b) += p[k];
+    __m512 va = _mm512_setzero_ps(), vb = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= group; k += 16) {
+      const __m512 v = _mm512_loadu_ps(p + k);
+      va = _mm512_mask_add_ps(va, kInA, va, v), vb = _mm512_mask_add_ps(vb, static_cast<__mmask16>(~kInA), vb, v);
+    }
+    float a = _mm512_reduce_add_ps(va), b = _mm512_reduce_add_ps(vb);
+    for (; k < group; ++k) ((k & 2) != 0 ? a : b) += p[k];
     sums[2 * i] = a, sums[2 * i + 1] = b;
   }
   return {rows, sums.data()};
