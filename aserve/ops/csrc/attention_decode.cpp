@@ -505,16 +505,18 @@ void key_scores_fma(const float*, int64_t, const BF16*, const BF16*, const int64
 // Tokens a work item attends to at most: longer contexts are split in parts of at most this size, their softmaxes
 // merged. Batch 1 had too few (request, kv head) items for two threads: splitting the query heads instead read every
 // key and value once per head, and ran slower on two threads than one (bench model, 9 heads over 3: 29.6 against
-// 25.0 us at 1024 tokens, Zen 5). The parts are of equal size (ceil(context / parts)), not 128 tokens and a short
+// 25.0 us at 1024 tokens, Zen 5). The parts' sizes are within one token of each other, not 128 tokens and a short
 // rest: at batch 1 the threads split the items by count, so a 260-token context's 128 + 128 + 4 gave one of two
 // threads 516 of the three kv heads' 780 tokens; parts of 86, 87 and 87 give it 433. Bench model at batch 1, decode
-// attention over 128-384 tokens (Intel Xeon, avx2 avx512_bf16 avx512f, no AMX, 2 threads): 0.91 -> 0.83 ms a step.
+// attention over 128-384 tokens (Intel Xeon, avx2 avx512_bf16 avx512f, no AMX, 2 threads, commit fa74fc1): 0.91 ->
+// 0.83 ms a step.
 constexpr int64_t kPartTokens = 128;
 
 // The parts of a context of `tokens`: as few as kPartTokens allows, their sizes within one token of each other.
 struct Parts {
   int64_t tokens, count;
-  explicit Parts(int64_t tokens) : tokens(tokens), count(std::max<int64_t>(1, (tokens + kPartTokens - 1) / kPartTokens)) {}
+  explicit Parts(int64_t tokens)
+      : tokens(tokens), count(std::max<int64_t>(1, (tokens + kPartTokens - 1) / kPartTokens)) {}
   int64_t start(int64_t p) const { return tokens * p / count; }  // part p: [start(p), start(p + 1))
 };
 
@@ -558,7 +560,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
       pairs.push_back({static_cast<int64_t>(items.size()), parts.count});
       for (int64_t p = 0; p < parts.count; ++p)
-        items.push_back({b, kvh, first + parts.start(p), first + parts.start(p + 1), parts.count > 1 ? partials++ : -1});
+        items.push_back({b, kvh, first + parts.start(p), first + parts.start(p + 1),
+                         parts.count > 1 ? partials++ : -1});
     }
   }
   // A split part's normalized sums per query head ([partials][group][head_dim]), and its softmax's max and total.
