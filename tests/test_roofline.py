@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -69,6 +70,26 @@ def test_work_counted_is_the_work_done(model_dirs):
     assert not hasattr(llm.engine.executor, "execute") or "execute" not in vars(llm.engine.executor)
 
 
+def test_probes_between_steps_stay_out_of_the_timing(model_dirs):
+    """Probes with no interval read both peaks before every call of the executor (the 4 steps that run the model and
+    the last, which only frees the requests), outside the run's timed wall; with a long one, once, before the first
+    step. Readings are rates (no value asserted: they depend on the machine)."""
+    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB",
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)
+    for interval, expected in ((0.0, 5), (3600.0, 1)):
+        probes = roofline.Probes.make(interval, torch.float32, (128, 512, 512), 1)
+        start = time.perf_counter()
+        run = roofline.measure(llm, random_prompts(2, lengths=(10, 10), seed=4 + expected), params, None,
+                               probes=probes)
+        elapsed = time.perf_counter() - start
+        assert run.probes is probes and run.work.steps == 4 and len(probes.readings) == expected
+        assert all(gemm > 0 and read > 0 for gemm, read in probes.readings) and probes.seconds > 0
+        assert run.wall < elapsed - probes.seconds + 1e-9  # the probes' time is not the run's
+        gemm, read = probes.medians()
+        assert gemm in [g for g, _ in probes.readings] and read in [r for _, r in probes.readings]
+
+
 def test_int8_weights_count_a_quarter_of_fp32_bytes(model_dirs):
     dense, int8 = (roofline.ModelCost.of(llm.engine.runner.model, llm.engine.runner.kv_cache) for llm in (
         LLM(str(model_dirs["llama-untied"]), dtype="float32", kv_cache_memory="16MiB", quantization=q)
@@ -92,7 +113,10 @@ def test_roofline_command_prints_every_figure(model_dirs, capsys):
                     r"memory bandwidth after the run: [\d.]+ GB/s .*the fractions below use [\d.]+",
                     r"GEMM: [\d.]+ GFLOP, \d+ GFLOP/s over the whole run = \d+% of the peak",
                     r"= \d+% of the bandwidth", r"reached \d+% of the machine's limit", r"\| GEMM \| [\d.]+ \| \d+% \|",
-                    r"\| Python and scheduling \|", r"inside the GEMMs: \d+ GFLOP/s"):
+                    r"\| Python and scheduling \|", r"inside the GEMMs: \d+ GFLOP/s",
+                    r"peaks read during the run \(\d+ probes, [\d.]+ s kept out of the timing\): GEMM median \d+ "
+                    r"GFLOP/s \(\d+-\d+\), bandwidth median [\d.]+ GB/s .*against the medians: GEMM \d+% of the peak, "
+                    r"memory \d+% of the bandwidth, \d+% of the limit", r"\d+% of the probes' median\)"):
         assert re.search(pattern, out), (pattern, out)
     assert re.search(r"Throughput: [0-9.]+ requests/s", out.splitlines()[-1])
     # both peaks are read again after the run, and the fractions use the higher reading of each

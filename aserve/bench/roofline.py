@@ -10,7 +10,10 @@ and bytes read (every weight once a step, as stored: int8 and int4 read fewer; e
 least possible time is that of its linear layers, the larger of their FLOPs at the peak rate and their weights at
 the bandwidth, plus that of its attention, the same for its FLOPs and its K/V (the two run one after the other);
 their sum over the steps is the roofline time, and roofline time / wall time is how close the run came (1.0 = at
-the machine's limit). Both peaks are measured again after the workload and the higher reading of each is used.
+the machine's limit). Both peaks are measured again after the workload and the higher reading of each is used. Both
+are also probed during the run, between steps every --probe-interval seconds (outside the timed wall): a shared VM
+changes speed within minutes, and the fractions against the probes' medians say how close the run came to what the
+machine could do while it ran.
 
 Last, the same workload runs again under torch.profiler and its wall time is split into GEMM (every linear layer's
 kernel, quantized ones included), attention (its kernels and the KV cache writes), other ops (norms, rotary,
@@ -23,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--bandwidth-mib", type=int, default=1024,
                         help="size of the buffer streamed to measure memory bandwidth (far larger than the caches)")
+    parser.add_argument("--probe-interval", type=float, default=2.0,
+                        help="seconds between the peak probes taken during the run, between steps and outside its "
+                             "timed wall (0: none)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run and its time split")
     add_engine_arguments(parser)
 
@@ -62,35 +69,49 @@ class Peaks:
     bandwidth_slowest_gbs: float = 0.0  # and its slowest: a shared VM's memory bandwidth drifts
 
 
-def peak_gemm(dtype: torch.dtype, shapes=PEAK_SHAPES, repeats: int = 3) -> tuple[float, tuple[int, int, int]]:
-    """The best GFLOP/s of the GEMM the engine multiplies `dtype` weights with (ops.cpu_gemm: aserve's or oneDNN's,
-    prepacked; torch's linear where neither packs this dtype) over `shapes`."""
+def gemm_runner(dtype: torch.dtype, shape: tuple[int, int, int]):
+    """A call of the GEMM the engine multiplies `dtype` weights with (ops.cpu_gemm: aserve's or oneDNN's, prepacked;
+    torch's linear where neither packs this dtype) on random operands of `shape` (rows, in, out)."""
     from aserve.ops import cpu_gemm
 
+    rows, inp, out = shape
+    x, w = torch.randn(rows, inp, dtype=dtype), torch.randn(out, inp, dtype=dtype)
+    if cpu_gemm.can_pack(dtype):
+        packed = cpu_gemm.pack_weight(w)
+        return lambda: cpu_gemm.packed_linear(x, packed, None)
+    return lambda: torch.nn.functional.linear(x, w)
+
+
+def gemm_rate(run, shape: tuple[int, int, int], calls: int) -> float:
+    """GFLOP/s of `calls` calls of `run` (a gemm_runner of `shape`)."""
+    rows, inp, out = shape
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return 2 * rows * inp * out * calls / (time.perf_counter() - start) / 1e9
+
+
+def gemm_calls(shape: tuple[int, int, int]) -> int:
+    rows, inp, out = shape
+    return max(1, int(2e9 / (2 * rows * inp * out)))  # ~2 GFLOP a timing
+
+
+def peak_gemm(dtype: torch.dtype, shapes=PEAK_SHAPES, repeats: int = 3) -> tuple[float, tuple[int, int, int]]:
+    """The best GFLOP/s of the engine's GEMM for `dtype` weights (gemm_runner) over `shapes`."""
     best, best_shape = 0.0, shapes[0]
     with torch.inference_mode():
-        for rows, inp, out in shapes:
-            x, w = torch.randn(rows, inp, dtype=dtype), torch.randn(out, inp, dtype=dtype)
-            if cpu_gemm.can_pack(dtype):
-                packed = cpu_gemm.pack_weight(w)
-                run = lambda: cpu_gemm.packed_linear(x, packed, None)  # noqa: E731
-            else:
-                run = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+        for shape in shapes:
+            run = gemm_runner(dtype, shape)
             run()
-            calls = max(1, int(2e9 / (2 * rows * inp * out)))  # ~2 GFLOP a timing
             for _ in range(repeats):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    run()
-                rate = 2 * rows * inp * out * calls / (time.perf_counter() - start) / 1e9
+                rate = gemm_rate(run, shape, gemm_calls(shape))
                 if rate > best:
-                    best, best_shape = rate, (rows, inp, out)
+                    best, best_shape = rate, shape
     return best, best_shape
 
 
-def bandwidth(mib: int = 1024, repeats: int = 5) -> tuple[float, float]:
-    """The best and the slowest GB/s of reading a `mib` MiB buffer once (torch.ops.aserve.stream_read), pages
-    touched first."""
+def bandwidth_buffer(mib: int) -> torch.Tensor:
+    """A `mib` MiB buffer for stream_read, its pages touched."""
     from aserve.ops import cpu_kernels
 
     if not cpu_kernels.available():
@@ -98,12 +119,60 @@ def bandwidth(mib: int = 1024, repeats: int = 5) -> tuple[float, float]:
                            "compiler was found)")
     buffer = torch.ones(mib * 2**20 // 8, dtype=torch.int64)
     torch.ops.aserve.stream_read(buffer)
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.ops.aserve.stream_read(buffer)
-        rates.append(buffer.numel() * 8 / (time.perf_counter() - start) / 1e9)
+    return buffer
+
+
+def read_rate(buffer: torch.Tensor) -> float:
+    """GB/s of reading `buffer` once (torch.ops.aserve.stream_read, on every thread)."""
+    start = time.perf_counter()
+    torch.ops.aserve.stream_read(buffer)
+    return buffer.numel() * 8 / (time.perf_counter() - start) / 1e9
+
+
+def bandwidth(mib: int = 1024, repeats: int = 5) -> tuple[float, float]:
+    """The best and the slowest GB/s of reading a `mib` MiB buffer once, pages touched first."""
+    buffer = bandwidth_buffer(mib)
+    rates = [read_rate(buffer) for _ in range(repeats)]
     return max(rates), min(rates)
+
+
+@dataclass
+class Probes:
+    """The peaks read during the run: before a step, once `interval` seconds have passed since the last reading
+    (and before the first step), one timing of the peak's GEMM shape (~2 GFLOP) and one read of the bandwidth
+    buffer. A shared VM's cores and memory change speed within minutes, so readings taken only before and after a
+    run can miss the speed it ran at; these say what the machine could do while it ran. Their time is kept out of
+    the run's timed wall (`seconds`)."""
+    interval: float
+    gemm: Callable[[], torch.Tensor]  # a gemm_runner of `shape`
+    shape: tuple[int, int, int]
+    buffer: torch.Tensor
+    readings: list = field(default_factory=list)  # (GFLOP/s, GB/s) per probe
+    seconds: float = 0.0
+    last: float | None = None
+
+    @classmethod
+    def make(cls, interval: float, dtype: torch.dtype, shape: tuple[int, int, int], mib: int) -> "Probes":
+        run = gemm_runner(dtype, shape)
+        with torch.inference_mode():
+            run()
+        return cls(interval, run, shape, bandwidth_buffer(mib))
+
+    def maybe(self) -> None:
+        """Probe, if the interval has passed since the last probe (or none was taken)."""
+        start = time.perf_counter()
+        if self.last is not None and start - self.last < self.interval:
+            return
+        with torch.inference_mode():
+            self.readings.append((gemm_rate(self.gemm, self.shape, gemm_calls(self.shape)), read_rate(self.buffer)))
+        self.last = time.perf_counter()
+        self.seconds += self.last - start
+
+    def medians(self) -> tuple[float, float]:
+        """The median GEMM and bandwidth readings (the lower middle of an even count)."""
+        gemm, read = (sorted(column) for column in zip(*self.readings))
+        middle = (len(gemm) - 1) // 2
+        return gemm[middle], read[middle]
 
 
 def cpu_flags() -> str:
@@ -221,16 +290,20 @@ class Run:
     work: Work
     split: dict[str, float] = field(default_factory=dict)  # seconds per GROUPS label, "other ops", "Python ..."
     profiled_wall: float = 0.0
+    probes: Probes | None = None  # the peaks read during the timed run, their time out of `wall`
 
 
 @contextlib.contextmanager
-def counting_work(engine, cost: ModelCost, peaks: Peaks | None):
-    """Count every step the engine's executor runs inside the block into the Work it yields."""
+def counting_work(engine, cost: ModelCost, peaks: Peaks | None, probes: Probes | None = None):
+    """Count every step the engine's executor runs inside the block into the Work it yields; `probes`, probe
+    before the steps as their interval says."""
     work = Work(peaks=peaks)
     executor = engine.executor
     execute = executor.execute
 
     def counted(sched, *args, **kwargs):
+        if probes is not None:
+            probes.maybe()
         ids = {request_id for request_id, _ in sched.num_scheduled_tokens}  # none: a step that only frees requests
         chunks = [(req.num_computed_tokens, n, req.num_computed_tokens + n >= req.num_tokens)
                   for req, n in engine.scheduler.scheduled if req.request_id in ids]
@@ -264,20 +337,20 @@ def split_by_profile(llm, requests, params) -> tuple[float, dict[str, float]]:
 
 
 def measure(llm, prompts: list[list[int]], params, peaks: Peaks | None,
-            profiled_prompts: list[list[int]] | None = None) -> Run:
-    """The workload timed with its work counted, then, given `profiled_prompts` (others than `prompts`, so that the
-    prefix cache holds none of them), that one under the profiler. The first prompt's first tokens, reversed, warm
-    the engine up."""
+            profiled_prompts: list[list[int]] | None = None, probes: Probes | None = None) -> Run:
+    """The workload timed with its work counted (and `probes` taken between its steps, their time not counted),
+    then, given `profiled_prompts` (others than `prompts`, so that the prefix cache holds none of them), that one
+    under the profiler. The first prompt's first tokens, reversed, warm the engine up."""
     engine = llm.engine
     runner = engine.executor.worker.runner
     cost = ModelCost.of(runner.model, runner.kv_cache)
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate([{"prompt_token_ids": prompts[0][:16][::-1]}], params.clone(max_tokens=4), use_tqdm=False)
-    with counting_work(engine, cost, peaks) as work:
+    with counting_work(engine, cost, peaks, probes) as work:
         start = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-    run = Run(wall, sum(len(o.token_ids) for out in outputs for o in out.outputs), work)
+        wall = time.perf_counter() - start - (probes.seconds if probes is not None else 0.0)
+    run = Run(wall, sum(len(o.token_ids) for out in outputs for o in out.outputs), work, probes=probes)
     if profiled_prompts:
         run.profiled_wall, run.split = split_by_profile(llm, [{"prompt_token_ids": p} for p in profiled_prompts],
                                                         params)
@@ -289,17 +362,27 @@ def measure(llm, prompts: list[list[int]], params, peaks: Peaks | None,
 
 def report(run: Run, peaks: Peaks) -> None:
     w = run.work
-    gemm_rate = w.gemm_flops / run.wall / 1e9
-    read_rate = w.bytes_read / run.wall / 1e9
+    gemm_speed = w.gemm_flops / run.wall / 1e9
+    read_speed = w.bytes_read / run.wall / 1e9
     print(f"{run.output_tokens} output tokens in {run.wall:.2f} s: {run.output_tokens / run.wall:.2f} output tokens/s, "
           f"{w.steps} steps, {w.tokens} tokens through the layers, {w.sampled_rows} rows through the head")
-    print(f"GEMM: {w.gemm_flops / 1e9:.1f} GFLOP, {gemm_rate:.0f} GFLOP/s over the whole run = "
-          f"{gemm_rate / peaks.gemm_gflops:.0%} of the peak; attention {w.attention_flops / 1e9:.1f} GFLOP")
-    print(f"memory: {w.bytes_read / 1e9:.2f} GB read (weights once a step, K/V per query), {read_rate:.1f} GB/s = "
-          f"{read_rate / peaks.bandwidth_gbs:.0%} of the bandwidth")
+    print(f"GEMM: {w.gemm_flops / 1e9:.1f} GFLOP, {gemm_speed:.0f} GFLOP/s over the whole run = "
+          f"{gemm_speed / peaks.gemm_gflops:.0%} of the peak; attention {w.attention_flops / 1e9:.1f} GFLOP")
+    print(f"memory: {w.bytes_read / 1e9:.2f} GB read (weights once a step, K/V per query), {read_speed:.1f} GB/s = "
+          f"{read_speed / peaks.bandwidth_gbs:.0%} of the bandwidth")
     seconds, compute_bound = w.bound(peaks)
     print(f"roofline: at least {seconds:.2f} s at these peaks ({compute_bound} of {w.steps} steps' "
           f"linear layers compute-bound): this run reached {seconds / run.wall:.0%} of the machine's limit")
+    probes = run.probes if run.probes is not None and run.probes.readings else None
+    if probes is not None:
+        gemm, read = probes.medians()
+        gemm_range, read_range = (sorted(column) for column in zip(*probes.readings))
+        at_medians = w.bound(dataclasses.replace(peaks, gemm_gflops=gemm, bandwidth_gbs=read))[0]
+        print(f"peaks read during the run ({len(probes.readings)} probes, {probes.seconds:.2f} s kept out of the "
+              f"timing): GEMM median {gemm:.0f} GFLOP/s ({gemm_range[0]:.0f}-{gemm_range[-1]:.0f}), bandwidth median "
+              f"{read:.1f} GB/s ({read_range[0]:.1f}-{read_range[-1]:.1f}); against the medians: GEMM "
+              f"{gemm_speed / gemm:.0%} of the peak, memory {read_speed / read:.0%} of the bandwidth, "
+              f"{at_medians / run.wall:.0%} of the limit")
     if run.split:
         print(f"where the time went (the same workload under torch.profiler, {run.profiled_wall:.2f} s):")
         print("| where | s | share |\n| --- | ---: | ---: |")
@@ -308,7 +391,8 @@ def report(run: Run, peaks: Peaks) -> None:
         gemm = run.split.get("GEMM", 0.0)
         if gemm:
             inside = w.gemm_flops / gemm / 1e9
-            print(f"inside the GEMMs: {inside:.0f} GFLOP/s = {inside / peaks.gemm_gflops:.0%} of the peak")
+            median = f" ({inside / probes.medians()[0]:.0%} of the probes' median)" if probes is not None else ""
+            print(f"inside the GEMMs: {inside:.0f} GFLOP/s = {inside / peaks.gemm_gflops:.0%} of the peak{median}")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -340,7 +424,9 @@ def main(args: argparse.Namespace) -> None:
     prompts, profiled = (random_prompts(args.num_prompts, args.input_len, engine.vocab_size, avoid, seed)
                          for seed in (args.seed, args.seed + 1))
     params = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
-    run = measure(llm, prompts, params, None, None if args.no_profile else profiled)
+    probes = Probes.make(args.probe_interval, dtype, peaks.gemm_shape, args.bandwidth_mib) if args.probe_interval > 0 \
+        else None
+    run = measure(llm, prompts, params, None, None if args.no_profile else profiled, probes)
     # A shared VM's memory and cores can change speed within minutes: both peaks are measured again after the
     # workload, and the higher of the two readings is the one the run is held to (a fraction never flatters it; a
     # peak read in a slow minute put runs at over 100% of it).
