@@ -677,7 +677,7 @@ void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, i
 // One row against two stored panels at once, on vdpbf16ps: four chains of dot products where a panel alone has two.
 // With its weights in the caches a GEMV is bound by the chains' latency (a vdpbf16ps takes about twice an FMA's):
 // Intel Xeon without AMX tiles, 2 threads, a [2048, 576] weight in L2 46-51 -> 57-73 GB/s, [1536, 1536] 33-35 -> 48;
-// end to end, the bench model at batch 1 (whose weights partly sit in this VM's L3), p50 61.0-68.6 -> 65.8-71.4
+// end to end, the bench model at batch 1 (its 269 MB of weights read from DRAM a step), p50 61.0-68.6 -> 65.8-71.4
 // tok/s, builds alternated three times. `first` describes panel p, `second` p + 1 (both stored, dense); each output's
 // sums are the same instructions in the same order as tile_of<1>'s.
 struct PanelOut {
