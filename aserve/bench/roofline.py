@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size of the buffer streamed to measure memory bandwidth (far larger than the caches)")
     parser.add_argument("--probe-interval", type=float, default=2.0,
                         help="seconds between the peak probes taken during the run, between steps and outside its "
-                             "timed wall (0: none)")
+                             "timed wall; they hold a --bandwidth-mib buffer through the run (0: none)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run and its time split")
     add_engine_arguments(parser)
 
