@@ -142,10 +142,9 @@ class Probes:
     (and before the first step), the best of GEMM_TIMINGS timings of the peak's GEMM shape (~2 GFLOP each) and of
     READS reads of the bandwidth buffer, as the readings before and after the run take the best of theirs (the
     median of single timings taken right after steps read 14% under the rate the run's GEMMs kept, in a 64 x
-    128/128 run on an Intel Xeon without AMX tiles). A shared VM's cores and
-    memory change speed within minutes, so readings taken only before and after a run can miss the speed it ran
-    at; these say what the machine could do while it ran. Their time is kept out of the run's timed wall
-    (`seconds`)."""
+    128/128 run on an Intel Xeon without AMX tiles). A shared VM's cores and memory change speed within minutes,
+    so readings taken only before and after a run can miss the speed it ran at; these say what the machine could
+    do while it ran. Their time is kept out of the run's timed wall (`seconds`)."""
     GEMM_TIMINGS = 3
     READS = 2
 
