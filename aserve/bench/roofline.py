@@ -92,6 +92,7 @@ def gemm_rate(run, shape: tuple[int, int, int], calls: int) -> float:
 
 
 def gemm_calls(shape: tuple[int, int, int]) -> int:
+    """Calls of `shape` in one timing."""
     rows, inp, out = shape
     return max(1, int(2e9 / (2 * rows * inp * out)))  # ~2 GFLOP a timing
 
@@ -381,13 +382,13 @@ def report(run: Run, peaks: Peaks) -> None:
           f"linear layers compute-bound): this run reached {seconds / run.wall:.0%} of the machine's limit")
     probes = run.probes if run.probes is not None and run.probes.readings else None
     if probes is not None:
-        gemm, read = probes.medians()
-        gemm_range, read_range = (sorted(column) for column in zip(*probes.readings))
-        at_medians = w.bound(dataclasses.replace(peaks, gemm_gflops=gemm, bandwidth_gbs=read))[0]
+        gemm_median, read_median = probes.medians()
+        gemms, reads = zip(*probes.readings)
+        at_medians = w.bound(dataclasses.replace(peaks, gemm_gflops=gemm_median, bandwidth_gbs=read_median))[0]
         print(f"peaks read during the run ({len(probes.readings)} probes, {probes.seconds:.2f} s kept out of the "
-              f"timing): GEMM median {gemm:.0f} GFLOP/s ({gemm_range[0]:.0f}-{gemm_range[-1]:.0f}), bandwidth median "
-              f"{read:.1f} GB/s ({read_range[0]:.1f}-{read_range[-1]:.1f}); against the medians: GEMM "
-              f"{gemm_speed / gemm:.0%} of the peak, memory {read_speed / read:.0%} of the bandwidth, "
+              f"timing): GEMM median {gemm_median:.0f} GFLOP/s ({min(gemms):.0f}-{max(gemms):.0f}), bandwidth median "
+              f"{read_median:.1f} GB/s ({min(reads):.1f}-{max(reads):.1f}); against the medians: GEMM "
+              f"{gemm_speed / gemm_median:.0%} of the peak, memory {read_speed / read_median:.0%} of the bandwidth, "
               f"{at_medians / run.wall:.0%} of the limit")
     if run.split:
         print(f"where the time went (the same workload under torch.profiler, {run.profiled_wall:.2f} s):")
@@ -397,7 +398,7 @@ def report(run: Run, peaks: Peaks) -> None:
         gemm = run.split.get("GEMM", 0.0)
         if gemm:
             inside = w.gemm_flops / gemm / 1e9
-            median = f" ({inside / probes.medians()[0]:.0%} of the probes' median)" if probes is not None else ""
+            median = f" ({inside / gemm_median:.0%} of the probes' median)" if probes is not None else ""
             print(f"inside the GEMMs: {inside:.0f} GFLOP/s = {inside / peaks.gemm_gflops:.0%} of the peak{median}")
 
 
