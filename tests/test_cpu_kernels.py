@@ -20,7 +20,7 @@ import torch
 from aserve.attention.kv_quant import FP8_FORMATS, dequantize, quantize
 from aserve.models.layers import RMSNorm, RotaryEmbedding, add_layer_norm, silu_and_mul
 from aserve.ops import cpu_kernels
-from aserve.ops.attention import decode_attention, gather_index, write_kv
+from aserve.ops.attention import decode_attention, gather_index, pair_keys, unpair_keys, write_kv
 from conftest import scattered_tables
 
 # Skipped only where no C++ compiler exists; with one, a kernel that fails to build fails these tests.
@@ -307,24 +307,40 @@ def test_fp8_bytes_round_trip_every_pattern():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", [None, *sorted(FP8_FORMATS)])
-def test_write_kv_stores_the_bytes_the_torch_path_stores(dtype, fmt):
-    """Strided keys (a slice of the fused QKV output), slots all over the cache, FP8 values that saturate."""
+@pytest.mark.parametrize("paired_keys", [True, False])
+def test_write_kv_stores_the_bytes_the_torch_path_stores(dtype, fmt, paired_keys):
+    """Strided keys (a slice of the fused QKV output), slots all over the cache, FP8 values that saturate; keys
+    as rows or in pairs of dims."""
     gen = torch.Generator().manual_seed(5)
     f = FP8_FORMATS[fmt] if fmt else None
-    heads, blocks, block_size, dim, tokens = 3, 20, 16, 40, 37
+    heads, blocks, block_size, dim, tokens = 3, 20, 16 if paired_keys else 8, 40, 37
     key = (torch.randn(tokens, heads + 2, dim, generator=gen) * 300).to(dtype)[:, 1:heads + 1]
     value = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     cache_dtype = torch.uint8 if f else dtype
     ours, theirs = ([torch.zeros(heads, blocks, block_size, dim, dtype=cache_dtype) for _ in range(2)] for _ in range(2))
     with torch.inference_mode():
-        torch.ops.aserve.write_kv(key, value, ours[0], ours[1], slots, 0.5, 0.25, f.code if f else 0)
+        torch.ops.aserve.write_kv(key, value, ours[0], ours[1], slots, 0.5, 0.25, f.code if f else 0, paired_keys)
         k, v = (quantize(key, 0.5, f), quantize(value, 0.25, f)) if f else (key, value)
-        write_kv(theirs[0], theirs[1], k, v, slots)
+        write_kv(theirs[0], theirs[1], k, v, slots, paired_keys)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    stored = unpair_keys(ours[0]) if paired_keys else ours[0]  # each key's row where its slot is
+    assert torch.equal(stored.view(heads, -1, dim)[:, slots].transpose(0, 1), k.contiguous().view(stored.dtype))
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.aserve.write_kv(key, value, ours[0], ours[1], slots + blocks * block_size, 0.5, 0.25,
-                                  f.code if f else 0)
+                                  f.code if f else 0, paired_keys)
+
+
+def test_paired_keys_are_pairs_of_dims_token_after_token():
+    """A block's keys [head_dim / 2][block_size][2]: pair p of token t at p * 2 * block_size + 2 t, as the kernels
+    read them; pair_keys and unpair_keys undo each other."""
+    rows = torch.arange(2 * 3 * 4 * 6, dtype=torch.float32).view(2, 3, 4, 6)  # [heads, blocks, block_size, dim]
+    paired = pair_keys(rows)
+    flat = paired.view(2, 3, 4 * 6)
+    for p in range(3):
+        for t in range(4):
+            assert torch.equal(flat[:, :, p * 8 + 2 * t:p * 8 + 2 * t + 2], rows[:, :, t, 2 * p:2 * p + 2])
+    assert torch.equal(unpair_keys(paired), rows)
 
 
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))

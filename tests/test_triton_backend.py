@@ -20,6 +20,7 @@ from aserve.attention import select_backend  # noqa: E402
 from aserve.attention.kv_quant import FP8_FORMATS, quantize  # noqa: E402
 from aserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from aserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from aserve.ops.attention import pair_keys, unpair_keys  # noqa: E402
 from conftest import make_layout, random_prompts  # noqa: E402
 
 # (tokens in the cache, tokens this step) per request, decode requests first as the runner orders them:
@@ -53,9 +54,14 @@ def compare(requests, block_size=16, heads=(4, 2), head_dim=16, window=None, sof
         backend.kv_format = fmt
         q, k, v = (t.to(device, kind, copy=True) for t in (query, key, value))
         kv = cache.to(device, cache.dtype if fmt else kind, copy=True)
+        paired = isinstance(backend, TorchAttentionBackend)  # its keys in pairs of dims (ops.attention), as rows after
+        if paired:
+            kv[0, 0] = pair_keys(kv[0, 0])
         meta = backend.build_metadata(layout, num_kv_heads)
         out = backend.forward(layer, q, k, v, (kv[0, 0], kv[0, 1]), meta)
         assert out.dtype == kind and out.device.type == device
+        if paired:
+            kv[0, 0] = unpair_keys(kv[0, 0])
         outs.append(out.cpu().float())
         caches.append(kv.cpu().float())
     if causal:

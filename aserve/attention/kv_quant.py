@@ -80,19 +80,20 @@ def estimate_scales(layer, key: torch.Tensor, value: torch.Tensor, fmt: FP8Forma
 
 
 def write(layer, kv_cache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-          fmt: FP8Format | None) -> None:
+          fmt: FP8Format | None, paired_keys: bool) -> None:
     """Store a step's keys and values in a layer's cache: as they are, or as FP8 bytes (the layer's scales
-    estimated first, on its first batch, where that was asked). One C++ op on the CPU, torch ops elsewhere."""
+    estimated first, on its first batch, where that was asked); keys as rows or, with `paired_keys`, in the
+    torch backend's layout (ops.attention). One C++ op on the CPU, torch ops elsewhere."""
     k_cache, v_cache = kv_cache
     if fmt is not None and layer.kv_scales_pending:
         estimate_scales(layer, key, value, fmt)
     if cpu_kernels.usable(key, value) and (fmt is not None or k_cache.dtype == key.dtype):
         torch.ops.aserve.write_kv(key, value, k_cache, v_cache, slot_mapping, layer.k_scale, layer.v_scale,
-                                  0 if fmt is None else fmt.code)
+                                  0 if fmt is None else fmt.code, paired_keys)
         return
     if fmt is not None:
         key, value = quantize(key, layer.k_scale, fmt), quantize(value, layer.v_scale, fmt)
-    write_kv(k_cache, v_cache, key, value, slot_mapping)
+    write_kv(k_cache, v_cache, key, value, slot_mapping, paired_keys)
 
 
 def as_stored(x: torch.Tensor, scale: float, fmt: FP8Format) -> torch.Tensor:

@@ -151,7 +151,7 @@ class TorchAttentionBackend:
             return bidirectional(layer, query, key, value, meta)
         k_cache, v_cache = kv_cache
         fmt = self.kv_format
-        kv_quant.write(layer, kv_cache, key, value, meta.slot_mapping, fmt)
+        kv_quant.write(layer, kv_cache, key, value, meta.slot_mapping, fmt, paired_keys=True)
         window, cap = layer.sliding_window, layer.logit_softcap
         # An FP8 cache is read back through these (the torch path); the C++ kernel dequantizes as it reads.
         widen = None if fmt is None else (partial(kv_quant.dequantize, scale=layer.k_scale, fmt=fmt, dtype=query.dtype),
@@ -183,7 +183,7 @@ class TorchAttentionBackend:
                 total = chunk.context_len + chunk.end - chunk.start
                 if chunk.rows is None:  # the first layer to need it; the others reuse it
                     chunk.rows = gather_index(chunk.table[0], meta.num_kv_heads, meta.num_physical_blocks)
-                k = gather(k_cache, chunk.rows)[:, :total]
+                k = gather(k_cache, chunk.rows, paired_keys=True)[:, :total]
                 v = gather(v_cache, chunk.rows)[:, :total]
                 if widen is not None:
                     k, v = widen[0](k), widen[1](v)

@@ -61,7 +61,7 @@ class TritonAttentionBackend:
         k_cache, v_cache = kv_cache
         meta.move_to(query.device)
         fmt = self.kv_format
-        kv_quant.write(layer, kv_cache, key, value, meta.slot_mapping, fmt)
+        kv_quant.write(layer, kv_cache, key, value, meta.slot_mapping, fmt, paired_keys=False)
         block_q = tokens_per_tile(layer.num_heads // layer.num_kv_heads)
         return unified_attention(query, k_cache, v_cache, meta.block_tables, meta.positions,
                                  meta.tiles(block_q, query.device), block_q, layer.scale, layer.sliding_window,

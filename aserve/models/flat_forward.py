@@ -187,7 +187,7 @@ class FlatForward:
             ops.rotary_embedding(positions, q, k, cos, sin, rotary_dim)
             if fmt is not None and attn.kv_scales_pending:  # as kv_quant.write: from the layer's first batch
                 kv_quant.estimate_scales(attn, k, v, fmt)
-            ops.write_kv(k, v, k_cache, v_cache, slots, attn.k_scale, attn.v_scale, code)
+            ops.write_kv(k, v, k_cache, v_cache, slots, attn.k_scale, attn.v_scale, code, True)
             out, window = torch.empty(T, H, D, dtype=x.dtype), attn.sliding_window or 0
             if nd:
                 ops.paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context,

@@ -3,7 +3,10 @@
 The cache of one layer is a pair of tensors [num_kv_heads, num_blocks, block_size, head_dim]
 (head-major, so a gathered context is already laid out for batched matmuls). New keys and values are
 written by slot (block * block_size + offset); attention reads a request's context through its block
-table. Masks are boolean, True = attend; sliding windows and logit soft-capping (Gemma 2) are the
+table. Values are stored as rows. Keys are too, or, with `paired_keys` (the torch backend's caches, which the
+CPU kernels read), each block's keys as [head_dim / 2][block_size][2]: pairs of dims, token after token, so
+that one 64-byte line holds a pair of dims of 16 tokens (bf16) and decode attention's key pass multiplies a
+query dim into 16 scores at once, with no sum across lanes. Masks are boolean, True = attend; sliding windows and logit soft-capping (Gemma 2) are the
 callers' masks and an optional `softcap`.
 """
 from __future__ import annotations
@@ -15,10 +18,27 @@ import torch.nn.functional as F
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, _, _, head_dim = k_cache.shape
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+             slot_mapping: torch.Tensor, paired_keys: bool) -> None:
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    if paired_keys:
+        pairs = k_cache.view(num_kv_heads, -1, head_dim // 2, block_size, 2)
+        pairs[:, slot_mapping // block_size, :, slot_mapping % block_size] = key.reshape(
+            -1, num_kv_heads, head_dim // 2, 2)
+    else:
+        k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+
+def unpair_keys(blocks: torch.Tensor) -> torch.Tensor:
+    """[..., block_size, head_dim] blocks of paired keys (each stored [head_dim / 2][block_size][2]) as rows."""
+    *lead, block_size, head_dim = blocks.shape
+    return blocks.reshape(*lead, head_dim // 2, block_size, 2).transpose(-3, -2).reshape(*lead, block_size, head_dim)
+
+
+def pair_keys(blocks: torch.Tensor) -> torch.Tensor:
+    """unpair_keys' inverse: [..., block_size, head_dim] rows of keys as the blocks a paired cache stores."""
+    *lead, block_size, head_dim = blocks.shape
+    return blocks.reshape(*lead, block_size, head_dim // 2, 2).transpose(-3, -2).reshape(*lead, block_size, head_dim)
 
 
 def gather_index(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -30,11 +50,14 @@ def gather_index(block_ids: torch.Tensor, num_kv_heads: int, num_blocks: int) ->
     return (heads + block_ids.unsqueeze(0)).flatten()
 
 
-def gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[heads, blocks, block_size, dim] cache and gather_index rows -> [heads, tokens, dim]."""
+def gather(cache: torch.Tensor, rows: torch.Tensor, paired_keys: bool = False) -> torch.Tensor:
+    """[heads, blocks, block_size, dim] cache and gather_index rows -> [heads, tokens, dim] (a paired key
+    cache's blocks unpaired)."""
     num_kv_heads, num_blocks, block_size, head_dim = cache.shape
-    return cache.view(num_kv_heads * num_blocks, block_size * head_dim).index_select(0, rows).view(
-        num_kv_heads, -1, head_dim)
+    blocks = cache.view(num_kv_heads * num_blocks, block_size * head_dim).index_select(0, rows)
+    if paired_keys:
+        blocks = unpair_keys(blocks.view(-1, block_size, head_dim))
+    return blocks.view(num_kv_heads, -1, head_dim)
 
 
 def softcap_(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -44,8 +67,9 @@ def softcap_(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None = None,
-                     widen: tuple[Callable, Callable] | None = None) -> torch.Tensor:
-    """One query per request: [B, Hq, D] against each request's cached context.
+                     widen: tuple[Callable, Callable] | None = None, paired_keys: bool = True) -> torch.Tensor:
+    """One query per request: [B, Hq, D] against each request's cached context (keys paired, as the torch
+    backend stores them, unless `paired_keys` is False).
 
     The context is gathered head-major ([Hkv * B, L, D]), so both products are single batched matmuls
     with the query heads of a group as rows; no copy of K or V beyond the gather. `mask` is
@@ -53,7 +77,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    k = gather(k_cache, rows).view(num_kv_heads * batch, -1, head_dim)
+    k = gather(k_cache, rows, paired_keys).view(num_kv_heads * batch, -1, head_dim)
     v = gather(v_cache, rows).view(num_kv_heads * batch, -1, head_dim)
     if widen is not None:
         k, v = widen[0](k), widen[1](v)

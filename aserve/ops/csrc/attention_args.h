@@ -8,7 +8,7 @@
 
 namespace aserve_kernels {
 
-// What both attention ops require of the query, the output and the caches.
+// What both attention ops require of the query, the output and the caches (keys in pairs of dims: kv_write.cpp).
 inline void check_attention_args(const char* op, const at::Tensor& out, const at::Tensor& query,
                                  const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t kv_format) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), op, ": query and out must be [rows, heads, head_dim]");
@@ -17,6 +17,7 @@ inline void check_attention_args(const char* op, const at::Tensor& out, const at
               op, ": k_cache and v_cache must be contiguous [kv_heads, blocks, block_size, head_dim]");
   TORCH_CHECK(query.size(1) % k_cache.size(0) == 0, op, ": query heads must be a multiple of kv heads");
   TORCH_CHECK(query.size(2) == k_cache.size(3), op, ": head_dim differs between query and cache");
+  TORCH_CHECK(query.size(2) % 2 == 0, op, ": head_dim must be even (the cache stores keys in pairs of dims)");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, op, ": query and out need unit stride in head_dim");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               op, ": query and out must share a dtype, and so must the two caches");

@@ -4,8 +4,9 @@
 //
 // One query token per request. Work items are (request, kv head, group of query heads): each reads its
 // request's keys once for the queries of its group (scores, then softmax), then the values once. Tokens
-// are walked block by block; for the common head sizes the row loops are unrolled at compile time
-// (HeadDim > 0) so a key or value row lives in registers, else a runtime-sized path does the same work.
+// are walked block by block: keys a block's run of up to 16 tokens at a time (the cache stores them in pairs of
+// dims, key_groups below), values row by row; for the common head sizes the loops are unrolled at compile time
+// (HeadDim > 0) so their sums live in registers, else a runtime-sized path does the same work.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -26,6 +27,7 @@
 namespace {
 
 using namespace aserve_kernels;
+using BF16 = c10::BFloat16;
 
 // A row as fp32: the row itself when it is fp32, else widened into `scratch`.
 template <typename T> inline const float* row_as_float(const T* src, float* scratch, int64_t n) {
@@ -107,7 +109,7 @@ inline void prefetch(const void* row, int64_t bytes) {
 // The next work item's key and value rows, fetched into the L2 cache while this item is computed. One
 // request's rows lie in 2 KB runs (a block of one kv head) anywhere in the cache: too short for the hardware
 // prefetchers to get ahead of the loads, so each item used to start with its rows in DRAM and the kernel ran at
-// half the memory bandwidth. Both passes call step() every 16 tokens, which fetches the next item's rows at a
+// half the memory bandwidth. Both passes call step() every 16 tokens or so, which fetches the next item's rows at a
 // pace that spreads them over this item's two passes (a burst would fill the line-fill buffers and stall the
 // loads this item needs). Into L2 (hint 2): fetching into L1 evicted the current item's rows and was slower.
 struct Ahead {
@@ -130,85 +132,6 @@ struct Ahead {
     }
   }
 };
-
-// Lane i of the result = the sum of v[i]'s lanes, for W = fVec::size() vectors: one transposing tree of
-// shuffles and adds (about 3 instructions a vector) in place of W horizontal sums (about 8 each).
-inline fVec reduce_lanes(const fVec* v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512 s[8], u[4];
-  for (int j = 0; j < 8; ++j)  // 128-bit quarters: [v0 q0+q2, v0 q1+q3, v1 q0+q2, v1 q1+q3]
-    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)  // quarter k holds four partial sums of v[4j + k]
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
-  const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-  const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-  const __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));  // [v k, v 8+k, v 4+k, v 12+k]
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15), z);
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-#else
-  float sums[fVec::size()];
-  for (int i = 0; i < fVec::size(); ++i) sums[i] = reduce_sum(v[i]);
-  return fVec::loadu(sums);
-#endif
-}
-
-// scores[g][i] = q[g] . k[i] (q already scaled) over the rows at `offsets`. The
-// unrolled path takes W = fVec::size() keys at a time per head, their products in registers, summed by one
-// reduce_lanes; a short group repeats its last row and stores only `count` scores. Keys are fetched two groups
-// ahead, and each group's values before the value pass needs them.
-template <typename T, int HeadDim>
-void key_scores(const float* q, int64_t heads, int64_t head_dim, const T* k_head, const T* v_head,
-                const int64_t* offsets, int64_t n, float* scores, float* scratch, Ahead& ahead) {
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-  if constexpr (HeadDim > 0) {
-    constexpr int C = HeadDim / fVec::size(), W = fVec::size();
-    const T* rows[W];
-    for (int64_t i = 0; i < n; i += W) {
-      if ((i & 15) == 0) ahead.step();
-      const int count = static_cast<int>(std::min<int64_t>(W, n - i));
-      for (int j = 0; j < W; ++j) rows[j] = k_head + offsets[i + std::min(j, count - 1)];
-      for (int64_t j = i + 2 * W; j < std::min(n, i + 3 * W); ++j) prefetch(k_head + offsets[j], row_bytes);
-      for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], row_bytes);
-      // 16-bit and FP8 rows are widened once for all the group's heads (per head, an FP8 cache's keys were widened
-      // `heads` times over: its decode ran 1.4x slower than a bf16 cache's at half the bytes)
-      alignas(64) float wide[std::is_same_v<T, float> ? 1 : W * HeadDim];
-      if constexpr (!std::is_same_v<T, float>)
-        for (int r = 0; r < W; ++r) {
-          fVec kv[C];
-          widen<T, HeadDim>(rows[r], kv);
-          for (int c = 0; c < C; ++c) kv[c].store(wide + r * HeadDim + c * W);
-        }
-      for (int64_t g = 0; g < heads; ++g) {
-        const float* qg = q + g * HeadDim;
-        fVec acc[W];
-        for (int r = 0; r < W; ++r) {
-          fVec kv[C];
-          if constexpr (std::is_same_v<T, float>) {
-            widen<T, HeadDim>(rows[r], kv);
-          } else {
-            for (int c = 0; c < C; ++c) kv[c] = fVec::loadu(wide + r * HeadDim + c * W);
-          }
-          fVec a = kv[0] * fVec::loadu(qg);
-          for (int c = 1; c < C; ++c) a = at::vec::fmadd(kv[c], fVec::loadu(qg + c * W), a);
-          acc[r] = a;
-        }
-        const fVec sums = reduce_lanes(acc);
-        if (count == W) sums.store(scores + g * n + i); else sums.store(scores + g * n + i, count);
-      }
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      if ((i & 15) == 0) ahead.step();
-      const float* kf = row_as_float(k_head + offsets[i], scratch, head_dim);
-      for (int64_t g = 0; g < heads; ++g) scores[g * n + i] = dot(q + g * head_dim, kf, head_dim);
-    }
-  }
-}
 
 // acc[h] = sum_i p[h][i] * v[i] for NH heads (p rows n apart), their sums in registers.
 template <typename T, int HeadDim, int NH>
@@ -251,6 +174,156 @@ template <int HG, typename Pass> inline void head_groups(int64_t heads, Pass&& p
   }
 }
 
+// Keys are stored in pairs of dims (kv_write.cpp's paired_keys): a block's keys are [head_dim / 2][block_size][2],
+// so pair p (dims 2p, 2p + 1) of a block's consecutive tokens lies in one run, 2 * block_size elements after pair
+// p - 1's. The key pass takes W = fVec::size() tokens of a block at a time: each pair's run gives two vectors of W
+// tokens' dims 2p and 2p + 1, which every query head meets with one FMA each against its dim broadcast, W scores
+// in registers: nothing is widened into scratch and no sum crosses lanes (with rows, each key's products were
+// summed across a vector's lanes: 30 of a (token, kv head)'s 59 cycles went to its key pass, bench model, Intel
+// Xeon avx512_bf16 without AMX, hot L2).
+//
+// pair_lanes: `count` (<= W) consecutive tokens' pair at `src` as fp32 vectors, lane t token t's dim 2p (even)
+// and 2p + 1 (odd); lanes from count on are zero. FP8 bytes widen as fp8_16_as_float does (e4m3's 2^-8 is in the
+// scales).
+template <typename C> inline float as_float(C x) {
+  if constexpr (is_fp8<C>) return fp8_to_float<C>(x.bits); else return static_cast<float>(x);
+}
+
+template <typename C> inline void pair_lanes_scalar(const C* src, int count, fVec& even, fVec& odd) {
+  alignas(64) float e[fVec::size()] = {}, o[fVec::size()] = {};
+  for (int t = 0; t < count; ++t) e[t] = as_float(src[2 * t]), o[t] = as_float(src[2 * t + 1]);
+  even = fVec::loadu(e), odd = fVec::loadu(o);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512i load_words(const void* src, int count) {  // `count` 32-bit words, zero after
+  return count == 16 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << count) - 1), src);
+}
+
+// 16 FP8 bytes, one in the low byte of each 32-bit lane, as fp32 (fp8_to_fp16_bits' patterns, widened by vcvtph2ps).
+template <typename C> inline __m512 fp8_lanes_as_float(__m512i b) {
+  __m512i h;
+  if constexpr (std::is_same_v<C, E5M2>) {
+    h = _mm512_slli_epi32(b, 8);
+  } else {
+    h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 7),
+                        _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 8));
+  }
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+}
+
+template <typename C> inline void pair_lanes(const C* src, int count, fVec& even, fVec& odd) {
+  if constexpr (std::is_same_v<C, float>) {  // 8 tokens' pairs a vector: de-interleaved across the two
+    const __m512 a = _mm512_castsi512_ps(load_words(src, std::min(count, 8) * 2));
+    const __m512 b = _mm512_castsi512_ps(load_words(src + 16, std::max(count - 8, 0) * 2));
+    even = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
+    odd = _mm512_permutex2var_ps(a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), b);
+  } else if constexpr (std::is_same_v<C, BF16>) {  // a bf16 is the top half of its fp32
+    const __m512i w = load_words(src, count);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else if constexpr (std::is_same_v<C, c10::Half>) {
+    const __m512i w = load_words(src, count);
+    even = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+    odd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+  } else if constexpr (is_fp8<C>) {  // a pair is two bytes
+    const __m256i pairs = count == 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                      : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), src);
+    const __m512i w = _mm512_cvtepu16_epi32(pairs);
+    even = fp8_lanes_as_float<C>(_mm512_and_si512(w, _mm512_set1_epi32(0xFF)));
+    odd = fp8_lanes_as_float<C>(_mm512_srli_epi32(w, 8));
+  } else {
+    pair_lanes_scalar(src, count, even, odd);
+  }
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+template <typename C> inline void pair_lanes(const C* src, int count, fVec& even, fVec& odd) {
+  if constexpr (std::is_same_v<C, float> || std::is_same_v<C, BF16>) {
+    alignas(32) C padded[16] = {};
+    if (count < 8) std::memcpy(padded, src, 2 * count * sizeof(C)), src = padded;
+    if constexpr (std::is_same_v<C, float>) {  // tokens 0-3 and 4-7; shuffle_ps leaves 0 1 4 5 | 2 3 6 7
+      const __m256 a = _mm256_loadu_ps(src), b = _mm256_loadu_ps(src + 8);
+      const auto order = [](__m256 x) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8)); };
+      even = order(_mm256_shuffle_ps(a, b, 0x88)), odd = order(_mm256_shuffle_ps(a, b, 0xDD));
+    } else {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+  } else {
+    pair_lanes_scalar(src, count, even, odd);
+  }
+}
+#else
+template <typename C> inline void pair_lanes(const C* src, int count, fVec& even, fVec& odd) {
+  pair_lanes_scalar(src, count, even, odd);
+}
+#endif
+
+// NH query heads' scores (q fp32, already scaled, rows HeadDim apart) for `count` tokens of one block whose pairs
+// start at `pairs` (pair runs `pair_stride` elements apart): out[h * out_stride + t]. Even and odd dims sum apart
+// (two chains a head, so that the FMAs' latency overlaps), added at the end.
+template <typename C, int HeadDim, int NH>
+inline void pair_scores(const float* q, const C* pairs, int64_t pair_stride, int count, float* out,
+                        int64_t out_stride) {
+  fVec acc[NH][2];
+  for (int h = 0; h < NH; ++h) acc[h][0] = fVec(0.f), acc[h][1] = fVec(0.f);
+  for (int p = 0; p < HeadDim / 2; ++p) {
+    fVec even, odd;
+    pair_lanes(pairs + p * pair_stride, count, even, odd);
+    for (int h = 0; h < NH; ++h) {
+      acc[h][0] = at::vec::fmadd(fVec(q[h * HeadDim + 2 * p]), even, acc[h][0]);
+      acc[h][1] = at::vec::fmadd(fVec(q[h * HeadDim + 2 * p + 1]), odd, acc[h][1]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const fVec sums = acc[h][0] + acc[h][1];
+    if (count == fVec::size()) sums.store(out + h * out_stride); else sums.store(out + h * out_stride, count);
+  }
+}
+
+// Calls f(i, count, pairs) over tokens [0, n) of an item whose first token is the context's `first`, a block's
+// tokens at most W at a time (`pairs`: where their pairs start). offsets[i] is token i's row offset as rows would
+// lie, so its block starts at offsets[i] - o * head_dim (o: its place in the block). Keys two groups ahead and
+// this group's values are fetched into cache as it goes.
+template <typename C, typename F>
+inline void key_groups(const C* k_head, const C* v_head, const int64_t* offsets, int64_t first, int64_t n,
+                       int64_t block_size, int64_t head_dim, Ahead& ahead, F&& f) {
+  constexpr int W = fVec::size();
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(C));
+  for (int64_t i = 0; i < n;) {
+    const int64_t o = (first + i) % block_size;
+    const int count = static_cast<int>(std::min<int64_t>(W, std::min(block_size - o, n - i)));
+    ahead.step();
+    // a block's rows as rows would lie cover the block's pairs: fetching them fetches the keys
+    for (int64_t j = i + 2 * W; j < std::min(n, i + 3 * W); ++j) prefetch(k_head + offsets[j], row_bytes);
+    for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], row_bytes);
+    f(i, count, k_head + offsets[i] - o * head_dim + 2 * o);
+    i += count;
+  }
+}
+
+// scores[g][i] = q[g] . k[i] (q fp32, already scaled) for the item's n tokens.
+template <typename C, int HeadDim>
+void key_scores(const float* q, int64_t heads, int64_t head_dim, const C* k_head, const C* v_head,
+                const int64_t* offsets, int64_t first, int64_t n, int64_t block_size, float* scores, float* scratch,
+                Ahead& ahead) {
+  if constexpr (HeadDim > 0) {
+    key_groups(k_head, v_head, offsets, first, n, block_size, HeadDim, ahead, [&](int64_t i, int count, const C* pairs) {
+      head_groups<4>(heads, [&](auto nh, int64_t g) {
+        pair_scores<C, HeadDim, decltype(nh)::value>(q + g * HeadDim, pairs, 2 * block_size, count, scores + g * n + i, n);
+      });
+    });
+  } else {
+    key_groups(k_head, v_head, offsets, first, n, block_size, head_dim, ahead, [&](int64_t i, int count, const C* pairs) {
+      for (int t = 0; t < count; ++t) {
+        for (int64_t d = 0; d < head_dim; ++d) scratch[d] = as_float(pairs[d / 2 * 2 * block_size + 2 * t + d % 2]);
+        for (int64_t g = 0; g < heads; ++g) scores[g * n + i + t] = dot(q + g * head_dim, scratch, head_dim);
+      }
+    });
+  }
+}
+
 // acc[g] = sum_i p[g][i] * v[i]. The unrolled path walks the values once per group of heads whose sums fit in
 // half the vector registers (re-reads hit the L1/L2 cache).
 template <typename T, int HeadDim>
@@ -273,54 +346,45 @@ void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head,
   }
 }
 
-using BF16 = c10::BFloat16;
-
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // A bf16 cache on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 values and adds both products to
-// fp32 lanes, so a 64-wide key row meets a query head in 2 instructions where widening it to fp32 took 8 (the
-// products are exact in fp32, as in the torch path's bf16 matmul). The query stays bf16 and the scale is applied
-// to the scores, as the torch path does. Values go in pairs of tokens: their rows are interleaved so that each
-// 32-bit lane holds (v[t][d], v[t+1][d]), against the pair of probabilities rounded to bf16 (the torch path
-// rounds them to bf16 too, before its second matmul).
+// fp32 lanes, so a key pair's run of 16 tokens meets a query head in one instruction (the products are exact in
+// fp32, as in the torch path's bf16 matmul). The query stays bf16 and the scale is applied to the scores, as the
+// torch path does. Values go in pairs of tokens: their rows are interleaved so that each 32-bit lane holds
+// (v[t][d], v[t+1][d]), against the pair of probabilities rounded to bf16 (the torch path rounds them to bf16 too,
+// before its second matmul).
 #define ASERVE_BF16_DOT 1
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
-// Up to 16 cached keys (rows) against each query head: 16 sums in registers, folded by one reduce_lanes. A
-// short group repeats its last row and stores only `count` scores.
-template <int HeadDim>
-inline void score_rows(const BF16* q, int64_t heads, const BF16* const* rows, int count, float scale, float* out,
-                       int64_t stride) {
-  constexpr int C = HeadDim / 32;
-  const fVec scale_v(scale);
-  for (int64_t g = 0; g < heads; ++g) {
-    __m512i qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_si512(q + g * HeadDim + c * 32);
-    fVec acc[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(_mm512_loadu_si512(rows[i])), as_bh(qv[0]));
-      for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(rows[i] + c * 32)), as_bh(qv[c]));
-      acc[i] = a;
-    }
-    const fVec sums = reduce_lanes(acc) * scale_v;
-    if (count == 16) sums.store(out + g * stride); else sums.store(out + g * stride, count);
+// The key pass on vdpbf16ps: a pair's run of 16 tokens (one 32-bit word a token) meets each query head's pair of
+// dims, broadcast, in one instruction; the scale is applied to the sums. q: the heads' bf16 rows as 32-bit pairs.
+template <int HeadDim, int NH>
+inline void pair_scores_bf16(const uint32_t* q, const BF16* pairs, int64_t pair_stride, int count, float scale,
+                             float* out, int64_t out_stride) {
+  __m512 acc[NH][2];
+  for (int h = 0; h < NH; ++h) acc[h][0] = _mm512_setzero_ps(), acc[h][1] = _mm512_setzero_ps();
+  for (int p = 0; p < HeadDim / 2; ++p) {
+    const __m512bh w = as_bh(load_words(pairs + p * pair_stride, count));
+    for (int h = 0; h < NH; ++h)
+      acc[h][p & 1] = _mm512_dpbf16_ps(acc[h][p & 1], w, as_bh(_mm512_set1_epi32(static_cast<int>(q[h * HeadDim / 2 + p]))));
+  }
+  for (int h = 0; h < NH; ++h) {
+    const fVec sums = fVec(_mm512_add_ps(acc[h][0], acc[h][1])) * fVec(scale);
+    if (count == 16) sums.store(out + h * out_stride); else sums.store(out + h * out_stride, count);
   }
 }
 
 template <int HeadDim>
 void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
-                     int64_t n, float scale, float* scores, Ahead& ahead) {
-  const BF16* rows[16];
-  for (int64_t i = 0; i < n; i += 16) {
-    ahead.step();
-    const int count = static_cast<int>(std::min<int64_t>(16, n - i));
-    for (int j = 0; j < 16; ++j) rows[j] = k_head + offsets[i + std::min(j, count - 1)];
-    // Keys 32 ahead, and this group's values for the pass after this one: the cache lies in DRAM, blocks anywhere.
-    for (int64_t j = i + 32; j < std::min(n, i + 48); ++j) prefetch(k_head + offsets[j], HeadDim * 2);
-    for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], HeadDim * 2);
-    score_rows<HeadDim>(q, heads, rows, count, scale, scores + i, n);
-  }
+                     int64_t first, int64_t n, int64_t block_size, float scale, float* scores, Ahead& ahead) {
+  const auto* words = reinterpret_cast<const uint32_t*>(q);
+  key_groups(k_head, v_head, offsets, first, n, block_size, HeadDim, ahead, [&](int64_t i, int count, const BF16* pairs) {
+    head_groups<4>(heads, [&](auto nh, int64_t g) {
+      pair_scores_bf16<HeadDim, decltype(nh)::value>(words + g * HeadDim / 2, pairs, 2 * block_size, count, scale,
+                                                     scores + g * n + i, n);
+    });
+  });
 }
 
 // out[i] = exp(s[i] - peak) as bf16 bits, for i < n, and a zero after an odd n's last; returns the fp32 sum of the
@@ -391,64 +455,15 @@ void value_pass_bf16(const uint16_t* p, int64_t stride, int64_t n, const BF16* v
                                 _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), acc);
 }
 
-// The same products on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX
-// tiles, where one vdpbf16ps takes as long as four FMAs). A bf16 is the top half of its fp32, so a 32-bit lane of
-// two bf16 values gives the even one shifted up 16 and the odd one masked: a 64-byte chunk of a row is its 16 even
-// and 16 odd dims as two fp32 vectors, two instructions and no shuffle. The query is split the same way once an
-// item, so a key row meets it in dims' pairs (even, then odd) and the sums are the same products as vdpbf16ps's.
-// Values keep their dims' order: each head sums evens and odds apart, interleaved at the end; the probabilities
-// stay fp32.
+// The value pass on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX
+// tiles, where one vdpbf16ps takes as long as four FMAs; its key pass is key_scores' over bf16 pairs). A bf16 is
+// the top half of its fp32, so a 32-bit lane of two bf16 values gives the even one shifted up 16 and the odd one
+// masked: a 64-byte chunk of a row is its 16 even and 16 odd dims as two fp32 vectors, two instructions and no
+// shuffle. Values keep their dims' order: each head sums evens and odds apart, interleaved at the end; the
+// probabilities stay fp32.
 inline __m512 even_half(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
 inline __m512 odd_half(__m512i pairs) {
   return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// q's heads as [head][chunk][even 16, odd 16] fp32.
-template <int HeadDim> inline void split_query(const BF16* q, int64_t q_stride, int64_t heads, float* out) {
-  for (int64_t g = 0; g < heads; ++g)
-    for (int c = 0; c < HeadDim / 32; ++c) {
-      const __m512i pairs = _mm512_loadu_si512(q + g * q_stride + c * 32);
-      _mm512_storeu_ps(out + (g * HeadDim / 32 + c) * 32, even_half(pairs));
-      _mm512_storeu_ps(out + (g * HeadDim / 32 + c) * 32 + 16, odd_half(pairs));
-    }
-}
-
-// key_scores_bf16 on FMAs: each group of 16 keys is split into evens and odds once ([row][chunk][32] fp32 in
-// `wide`, in L1), then met by every head, 16 sums in registers folded by one reduce_lanes.
-template <int HeadDim>
-void key_scores_fma(const float* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
-                    int64_t n, float scale, float* scores, Ahead& ahead) {
-  constexpr int C = HeadDim / 32;
-  alignas(64) float wide[16 * HeadDim];
-  const fVec scale_v(scale);
-  for (int64_t i = 0; i < n; i += 16) {
-    ahead.step();
-    const int count = static_cast<int>(std::min<int64_t>(16, n - i));
-    for (int64_t j = i + 32; j < std::min(n, i + 48); ++j) prefetch(k_head + offsets[j], HeadDim * 2);
-    for (int64_t j = i; j < i + count; ++j) prefetch(v_head + offsets[j], HeadDim * 2);
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const BF16* row = k_head + offsets[i + std::min(r, count - 1)];
-      for (int c = 0; c < C; ++c) {
-        const __m512i pairs = _mm512_loadu_si512(row + c * 32);
-        _mm512_store_ps(wide + r * HeadDim + c * 32, even_half(pairs));
-        _mm512_store_ps(wide + r * HeadDim + c * 32 + 16, odd_half(pairs));
-      }
-    }
-    for (int64_t g = 0; g < heads; ++g) {
-      __m512 qv[2 * C];
-      for (int c = 0; c < 2 * C; ++c) qv[c] = _mm512_loadu_ps(q + g * HeadDim + c * 16);
-      fVec acc[16];
-#pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r) {
-        __m512 a = _mm512_mul_ps(_mm512_load_ps(wide + r * HeadDim), qv[0]);
-        for (int c = 1; c < 2 * C; ++c) a = _mm512_fmadd_ps(_mm512_load_ps(wide + r * HeadDim + c * 16), qv[c], a);
-        acc[r] = a;
-      }
-      const fVec sums = reduce_lanes(acc) * scale_v;
-      if (count == 16) sums.store(scores + g * n + i); else sums.store(scores + g * n + i, count);
-    }
-  }
 }
 
 // value_pass_bf16 on FMAs: acc[h] = sum_t p[h][t] * v[t] for NH heads (p fp32, rows `stride` apart), a row's
@@ -493,13 +508,11 @@ void value_sum_bf16(const P* p, int64_t stride, int64_t heads, const BF16* v_hea
 }
 #else  // declared only, so the branches that would call them compile away
 template <int HeadDim>
-void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
+void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, int64_t, int64_t, float,
+                     float*, Ahead&);
 float exp_to_bf16(const float*, float, int64_t, uint16_t*);
 template <int HeadDim, typename P>
 void value_sum_bf16(const P*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
-template <int HeadDim> void split_query(const BF16*, int64_t, int64_t, float*);
-template <int HeadDim>
-void key_scores_fma(const float*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, float, float*, Ahead&);
 #endif
 
 // Tokens a work item attends to at most: longer contexts are split in parts of at most this size, their softmaxes
@@ -620,20 +633,20 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
     for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
     if constexpr (bf16_dot) {
-      if (fma_dot) {
-        split_query<HeadDim>(q_ptr + b * q_stride0 + h0 * q_stride1, q_stride1, group, w.q.data());
-        key_scores_fma<HeadDim>(w.q.data(), group, k_head, v_head, offsets, n, fscale, scores, ahead);
-      } else {
+      if (!fma_dot) {
         for (int64_t g = 0; g < group; ++g)
           std::memcpy(w.qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
-        key_scores_bf16<HeadDim>(w.qb.data(), group, k_head, v_head, offsets, n, fscale, scores, ahead);
+        key_scores_bf16<HeadDim>(w.qb.data(), group, k_head, v_head, offsets, it.first, n, block_size, fscale, scores,
+                                 ahead);
       }
-    } else {
+    }
+    if (!bf16_probs) {
       for (int64_t g = 0; g < group; ++g) {
         load_row(q_ptr + b * q_stride0 + (h0 + g) * q_stride1, w.q.data() + g * head_dim, head_dim);
         scale_row(w.q.data() + g * head_dim, fscale, head_dim);
       }
-      key_scores<C, HeadDim>(w.q.data(), group, head_dim, k_head, v_head, offsets, n, scores, w.row.data(), ahead);
+      key_scores<C, HeadDim>(w.q.data(), group, head_dim, k_head, v_head, offsets, it.first, n, block_size, scores,
+                             w.row.data(), ahead);
     }
     if (cap > 0.f)  // soft-capping
       at::vec::map([cap](fVec x) { return tanh_rational(x / fVec(cap)) * fVec(cap); }, scores, scores, group * n);

@@ -426,7 +426,9 @@ inline void output_tiles_amx(const BF16* p16, int64_t cols, int64_t keys, const 
 
 // Where a chunk's keys and values are. PagedRows: the KV cache, through the chunk's block table. FlatRows: the
 // step's own key and value rows ([T, kv_heads, D], a chunk's token t at its row start + t), for an encoder's
-// bidirectional layers, which keep nothing in the cache.
+// bidirectional layers, which keep nothing in the cache. keys(): `count` keys from token `first` as rows, written
+// to `scratch` ([count][D]) where they are not rows already. key(): where a key lies, for prefetching (the cache
+// stores a block's keys in pairs of dims, [D / 2][block_size][2]: a token's row-sized share of its block).
 template <typename C> struct PagedRows {
   const C* k;
   const C* v;
@@ -438,6 +440,16 @@ template <typename C> struct PagedRows {
   }
   const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + kvh * head_stride + at(chunk, tok); }
   const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + kvh * head_stride + at(chunk, tok); }
+  void keys(int64_t chunk, int64_t kvh, int64_t first, int64_t count, C* scratch, const C** rows) const {
+    for (int64_t j = 0; j < count;) {  // a block's run of tokens at a time, pair by pair
+      const int64_t tok = first + j, o = tok % block_size, run = std::min(count - j, block_size - o);
+      const C* pairs = key(chunk, kvh, tok) - o * D + 2 * o;
+      for (int64_t p = 0; p < D / 2; ++p, pairs += 2 * block_size)
+        for (int64_t t = 0; t < run; ++t) std::memcpy(scratch + (j + t) * D + 2 * p, pairs + 2 * t, 2 * sizeof(C));
+      for (int64_t t = 0; t < run; ++t) rows[j + t] = scratch + (j + t) * D;
+      j += run;
+    }
+  }
 };
 
 template <typename C> struct FlatRows {
@@ -447,6 +459,9 @@ template <typename C> struct FlatRows {
   int64_t ks0, ks1, vs0, vs1;
   const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + (starts[chunk] + tok) * ks0 + kvh * ks1; }
   const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + (starts[chunk] + tok) * vs0 + kvh * vs1; }
+  void keys(int64_t chunk, int64_t kvh, int64_t first, int64_t count, C*, const C** rows) const {
+    for (int64_t j = 0; j < count; ++j) rows[j] = key(chunk, kvh, first + j);
+  }
 };
 
 // Rows fetched into L2 ahead of use: an item's queries and keys lie anywhere in memory (items go by cost, not
@@ -568,6 +583,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
     std::vector<float> row(D);
     const int64_t max_step = PrefillScratch::max_step(amx);
     std::vector<const C*> krow(max_step), vrow(max_step);
+    std::vector<C> key_rows(std::is_same_v<Rows, PagedRows<C>> ? max_step * D : 0);  // keys unpaired (PagedRows)
     std::vector<const c10::BFloat16*> k16(max_step), v16(max_step);  // FP8 with pairs: the scratch's rows
     for (int64_t j = 0; pairs && is_fp8<C> && j < max_step; ++j)
       k16[j] = s.k16.data() + j * D, v16[j] = s.v16.data() + j * D;
@@ -648,10 +664,8 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
         }
         for (int64_t t0 = lo; t0 < hi; t0 += step) {
           const int64_t nk = std::min<int64_t>(step, hi - t0);
-          for (int64_t j = 0; j < nk; ++j) {
-            krow[j] = kv.key(item.chunk, item.kvh, t0 + j);
-            vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
-          }
+          kv.keys(item.chunk, item.kvh, t0, nk, key_rows.data(), krow.data());
+          for (int64_t j = 0; j < nk; ++j) vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
           // the step's keys and values as the products take them, once for every tile
 #ifdef ASERVE_PREFILL_BF16
           const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());

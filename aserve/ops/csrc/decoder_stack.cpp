@@ -53,7 +53,7 @@ struct Kernels {
   using Norm = Tensor(const Tensor&, const Tensor&, double);
   using AddNorm = Tensor(const Tensor&, Tensor, const Tensor&, double);
   using Rotary = void(const Tensor&, Tensor, Tensor, const Tensor&, const Tensor&, int64_t);
-  using WriteKV = void(const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, double, double, int64_t);
+  using WriteKV = void(const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, double, double, int64_t, bool);
   using Decode = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                       int64_t, double, double, double, int64_t);
   using Prefill = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -208,7 +208,7 @@ struct DecoderStack : torch::CustomClassHolder {
         key = k.rms_norm.call(key.reshape({-1, L.head_dim}), L.k_norm, L.k_eps).view({T, L.kv_heads, L.head_dim});
       }
       k.rotary.call(positions, q, key, cos, sin, rotary_dim);
-      k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, kv_format);
+      k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, kv_format, true);  // paired keys
       Tensor out = at::empty({T, L.heads, L.head_dim}, x.options());
       if (num_decode > 0)
         k.decode.call(out.slice(0, 0, num_decode), q.slice(0, 0, num_decode), k_cache, v_cache, *decode_tables,

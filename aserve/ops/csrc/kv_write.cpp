@@ -4,6 +4,8 @@
 // key/value [tokens, kv_heads, head_dim] into the caches [kv_heads, blocks, block_size, head_dim] at slot
 // (block * block_size + offset) per token: copied in the cache's dtype (kv_format 0), or stored as FP8 bytes
 // of x / scale saturated to the format's range (1 = e4m3, 2 = e5m2): the bytes torch's own conversion gives.
+// With paired_keys, a block's keys are stored as [head_dim / 2][block_size][2] (pairs of dims, token after
+// token: the layout the CPU attention kernels read, kv_layout.py) and its values as rows; else both as rows.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -17,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "vec_helpers.h"
 
@@ -55,8 +58,8 @@ inline __m128i fp8_bytes(__m512 x) {
 
 template <typename T, typename C>
 void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                   const int64_t* slots, double k_scale, double v_scale) {
-  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+                   const int64_t* slots, double k_scale, double v_scale, bool paired_keys) {
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2), block_size = k_cache.size(2);
   const int64_t head_stride = k_cache.size(1) * k_cache.size(2) * dim;
   const T* k_src = key.data_ptr<T>();
   const T* v_src = value.data_ptr<T>();
@@ -89,9 +92,17 @@ void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
     }
   };
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    std::vector<C> row(paired_keys ? dim : 0);
     for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
       for (int64_t h = 0; h < heads; ++h) {
-        store(k_src + t * ks0 + h * ks1, k_dst + h * head_stride + slots[t] * dim, inv_k);
+        if (paired_keys) {  // the row as stored, then its pairs to their places in the block
+          store(k_src + t * ks0 + h * ks1, row.data(), inv_k);
+          C* base = k_dst + h * head_stride + block * block_size * dim + offset * 2;
+          for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(base + p * block_size * 2, row.data() + 2 * p, 2 * sizeof(C));
+        } else {
+          store(k_src + t * ks0 + h * ks1, k_dst + h * head_stride + slots[t] * dim, inv_k);
+        }
         store(v_src + t * vs0 + h * vs1, v_dst + h * head_stride + slots[t] * dim, inv_v);
       }
     }
@@ -100,17 +111,17 @@ void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
 
 template <typename T>
 void write_kv_by_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                       const int64_t* slots, double k_scale, double v_scale, int64_t kv_format) {
+                       const int64_t* slots, double k_scale, double v_scale, int64_t kv_format, bool paired_keys) {
   switch (kv_format) {
-    case 0: return write_kv_impl<T, T>(key, value, k_cache, v_cache, slots, k_scale, v_scale);
-    case 1: return write_kv_impl<T, E4M3>(key, value, k_cache, v_cache, slots, k_scale, v_scale);
-    case 2: return write_kv_impl<T, E5M2>(key, value, k_cache, v_cache, slots, k_scale, v_scale);
+    case 0: return write_kv_impl<T, T>(key, value, k_cache, v_cache, slots, k_scale, v_scale, paired_keys);
+    case 1: return write_kv_impl<T, E4M3>(key, value, k_cache, v_cache, slots, k_scale, v_scale, paired_keys);
+    case 2: return write_kv_impl<T, E5M2>(key, value, k_cache, v_cache, slots, k_scale, v_scale, paired_keys);
   }
   TORCH_CHECK(false, "write_kv: kv_format must be 0 (the keys' dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2)");
 }
 
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_mapping, double k_scale, double v_scale, int64_t kv_format) {
+              const at::Tensor& slot_mapping, double k_scale, double v_scale, int64_t kv_format, bool paired_keys) {
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
               "write_kv: key and value must be [tokens, kv_heads, head_dim] with unit inner stride");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -120,6 +131,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == key.size(0),
               "write_kv: slot_mapping must be contiguous int64 [tokens]");
+  TORCH_CHECK(!paired_keys || key.size(2) % 2 == 0, "write_kv: paired keys need an even head_dim");
   TORCH_CHECK(key.scalar_type() == value.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
                   (kv_format == 0 ? k_cache.scalar_type() == key.scalar_type() : k_cache.scalar_type() == at::kByte),
               "write_kv: the caches must be in the keys' dtype, or uint8 (FP8 bytes) with kv_format 1 or 2");
@@ -128,9 +140,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   for (int64_t t = 0; t < key.size(0); ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot ", slots[t], " is outside the cache");
   switch (key.scalar_type()) {
-    case at::kFloat: return write_kv_by_cache<float>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format);
-    case at::kBFloat16: return write_kv_by_cache<c10::BFloat16>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format);
-    case at::kHalf: return write_kv_by_cache<c10::Half>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format);
+    case at::kFloat: return write_kv_by_cache<float>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format, paired_keys);
+    case at::kBFloat16: return write_kv_by_cache<c10::BFloat16>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format, paired_keys);
+    case at::kHalf: return write_kv_by_cache<c10::Half>(key, value, k_cache, v_cache, slots, k_scale, v_scale, kv_format, paired_keys);
     default: TORCH_CHECK(false, "write_kv: unsupported dtype ", key.scalar_type());
   }
 }
@@ -139,7 +151,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 
 TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "float k_scale=1.0, float v_scale=1.0, int kv_format=0) -> ()");
+        "float k_scale=1.0, float v_scale=1.0, int kv_format=0, bool paired_keys=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
