@@ -237,21 +237,39 @@ template <typename C> inline void pair_lanes(const C* src, int count, fVec& even
   }
 }
 #elif defined(CPU_CAPABILITY_AVX2)
+// 8 fp16 bit patterns, one in the low half of each 32-bit lane, as fp32.
+inline __m256 half_lanes_as_float(__m256i h) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  // lanes 0-7 as 16-bit, in order
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
 template <typename C> inline void pair_lanes(const C* src, int count, fVec& even, fVec& odd) {
-  if constexpr (std::is_same_v<C, float> || std::is_same_v<C, BF16>) {
-    alignas(32) C padded[16] = {};
-    if (count < 8) std::memcpy(padded, src, 2 * count * sizeof(C)), src = padded;
-    if constexpr (std::is_same_v<C, float>) {  // tokens 0-3 and 4-7; shuffle_ps leaves 0 1 4 5 | 2 3 6 7
-      const __m256 a = _mm256_loadu_ps(src), b = _mm256_loadu_ps(src + 8);
-      const auto order = [](__m256 x) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8)); };
-      even = order(_mm256_shuffle_ps(a, b, 0x88)), odd = order(_mm256_shuffle_ps(a, b, 0xDD));
-    } else {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    }
-  } else {
-    pair_lanes_scalar(src, count, even, odd);
+  alignas(32) C padded[16] = {};
+  if (count < 8) std::memcpy(padded, src, 2 * count * sizeof(C)), src = padded;
+  if constexpr (std::is_same_v<C, float>) {  // tokens 0-3 and 4-7; shuffle_ps leaves 0 1 4 5 | 2 3 6 7
+    const __m256 a = _mm256_loadu_ps(src), b = _mm256_loadu_ps(src + 8);
+    const auto order = [](__m256 x) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8)); };
+    even = order(_mm256_shuffle_ps(a, b, 0x88)), odd = order(_mm256_shuffle_ps(a, b, 0xDD));
+  } else if constexpr (std::is_same_v<C, BF16>) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else if constexpr (std::is_same_v<C, c10::Half>) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    even = half_lanes_as_float(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
+    odd = half_lanes_as_float(_mm256_srli_epi32(w, 16));
+  } else {  // FP8: a pair is two bytes, each made its fp16 pattern (fp8_to_fp16_bits)
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    const auto as_half = [](__m256i b) {
+      if constexpr (std::is_same_v<C, E5M2>) {
+        return _mm256_slli_epi32(b, 8);
+      } else {
+        return _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 7),
+                               _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 8));
+      }
+    };
+    even = half_lanes_as_float(as_half(_mm256_and_si256(w, _mm256_set1_epi32(0xFF))));
+    odd = half_lanes_as_float(as_half(_mm256_srli_epi32(w, 8)));
   }
 }
 #else
