@@ -316,7 +316,10 @@ def test_write_kv_stores_the_bytes_the_torch_path_stores(dtype, fmt, paired_keys
     heads, blocks, block_size, dim, tokens = 3, 20, 16 if paired_keys else 8, 40, 37
     key = (torch.randn(tokens, heads + 2, dim, generator=gen) * 300).to(dtype)[:, 1:heads + 1]
     value = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
-    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    # a prompt's run of slots from inside a block across two more (written a block's run at a time), then slots
+    # all over the cache (decode tokens)
+    run = torch.arange(block_size + 5, block_size + 35)
+    slots = torch.cat([run, torch.randperm(blocks * block_size - 64, generator=gen)[:tokens - 30] + 64])
     cache_dtype = torch.uint8 if f else dtype
     ours, theirs = ([torch.zeros(heads, blocks, block_size, dim, dtype=cache_dtype) for _ in range(2)] for _ in range(2))
     with torch.inference_mode():

@@ -91,20 +91,44 @@ void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
       }
     }
   };
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    std::vector<C> row(paired_keys ? dim : 0);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+  // Paired keys go a run of tokens at a time (consecutive slots in one block: a prompt's, or one decode token):
+  // its rows as stored into scratch, then each pair's run of words copied into place, so that every line of the
+  // block is written once a run. Token by token (32 scattered 4-byte stores each for bf16 at head size 64), a
+  // 8192-token prefill's writes took 0.93 ms a layer against 0.32 for rows.
+  at::parallel_for(0, tokens, paired_keys ? 8 : 64, [&](int64_t begin, int64_t end) {
+    std::vector<C> rows(paired_keys ? block_size * dim : 0);
+    // The lines token t's key pairs go to (a line a pair: the whole block's keys at head size 64 and 16 tokens a
+    // block), asked for one run ahead: a decode token's stores otherwise each miss, one after another.
+    const auto fetch_pairs = [&](int64_t t) {
+      const int64_t at = slots[t] / block_size * block_size * dim + slots[t] % block_size * 2;
       for (int64_t h = 0; h < heads; ++h) {
-        if (paired_keys) {  // the row as stored, then its pairs to their places in the block
-          store(k_src + t * ks0 + h * ks1, row.data(), inv_k);
-          C* base = k_dst + h * head_stride + block * block_size * dim + offset * 2;
-          for (int64_t p = 0; p < dim / 2; ++p) std::memcpy(base + p * block_size * 2, row.data() + 2 * p, 2 * sizeof(C));
-        } else {
-          store(k_src + t * ks0 + h * ks1, k_dst + h * head_stride + slots[t] * dim, inv_k);
-        }
-        store(v_src + t * vs0 + h * vs1, v_dst + h * head_stride + slots[t] * dim, inv_v);
+        const char* lines = reinterpret_cast<const char*>(k_dst + h * head_stride + at);
+        for (int64_t p = 0; p < dim / 2; ++p) __builtin_prefetch(lines + p * block_size * 2 * sizeof(C), 1, 3);
       }
+    };
+    if (paired_keys) fetch_pairs(begin);
+    for (int64_t t = begin; t < end;) {
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      int64_t run = 1;
+      while (paired_keys && t + run < end && offset + run < block_size && slots[t + run] == slots[t] + run) ++run;
+      if (paired_keys && t + run < end) fetch_pairs(t + run);
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = t; i < t + run; ++i) store(v_src + i * vs0 + h * vs1, v_dst + h * head_stride + slots[i] * dim, inv_v);
+        if (!paired_keys) {
+          store(k_src + t * ks0 + h * ks1, k_dst + h * head_stride + slots[t] * dim, inv_k);
+          continue;
+        }
+        for (int64_t i = 0; i < run; ++i) store(k_src + (t + i) * ks0 + h * ks1, rows.data() + i * dim, inv_k);
+        // a pair as one word; sizes in locals, which the compiler keeps in registers (read through the lambda's
+        // captures, they were reloaded at every copy)
+        using Word = std::conditional_t<sizeof(C) == 4, uint64_t, std::conditional_t<sizeof(C) == 2, uint32_t, uint16_t>>;
+        const int64_t words = dim / 2, stride = block_size, n = run;
+        const auto* src = reinterpret_cast<const Word*>(rows.data());
+        auto* dst = reinterpret_cast<Word*>(k_dst + h * head_stride + block * block_size * dim) + offset;
+        for (int64_t p = 0; p < words; ++p)
+          for (int64_t i = 0; i < n; ++i) dst[p * stride + i] = src[i * words + p];
+      }
+      t += run;
     }
   });
 }
