@@ -17,6 +17,15 @@ from aserve.config import DEFAULT_MODEL_DIR
 
 VOCAB = 4096  # the embedded default model's tokenizer, reused by every tiny model
 
+
+def pytest_sessionstart(session):
+    """Build (or load) aserve's CPU kernels once, before any test's timeout runs. A clean clone builds them in about
+    two minutes, and the first test to need them, often an engine whose core process would build them itself, paid
+    that under its own 180 s limit: on a slow or busy machine its setup timed out."""
+    from aserve.ops import cpu_kernels
+
+    cpu_kernels.available()
+
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               initializer_range=0.1, bos_token_id=0, eos_token_id=0)
