@@ -183,7 +183,7 @@ template <int HG, typename Pass> inline void head_groups(int64_t heads, Pass&& p
 // Xeon avx512_bf16 without AMX, hot L2).
 //
 // pair_lanes: `count` (<= W) consecutive tokens' pair at `src` as fp32 vectors, lane t token t's dim 2p (even)
-// and 2p + 1 (odd); lanes from count on are zero. FP8 bytes widen as fp8_16_as_float does (e4m3's 2^-8 is in the
+// and 2p + 1 (odd); lanes from count on are zero. FP8 bytes widen as fp8_bytes_as_float does (e4m3's 2^-8 is in the
 // scales).
 template <typename C> inline float as_float(C x) {
   if constexpr (is_fp8<C>) return fp8_to_float<C>(x.bits); else return static_cast<float>(x);
@@ -198,18 +198,6 @@ template <typename C> inline void pair_lanes_scalar(const C* src, int count, fVe
 #if defined(CPU_CAPABILITY_AVX512)
 inline __m512i load_words(const void* src, int count) {  // `count` 32-bit words, zero after
   return count == 16 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << count) - 1), src);
-}
-
-// 16 FP8 bytes, one in the low byte of each 32-bit lane, as fp32 (fp8_to_fp16_bits' patterns, widened by vcvtph2ps).
-template <typename C> inline __m512 fp8_lanes_as_float(__m512i b) {
-  __m512i h;
-  if constexpr (std::is_same_v<C, E5M2>) {
-    h = _mm512_slli_epi32(b, 8);
-  } else {
-    h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 7),
-                        _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 8));
-  }
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
 }
 
 template <typename C> inline void pair_lanes(const C* src, int count, fVec& even, fVec& odd) {
@@ -229,9 +217,8 @@ template <typename C> inline void pair_lanes(const C* src, int count, fVec& even
   } else if constexpr (is_fp8<C>) {  // a pair is two bytes
     const __m256i pairs = count == 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
                                       : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), src);
-    const __m512i w = _mm512_cvtepu16_epi32(pairs);
-    even = fp8_lanes_as_float<C>(_mm512_and_si512(w, _mm512_set1_epi32(0xFF)));
-    odd = fp8_lanes_as_float<C>(_mm512_srli_epi32(w, 8));
+    even = fp8_bytes_as_float<C>(_mm256_cvtepi16_epi8(pairs));  // each pair's low byte, then its high one
+    odd = fp8_bytes_as_float<C>(_mm256_cvtepi16_epi8(_mm256_srli_epi16(pairs, 8)));
   } else {
     pair_lanes_scalar(src, count, even, odd);
   }

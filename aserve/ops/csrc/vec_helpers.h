@@ -197,10 +197,10 @@ inline __m512 bf16_bits_to_float(__m256i bits) {
 inline __m512 load_bf16_as_float(const void* p) {
   return bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// 16 FP8 bytes (tag T) as fp32 lanes through fp16 bit patterns (fp8_to_fp16_bits, 16 at a time): exact, e4m3's
-// values times 2^-8.
-template <typename T> inline __m512 fp8_16_as_float(const void* p) {
-  __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// 16 FP8 bytes (tag T; in a register, or at p) as fp32 lanes through fp16 bit patterns (fp8_to_fp16_bits, 16 at a
+// time): exact, e4m3's values times 2^-8.
+template <typename T> inline __m512 fp8_bytes_as_float(__m128i bytes) {
+  __m256i w = _mm256_cvtepu8_epi16(bytes);
   if constexpr (std::is_same_v<T, E5M2>) {
     w = _mm256_slli_epi16(w, 8);
   } else {
@@ -208,6 +208,9 @@ template <typename T> inline __m512 fp8_16_as_float(const void* p) {
                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
   }
   return _mm512_cvtph_ps(w);
+}
+template <typename T> inline __m512 fp8_16_as_float(const void* p) {
+  return fp8_bytes_as_float<T>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 
