@@ -592,8 +592,8 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     that end mid-tile and mid-panel, inputs that end mid-way through 16 (72), a batch over one row block, inputs
     past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
     ahead, 200 x 576 and 130 x 1536); bf16 on each of the CPU's products (gemm_int4 on FMAs takes a tile at a time,
-    up to 24 rows at once, in row blocks: 70 rows of 4224 are two; int4_linear on FMAs takes 2-4 rows, its two kinds of
-    sums folded per group of 24 or 96); both kernels the same for rows that are a view into wider ones."""
+    up to 24 rows at once, in row blocks: 70 rows of 4224 are two); both kernels the same for rows that are a view
+    into wider ones."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes
 
@@ -634,6 +634,67 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
         assert torch.equal(again, got), (out_features, rows)
     with pytest.raises(RuntimeError, match="group size"):
         torch.ops.aserve.int4_linear(x, tiles, sz, 60, out_features)
+
+
+def _fixed_point(x: torch.Tensor, group: int, span: int = 64) -> torch.Tensor:
+    """x (fp64) as int4_linear's bf16 path reads it: within each group, spans of up to `span` inputs share the unit
+    2^(e - 14), e the exponent of the span's largest |x| (at least -100), and each x is rounded to a whole number of
+    units (ties to even)."""
+    out = torch.empty_like(x)
+    for g0 in range(0, x.shape[1], group):
+        for s0 in range(g0, g0 + group, span):
+            part = x[:, s0:min(s0 + span, g0 + group)]
+            e = (torch.frexp(part.abs().amax(1, keepdim=True)).exponent - 1).clamp(min=-100)
+            unit = torch.pow(2.0, (e - 14).double())
+            out[:, s0:s0 + part.shape[1]] = torch.round(part / unit) * unit
+    return out
+
+
+def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent():
+    """int4_linear's bf16 path (vpdpwssd) multiplies x made 16-bit integers, one exponent per span of 64 inputs: the
+    product of the rounded x to bf16's precision, whatever the spread of the x, for a group of two spans, of one
+    short one (96 = 64 + 32) and of less than a span. An input more than 7 binades below its span's largest is
+    rounded to half a unit (the outlier row, where the exact product differs); zeros and values near fp32's
+    smallest normal are exact; a NaN or an infinity makes its row's outputs NaN and leaves the other rows alone."""
+    from aserve.quantization.int4 import tile_int4, tile_scales_zeros
+    from aserve.quantization.int8 import gemm_dtypes
+
+    if torch.bfloat16 not in gemm_dtypes():
+        pytest.skip("aserve's bf16 int4 kernel needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(11)
+    out_features = 48
+    for in_features, group in ((128, 128), (192, 96), (72, 24)):
+        groups = in_features // group
+        codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
+        scales = torch.rand(groups, out_features, generator=gen) * 0.1 + 0.01
+        zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
+        zeros[0] = 8  # input 0, the outlier, weighs 8 s - 8 s = 0 exactly: the output is the small inputs'
+        codes[:, 0] = 8
+        tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, torch.bfloat16)
+        s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
+        sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
+        g = torch.arange(in_features) // group
+        weight = codes.double() * s[g].t() - sz_term[g].t()
+        x = torch.randn(4, in_features, generator=gen)
+        x[1, 1:] *= 2.0 ** -6  # 16 binades below the outlier: rounded in its span, exact in the others
+        x[1, 0] = 2.0 ** 10
+        x[2, :min(64, group)] = 0.0  # a span of zeros, then values near fp32's smallest normal
+        x[2, min(64, group):] *= 1e-30
+        x = x.bfloat16()
+        rounded = _fixed_point(x.double(), group)
+        expected = rounded @ weight.t()
+        got = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features).double()
+        # bf16's rounding of the output, and fp32's of the terms it sums (s q x and s z x: the outlier's cancel)
+        bound = 2.0 ** -8 * expected.abs() + 2.0 ** -18 * (rounded.abs() @ (codes * s[g].t() + sz_term[g].t()).t())
+        assert ((got - expected).abs() <= bound).all(), in_features
+        exact = x.double() @ weight.t()
+        assert (exact[1] - expected[1]).abs().max() > 0.1 * float(expected[1].abs().max()), "no input was rounded"
+        torch.testing.assert_close(got[0], exact[0], rtol=2 ** -7, atol=1e-3 * float(exact[0].abs().max()))
+        for bad in (float("nan"), float("inf")):
+            broken = x.clone()
+            broken[3, 5] = bad
+            again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
+            assert again[3].isnan().all() and torch.equal(again[:3], got[:3].bfloat16()), (in_features, bad)
 
 
 def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():

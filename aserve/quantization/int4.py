@@ -4,9 +4,10 @@ a scale s and an integer zero point z, the weight being w = (q - z) * s.
 On the CPU, where aserve's kernels are built and the activations are fp32 (or bf16 with AVX512-BF16), they run on
 aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
 (`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 8 rows
-(`kernel_rows`) `int4_linear` (csrc/int8_linear.cpp) sums x * q per group in registers (bf16: an output's two codes
-of a pair of inputs made a bf16 pair by a shift and a ternary-logic op, 32 products per vdpbf16ps; 2-4 rows where
-aserve's bf16 GEMM multiplies on fp32 FMAs: the codes made fp32 the same way, a shift serving two) and folds in s *
+(`KERNEL_MAX_ROWS`) `int4_linear` (csrc/int8_linear.cpp) sums x * q per group in registers (bf16: x made 16-bit
+integers sharing an exponent per span of up to 64 inputs, exact within 7 binades of the span's largest, and an
+output's two codes of a pair of inputs a mask away from the 16-bit pair vpdpwssd multiplies by, 32 products an
+instruction; fp32: each code masked where it lies and converted, beside x scaled by powers of two) and folds in s *
 sum(x q) - s * z * sum(x); above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's
 layout, or, where that GEMM multiplies on fp32 FMAs, each tile in registers for every 16 rows (from 5 rows there).
 Any group size that is a multiple of 8 and divides the inputs.
@@ -23,7 +24,7 @@ aserve's kernels 2.20 at 1 row, 2.63 at 2, 3.50 at 4 (gemm_int4), 3.86 at 8, 6.0
 2.33, 3.24, 5.83, 10.64, 39.85; aserve's dense bf16 GEMM 5.11, 5.01, 5.41, 6.06, 5.92, 15.27. torch's kernel is
 vectorized for bf16 only (fp32 ran 20x slower than dense at one row), so without aserve's kernels, in fp32 or fp16,
 or for a shape it refuses, the layer is dequantized once at load and runs as a dense layer. (Those figures predate
-the 64-byte blocks, 5a3e930; see kernel_rows for int4_linear against gemm_int4 since.)
+the 64-byte blocks, 5a3e930; see KERNEL_MAX_ROWS for int4_linear against gemm_int4 since.)
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ from aserve.quantization.base import INT4, UNQUANTIZED, LinearMethod, NativeProj
 KERNEL_DTYPES = (torch.bfloat16,)
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 SHIFTS = tuple(range(0, 32, 4))
+# The most rows int4_linear takes, and where layers use it up to (gemm_int4 above). The bench model's 120 int4 layers,
+# bf16, the two kernels timed alone (Intel Xeon, avx512_vnni avx512_bf16, no AMX, 2 threads, at 3e2c0f4): 2.05 against
+# 6.03 ms at 1 row, 3.43 against 6.75 at 4, 5.67 against 9.16 at 8; fp32 (AMD EPYC Zen 5, at 39c8f62) 3.08 against
+# 8.46 at 4 rows, 5.55 against 9.99 at 8.
+KERNEL_MAX_ROWS = 8
 
 
 def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -101,11 +107,10 @@ class Int4KernelMethod(LinearMethod):
 
 
 class AserveInt4Method(LinearMethod):
-    """A GPTQ or AWQ layer on aserve's int4 kernels (csrc/int8_linear.cpp's int4_linear for up to kernel_rows(dtype)
+    """A GPTQ or AWQ layer on aserve's int4 kernels (csrc/int8_linear.cpp's int4_linear for up to KERNEL_MAX_ROWS
     rows, cpu_gemm.cpp's gemm_int4 above): codes tiled in 64-byte blocks of 8 inputs (tile_int4) and, per tile and
     group, the 16 outputs' scales then scale * zero ([ceil(out/16), groups, 2, 16], in the model's dtype)."""
 
-    KERNEL_MAX_ROWS = 8  # the most rows int4_linear takes (kernel_rows: where it is used up to)
 
     def __init__(self, name: str):
         self.name = name
@@ -124,26 +129,14 @@ class AserveInt4Method(LinearMethod):
 
     def native_projection(self, layer):
         return NativeProjection(INT4, layer.qweight, layer.scales_zeros, layer.bias, layer.perm, layer.int4_group,
-                                layer.out_features, kernel_rows(layer.scales_zeros.dtype))
-
-
-@functools.cache  # asked on every call of a layer: fixed by the CPU and the kernels built
-def kernel_rows(dtype: torch.dtype) -> int:
-    """Rows of `dtype` up to which int4_linear runs; above, gemm_int4. 120 bench-model layers (ms, int4_linear against
-    gemm_int4): AMD EPYC Zen 5 (2 threads), bf16 at 4 rows 2.01 against 5.51, 6 rows 2.53 against 3.81, 8 rows 3.88
-    against 4.19; fp32 3.08 against 8.46 at 4 rows, 5.55 against 9.99 at 8. Where aserve's bf16 GEMM multiplies on
-    fp32 FMAs (an Intel Xeon without AMX tiles: gemm_bf16_products "fma"), gemm_int4 dequantizes each tile in
-    registers for many rows at once and pays from 5 rows there (2 threads): 4 rows 9.15 against 9.63, 5 rows 10.35
-    against 9.67, 8 rows 16.7 against 12.4."""
-    on_fmas = dtype == torch.bfloat16 and torch.ops.aserve.gemm_bf16_products() == "fma"
-    return 4 if on_fmas else AserveInt4Method.KERNEL_MAX_ROWS
+                                layer.out_features, KERNEL_MAX_ROWS)
 
 
 def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias, out_features: int) -> torch.Tensor:
-    """A layer on aserve's int4 kernels, for 2-D rows: int4_linear up to kernel_rows, gemm_int4 above."""
+    """A layer on aserve's int4 kernels, for 2-D rows: int4_linear up to KERNEL_MAX_ROWS, gemm_int4 above."""
     if perm is not None:  # act-order: the inputs in group order
         x = x.index_select(1, perm)
-    if x.shape[0] <= kernel_rows(x.dtype):
+    if x.shape[0] <= KERNEL_MAX_ROWS:
         out = torch.ops.aserve.int4_linear(x.contiguous(), qweight, scales_zeros, group, out_features)
         return out if bias is None else out + bias
     return torch.ops.aserve.gemm_int4(x, qweight, scales_zeros, group, bias, out_features)

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -456,25 +457,77 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
   store_tiles<T, M, R>(out, o, N, t0, [](float sum, int64_t) { return sum; });
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-// bf16 activations on a CPU with AVX512-BF16: pair row s of a block holds, in each 32-bit word j, output j's
-// (q[2kk], q[2kk+1]) at nibble s of its two halves, exactly the pair vdpbf16ps multiplies by (x[2kk], x[2kk+1]): the
-// words shifted right by 4s become bf16 values (int4_pairs_bf16), and one instruction does 32 products: a 64-byte
-// load a block, then 2 + M instructions per 32 weights.
-#define ASERVE_INT4_BF16_DOT 1
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ASERVE_INT4_VNNI 1
+// bf16 activations as 16-bit integers on vpdpwssd (AVX512-VNNI): x's inputs in spans of up to kSpan (a group's
+// inputs, from its start) share one exponent, each x = n * unit with n = round(x / unit) and unit = 2^(e - 14), e
+// the exponent of the span's largest |x|, so |n| < 2^15. A bf16 has 8 significant bits: n is x exactly for every
+// input within 7 binades of the span's largest, and for the rest x rounded to half a unit (2^-15 of the largest).
+// Then pair row s of a block, (q[2kk], q[2kk + 1]) in each 32-bit word, is a mask (and shift) away from the 16-bit
+// pairs vpdpwssd multiplies by (n[2kk], n[2kk + 1]) and sums into 32-bit lanes: exact integer sums, folded per span
+// into fp32 as sum * unit * s. vdpbf16ps did the same 32 products but costs ~2.2 cycles on an Intel Xeon (fp32 FMAs
+// needed twice as many instructions to widen the codes): one row's codes hot in L2, 12.5 cycles a 64-byte block on
+// either of those against 5.5 here (Intel Xeon, avx512_vnni avx512_bf16, no AMX; a scratch microbenchmark).
+constexpr int64_t kSpan = 64;  // inputs sharing an exponent: 8 blocks, so no 32-bit sum can overflow
 
-// Pair row S (0..3) of a 64-byte block as bf16 pairs of 128 + q: the nibble shifted down, masked and ORed into
-// 128's bits (0x4300: exponent 7, the nibble the mantissa's low bits) in one vpternlogd. The dot products then hold
-// 128 sum(x) too, which the group's fold takes out with the x sum it already subtracts s * z times. Against a vpermw
-// of a 16-entry table of the codes themselves (as before) the same count of instructions, but a ternary-logic op
-// issues on either vector port where Intel's cores run vpermw on the shuffle port alone: the bench model's 120 int4 layers
-// at one row 2.34 -> 2.02 ms hot in L2, 2.84 -> 2.52 warm, 4.52 -> 4.38 with caches flushed (Xeon with AMX,
-// amx_bf16 avx512_bf16, 2 threads; old and new alternated, medians of 12). The fp32 sums lose the few bits 128 x
-// costs against q x; the bf16 outputs move by an ulp at most.
-constexpr float kInt4Offset = 128.f;
-template <int S> inline __m512i int4_pairs_bf16(__m512i block) {
-  const __m512i nibbles = S == 0 ? block : _mm512_srli_epi16(block, 4 * S);
-  return _mm512_ternarylogic_epi32(nibbles, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);  // a&b | c
+// x's M rows as 16-bit integers ([M][K]), each span's unit ([M][groups][spans a group]) and each group's sum of
+// n * unit ([M][groups]), in this thread's scratch. A span holding a NaN or an infinity gets a NaN unit, so that its
+// outputs are NaN as x q's would be.
+struct FixedPointRows {
+  const int16_t* values;
+  const float* units;
+  const float* sums;
+  int64_t spans;  // a group's
+};
+
+inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K, int64_t group) {
+  thread_local std::vector<int16_t> values;
+  thread_local std::vector<float> units, sums;
+  const int64_t groups = K / group, spans = (group + kSpan - 1) / kSpan, stride = x.stride(0);
+  values.resize(M * K), units.resize(M * groups * spans), sums.resize(M * groups);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  for (int m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float group_sum = 0.f;
+      for (int64_t j = 0; j < spans; ++j) {
+        const int64_t k0 = g * group + j * kSpan, len = std::min(kSpan, (g + 1) * group - k0);
+        constexpr int kVecs = kSpan / 16;
+        __m512 v[kVecs];
+        __m512 top = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+#pragma GCC unroll 4
+        for (int i = 0; i < kVecs; ++i) {
+          const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * i));
+          const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+          v[i] = _mm512_castsi512_ps(
+              _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bits + m * stride + k0 + 16 * i)), 16));
+          const __m512 size = _mm512_abs_ps(v[i]);
+          bad |= _mm512_cmp_ps_mask(size, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
+          top = _mm512_max_ps(top, size);
+        }
+        uint32_t top_bits;
+        const float largest = _mm512_reduce_max_ps(top);
+        std::memcpy(&top_bits, &largest, sizeof top_bits);
+        const int e = std::max(static_cast<int>(top_bits >> 23) - 127, -100);  // -100: zeros and denormals
+        const auto power = [](int p) { const uint32_t b = static_cast<uint32_t>(p + 127) << 23; float f; std::memcpy(&f, &b, 4); return f; };
+        const __m512 inverse = _mm512_set1_ps(power(14 - e));
+        __m512i total = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < kVecs; ++i) {
+          const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * i));
+          const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));  // to nearest, ties to even
+          total = _mm512_add_epi32(total, n);
+          _mm256_mask_storeu_epi16(values.data() + m * K + k0 + 16 * i, static_cast<__mmask16>((1u << count) - 1),
+                                   _mm512_cvtsepi32_epi16(n));
+        }
+        const float unit = bad ? std::numeric_limits<float>::quiet_NaN() : power(e - 14);
+        units[(m * groups + g) * spans + j] = unit;
+        group_sum += static_cast<float>(_mm512_reduce_add_epi32(total)) * unit;
+      }
+      sums[m * groups + g] = group_sum;
+    }
+  }
+  return {values.data(), units.data(), sums.data(), spans};
 }
 
 // Tile t's scales and s * z, all its groups, into L2 (the thread's next tile, while this one multiplies).
@@ -484,18 +537,19 @@ inline void prefetch_tile_scales(const c10::BFloat16* sz, int64_t t, int64_t gro
   for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
 }
 
-// Tile t (16 outputs) against M rows. One tile at a time, its pair rows in order in kChains interleaved sums: each
-// thread reads its run of tiles as one stream. Eight tiles at once (eight streams 4.6 KB apart, one sum each), the
-// bench model's int4 layers read 2.6 ms a step at one row from DRAM; one at a time in one chain 2.25; in four 2.0
-// (in two 2.0, in eight 2.2; two tiles in four chains 3.1. Zen 5, 2 threads, cold weights, best of 5).
-constexpr int kChains = 4;  // summed as (0 + 1) + (2 + 3) at each group's end
-
+// Tile t (16 outputs) against M rows, one tile at a time, so that each thread reads its run of tiles as one stream
+// (eight tiles at once, eight streams 4.6 KB apart, read the bench model's int4 layers 30% slower from DRAM on Zen 5).
+// Pair row s of a block goes to chain s % CH of its row: four chains a row for up
+// to four rows (the vpdpwssd latency hidden at one row), two above (their registers). With four chains pair row 1 is
+// its bits masked in place, 16 q, and its chain is divided by 16 at the fold; with two, shifted down first.
 template <int M>
-inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_stride, int64_t K, int64_t group,
-                           const c10::BFloat16* sz, const float* xsum, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
+inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group,
+                           const c10::BFloat16* sz, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
+  constexpr int CH = M <= 4 ? 4 : 2;
   const int64_t groups = K / group, pairs = K / 2;
   const uint8_t* tile = w + t * pairs * kInt8Tile;
   const uint8_t* next = last ? nullptr : tile + pairs * kInt8Tile;  // the thread's next tile, fetched meanwhile
+  const __m512i low = _mm512_set1_epi16(0x000F), second = _mm512_set1_epi16(0x00F0);
   __m512 out[M];
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
@@ -503,162 +557,64 @@ inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t x_s
   if (!last) prefetch_tile_scales(sz, t + 1, groups);
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
-    __m512 acc[kChains][M];
+    float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
+    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+    const __m512 sv = _mm512_loadu_ps(s), mv = _mm512_loadu_ps(s + kInt8Tile);
+    for (int64_t j = 0; j < xs.spans; ++j) {
+      const int64_t k0 = g * group + j * kSpan, k1 = std::min(k0 + kSpan, (g + 1) * group);
+      __m512i acc[CH][M];
 #pragma GCC unroll 4
-    for (int c = 0; c < kChains; ++c)
+      for (int c = 0; c < CH; ++c)
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_ps();
-    auto step = [&](int c, int64_t kk, __m512i wv) __attribute__((always_inline)) {
+        for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int64_t kk = k0 / 2; kk < k1 / 2; kk += 4) {  // a block: pair rows kk..kk+3
+        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
+        const __m512i block = _mm512_loadu_si512(tile + kk * kInt8Tile);
+        const __m512i rows[4] = {
+            _mm512_and_si512(block, low),
+            CH == 4 ? _mm512_and_si512(block, second) : _mm512_and_si512(_mm512_srli_epi16(block, 4), low),
+            _mm512_and_si512(_mm512_srli_epi16(block, 8), low), _mm512_srli_epi16(block, 12)};
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            int32_t pair;  // (n[2(kk + r)], n[2(kk + r) + 1])
+            std::memcpy(&pair, xs.values + m * K + 2 * (kk + r), sizeof pair);
+            acc[r % CH][m] = _mm512_dpwssd_epi32(acc[r % CH][m], rows[r], _mm512_set1_epi32(pair));
+          }
+      }
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        uint32_t pair;  // (x[2kk], x[2kk + 1]), read where x is
-        std::memcpy(&pair, x + m * x_stride + 2 * kk, sizeof pair);
-        const __m512i xv = _mm512_set1_epi32(static_cast<int>(pair));
-        acc[c][m] = _mm512_dpbf16_ps(acc[c][m], reinterpret_cast<const __m512bh&>(wv),
-                                     reinterpret_cast<const __m512bh&>(xv));
-      }
-    };
-    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: pair rows kk..kk+3, a chain each
-      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
-      const __m512i block = _mm512_loadu_si512(tile + kk * kInt8Tile);
-      step(0, kk, int4_pairs_bf16<0>(block));
-      step(1, kk + 1, int4_pairs_bf16<1>(block));
-      step(2, kk + 2, int4_pairs_bf16<2>(block));
-      step(3, kk + 3, int4_pairs_bf16<3>(block));
-    }
-    float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
-    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
-    const __m512 sv = _mm512_loadu_ps(s), mv = _mm512_loadu_ps(s + kInt8Tile);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), _mm512_add_ps(acc[2][m], acc[3][m]));
-      out[m] = _mm512_fnmadd_ps(_mm512_fmadd_ps(sv, _mm512_set1_ps(kInt4Offset), mv), _mm512_set1_ps(xsum[m * groups + g]),
-                                _mm512_fmadd_ps(sum, sv, out[m]));
-    }
-  }
-  store_tiles<c10::BFloat16, M, 1>(out, o, N, t, [](float sum, int64_t) { return sum; });
-}
-
-// The same tile on fp32 FMAs, where bf16_products() says they outrun vdpbf16ps (an Intel Xeon without AMX tiles,
-// where vdpbf16ps multiplies at half the FMAs' rate): a code becomes the float 1 + q / 16 (its nibble at bits 19..22 of
-// 1.0's bits) or 1 + q / 256 (bits 15..18), so one shift of the block serves a pair of nibbles four bits apart, and
-// one vpternlogd (bits & mask | 1.0) each: four shifts, eight ternary-logic ops and 8 M FMAs a block, where the
-// vdpbf16ps loop takes three shifts, four ternary-logic ops and 4 M vdpbf16ps. The two kinds of sums, A (k = 2, 3, 6,
-// 7 mod 8) and B (k = 0, 1, 4, 5), fold into the output per group as s (16 (A - xa) + 256 (B - xb)) - s z x, xa and
-// xb the group's sums of x over those k: the 1s' share cancels, and what is left is x q at fp32 precision less the
-// few bits 256 x costs against q x (the vdpbf16ps loop's 128 x costs one fewer). For 2 to 4 rows (kernel_rows' limit
-// there): the bench model's 120 int4 layers, both kernels in shuffled order in one process (2 threads, caches flushed
-// before each pass / one layer's weights in L2, medians of 16 passes, ms, vdpbf16ps against this): 4 rows 10.09 ->
-// 8.45 / 9.57 -> 7.57 and 8.48 -> 7.20 / 7.84 -> 6.54, 3 rows 8.27 -> 6.95 / 7.98 -> 6.31, 2 rows 6.83 -> 6.52 / 5.90
-// -> 5.50 and level. At one row it was level or slower (5.23 against 5.45 flushed), though the inner loop alone (a
-// scratch microbenchmark, codes in L2) ran 0.95 against 1.23 ns a 32 weights: one row stays on vdpbf16ps. More than
-// four rows would spill the sums.
-template <int M>
-inline void int4_tile_fma(const uint8_t* w, const float* xf, int64_t K, int64_t group, const c10::BFloat16* sz,
-                          const float* xab, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
-  const int64_t groups = K / group, pairs = K / 2;
-  const uint8_t* tile = w + t * pairs * kInt8Tile;
-  const uint8_t* next = last ? nullptr : tile + pairs * kInt8Tile;
-  const __m512i one = _mm512_set1_epi32(0x3F800000);
-  const __m512i high = _mm512_set1_epi32(0x00780000), low = _mm512_set1_epi32(0x00078000);
-  __m512 out[M];
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
-  prefetch_scales<1>(sz, t, groups, 0);
-  if (!last) prefetch_tile_scales(sz, t + 1, groups);
-  for (int64_t g = 0; g < groups; ++g) {
-    if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
-    __m512 a[2][M], b[2][M];  // two chains of each kind
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-      a[0][m] = a[1][m] = b[0][m] = b[1][m] = _mm512_setzero_ps();
-    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: inputs k0 = 2kk .. k0 + 7
-      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
-      const __m512i block = _mm512_loadu_si512(tile + kk * kInt8Tile);
-      // word bits 0, 4, 8, 12 hold k0, k0 + 2, + 4, + 6; bits 16, 20, 24, 28 hold k0 + 1, + 3, + 5, + 7
-      const __m512i w0 = _mm512_slli_epi32(block, 15), w1 = _mm512_slli_epi32(block, 7);
-      const __m512i w2 = _mm512_srli_epi32(block, 1), w3 = _mm512_srli_epi32(block, 9);
-      const auto hi = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, high, one, 0xEA)); };
-      const auto lo = [&](__m512i v) { return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, low, one, 0xEA)); };
-      const __m512 c0 = lo(w0), c2 = hi(w0), c4 = lo(w1), c6 = hi(w1);
-      const __m512 c1 = lo(w2), c3 = hi(w2), c5 = lo(w3), c7 = hi(w3);
-      const int64_t k0 = 2 * kk;
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const float* x = xf + m * K + k0;
-        b[0][m] = _mm512_fmadd_ps(c0, _mm512_set1_ps(x[0]), b[0][m]);
-        a[0][m] = _mm512_fmadd_ps(c2, _mm512_set1_ps(x[2]), a[0][m]);
-        b[1][m] = _mm512_fmadd_ps(c4, _mm512_set1_ps(x[4]), b[1][m]);
-        a[1][m] = _mm512_fmadd_ps(c6, _mm512_set1_ps(x[6]), a[1][m]);
-        b[0][m] = _mm512_fmadd_ps(c1, _mm512_set1_ps(x[1]), b[0][m]);
-        a[0][m] = _mm512_fmadd_ps(c3, _mm512_set1_ps(x[3]), a[0][m]);
-        b[1][m] = _mm512_fmadd_ps(c5, _mm512_set1_ps(x[5]), b[1][m]);
-        a[1][m] = _mm512_fmadd_ps(c7, _mm512_set1_ps(x[7]), a[1][m]);
+        __m512 sum;
+        if constexpr (CH == 4)
+          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[1][m]), _mm512_set1_ps(1.f / 16),
+                                _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(acc[0][m], acc[2][m]), acc[3][m])));
+        else
+          sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][m], acc[1][m]));
+        const float unit = xs.units[(m * groups + g) * xs.spans + j];
+        out[m] = _mm512_fmadd_ps(sum, _mm512_mul_ps(sv, _mm512_set1_ps(unit)), out[m]);
       }
     }
-    float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
-    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
-    const __m512 sv = _mm512_loadu_ps(s), mv = _mm512_loadu_ps(s + kInt8Tile);
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const float* sums = xab + (m * groups + g) * 2;  // the group's x sums over A's k, then B's
-      const __m512 qa = _mm512_sub_ps(_mm512_add_ps(a[0][m], a[1][m]), _mm512_set1_ps(sums[0]));
-      const __m512 qb = _mm512_sub_ps(_mm512_add_ps(b[0][m], b[1][m]), _mm512_set1_ps(sums[1]));
-      const __m512 q = _mm512_fmadd_ps(qa, _mm512_set1_ps(16.f), _mm512_mul_ps(qb, _mm512_set1_ps(256.f)));
-      out[m] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(sums[0] + sums[1]), _mm512_fmadd_ps(q, sv, out[m]));
-    }
+    for (int m = 0; m < M; ++m) out[m] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xs.sums[m * groups + g]), out[m]);
   }
   store_tiles<c10::BFloat16, M, 1>(out, o, N, t, [](float sum, int64_t) { return sum; });
-}
-
-// x's M rows as fp32 and, per row and group, the sums of x over the k int4_tile_fma's A sums take (k mod 8 in 2, 3,
-// 6, 7) and over B's (0, 1, 4, 5): [M][groups][2], in this thread's scratch.
-inline RowsAndSums rows_and_class_sums(const at::Tensor& x, int M, int64_t K, int64_t group) {
-  thread_local std::vector<float> sums;
-  const float* rows = rows_as_float<c10::BFloat16>(x, M, K);
-  const int64_t groups = K / group;
-  sums.resize(M * groups * 2);
-  constexpr __mmask16 kInA = 0xCCCC;  // lanes k mod 8 in 2, 3, 6, 7; the rest are B's
-  for (int64_t i = 0; i < M * groups; ++i) {  // a group starts on a multiple of 8: its k mod 8 are the row's
-    const float* p = rows + i * group;
-    __m512 va = _mm512_setzero_ps(), vb = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= group; k += 16) {
-      const __m512 v = _mm512_loadu_ps(p + k);
-      va = _mm512_mask_add_ps(va, kInA, va, v), vb = _mm512_mask_add_ps(vb, static_cast<__mmask16>(~kInA), vb, v);
-    }
-    float a = _mm512_reduce_add_ps(va), b = _mm512_reduce_add_ps(vb);
-    for (; k < group; ++k) ((k & 2) != 0 ? a : b) += p[k];
-    sums[2 * i] = a, sums[2 * i + 1] = b;
-  }
-  return {rows, sums.data()};
 }
 #endif
 
 template <typename T, int M>
 void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                       at::Tensor& out) {
-#if defined(ASERVE_INT4_BF16_DOT)
+#if defined(ASERVE_INT4_VNNI)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), stride = x.stride(0);
-    if (M >= 2 && M <= 4 && bf16_products() == Products::kFma) {
-      const RowsAndSums xs = rows_and_class_sums(x, M, K, group);
-      const uint8_t* w = tiled.data_ptr<uint8_t>();
-      const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
-      c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-        if constexpr (M >= 2 && M <= 4)
-          for (int64_t t = begin; t < end; ++t) int4_tile_fma<M>(w, xs.rows, K, group, sz, xs.sums, o, N, t, t + 1 == end);
-      });
-      return;
-    }
-    const float* xsum = rows_and_group_sums<c10::BFloat16>(x, M, K, group, false).sums;
-    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
+    const FixedPointRows xs = rows_as_fixed_point(x, M, K, group);
     const uint8_t* w = tiled.data_ptr<uint8_t>();
     const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
     c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) int4_tile_bf16<M>(w, xb, stride, K, group, sz, xsum, o, N, t, t + 1 == end);
+      for (int64_t t = begin; t < end; ++t) int4_tile_vnni<M>(w, xs, K, group, sz, o, N, t, t + 1 == end);
     });
     return;
   }
