@@ -39,7 +39,7 @@ KERNEL_DTYPES = (torch.bfloat16,)
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 SHIFTS = tuple(range(0, 32, 4))
 # The most rows int4_linear takes, and where layers use it up to (gemm_int4 above). The bench model's 120 int4 layers,
-# bf16, the two kernels timed alone (Intel Xeon, avx512_vnni avx512_bf16, no AMX, 2 threads, at 3e2c0f4): 2.05 against
+# bf16, the two kernels timed alone (Intel Xeon, avx512_vnni avx512_bf16, no AMX, 2 threads, at 7974a57): 2.05 against
 # 6.03 ms at 1 row, 3.43 against 6.75 at 4, 5.67 against 9.16 at 8; fp32 (AMD EPYC Zen 5, at 39c8f62) 3.08 against
 # 8.46 at 4 rows, 5.55 against 9.99 at 8.
 KERNEL_MAX_ROWS = 8
