@@ -489,12 +489,13 @@ def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_int8_linear_matches_the_dequantized_product(dtype, rows):
     """The tiled int8 kernel: output widths that end mid-tile (33) or on one (48), an odd input width (37), and
-    enough tiles (13) for whole groups of tiles at once (prefetching the next) and a remainder."""
+    enough tiles (13) for whole groups of tiles at once (prefetching the next) and a remainder; bf16 rows of a
+    multiple of 64 inputs (64, 192) take vpdpwssd."""
     from aserve.quantization.int8 import codes, quantize_per_channel, tile
 
     assert cpu_kernels.available()
     gen = torch.Generator().manual_seed(rows)
-    for out_features, in_features in ((33, 37), (48, 64), (200, 37)):
+    for out_features, in_features in ((33, 37), (48, 64), (200, 37), (200, 192)):
         q, scale = quantize_per_channel(torch.randn(out_features, in_features, generator=gen), dtype)
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         tiled = tile(q)
@@ -695,6 +696,42 @@ def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent():
             broken[3, 5] = bad
             again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
             assert again[3].isnan().all() and torch.equal(again[:3], got[:3].bfloat16()), (in_features, bad)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 6])
+def test_int8_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(rows):
+    """int8_linear's bf16 path (vpdpwssd, rows of a multiple of 64 inputs) multiplies x made 16-bit integers, one
+    exponent per span of 64 inputs of the row, as int4_linear does: the product of the rounded x to bf16's precision;
+    an input 16 binades below its span's largest is rounded (the exact product differs there); a NaN or an infinity
+    makes its row's outputs NaN and leaves the other rows alone."""
+    from aserve.quantization.int8 import tile
+
+    if not hasattr(torch.ops.aserve, "gemm_packs_bf16") or not torch.ops.aserve.gemm_packs_bf16():
+        pytest.skip("the bf16 kernels need AVX512-BF16")
+    gen = torch.Generator().manual_seed(5)
+    out_features, in_features = 40, 192
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    q[:, 0] = 0  # the outlier input weighs nothing: the output is the small inputs'
+    scale = (torch.rand(out_features, generator=gen) * 0.01 + 0.001).bfloat16()
+    weight = q.double() * scale.double()[:, None]
+    x = torch.randn(max(rows, 4), in_features, generator=gen)
+    x[1, 1:] *= 2.0 ** -6
+    x[1, 0] = 2.0 ** 10
+    x[2, :64] = 0.0
+    x[2, 64:] *= 1e-30
+    x = x[:rows].bfloat16()
+    rounded = _fixed_point(x.double(), in_features)
+    expected = rounded @ weight.t()
+    got = torch.ops.aserve.int8_linear(x, tile(q), scale, out_features).double()
+    bound = 2.0 ** -8 * expected.abs() + 2.0 ** -18 * (rounded.abs() @ weight.abs().t())
+    assert ((got - expected).abs() <= bound).all()
+    if rows > 1:
+        exact = x.double() @ weight.t()
+        assert (exact[1] - expected[1]).abs().max() > 0.1 * float(expected[1].abs().max()), "no input was rounded"
+        broken = x.clone()
+        broken[rows - 1, 5] = float("nan") if rows % 2 else float("inf")
+        again = torch.ops.aserve.int8_linear(broken, tile(q), scale, out_features)
+        assert again[rows - 1].isnan().all() and torch.equal(again[:rows - 1], got[:rows - 1].bfloat16())
 
 
 def test_sample_inverse_cdf_draws_what_softmax_cumsum_searchsorted_draws():

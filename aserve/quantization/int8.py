@@ -4,7 +4,10 @@ scale per output channel (w ~ q * scale, q in [-127, 127]).
 On the CPU with aserve's kernels (aserve/ops/csrc/int8_linear.cpp) the codes are stored tiled, [ceil(out/16),
 in, 16], one byte a weight: for each input feature, sixteen output channels side by side, so `int8_linear`
 multiplies a whole vector of them by one broadcast activation, with no horizontal sums (the layout of torch's
-int4 kernel, without the nibbles). Up to kernel_rows(dtype) rows (decode batches) run on it; larger batches run
+int4 kernel, without the nibbles); bf16 rows of a multiple of 64 inputs are made 16-bit integers sharing an exponent
+per 64 inputs (as int4_linear's are: exact within 7 binades of the span's largest), and two tile rows' codes
+interleaved into the pairs AVX512-VNNI's vpdpwssd multiplies by them. Up to kernel_rows(dtype) rows (decode batches)
+run on it; larger batches run
 aserve's int8 GEMM (`gemm_int8`, csrc/cpu_gemm.cpp: each panel of two tiles widened to the activations' dtype once per
 row block, by the block's first micro-kernel call in bf16, or on AMX tiles one panel ahead while the tiles multiply),
 or, where it is not built for the dtype, convert the tiles back to a dense weight (`int8_untile`) and run the GEMM

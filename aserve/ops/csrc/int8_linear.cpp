@@ -184,9 +184,81 @@ template <typename T> inline float* rows_as_float(const at::Tensor& x, int M, in
   return rows.data();
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// bf16 activations as 16-bit integers for vpdpwssd (AVX512-VNNI), which multiplies pairs of them by pairs of 16-bit
+// weights and sums into 32-bit lanes: x's inputs in spans of up to kSpan (of a group's inputs, from its start; int8's
+// group is the whole row) share one exponent, each x = n * unit with n = round(x / unit) and unit = 2^(e - 14), e the
+// exponent of the span's largest |x|, so |n| < 2^15. A bf16 has 8 significant bits: n is x exactly for every input
+// within 7 binades of the span's largest, and for the rest x rounded to half a unit (2^-15 of the largest). The sums
+// of n * q are exact integers, folded per span into fp32 as sum * unit (times the weights' scale). On an Intel Xeon
+// vdpbf16ps issues one every ~2.2 cycles and vpdpwssd about three times as often.
+#define ASERVE_VNNI_ROWS 1
+constexpr int64_t kSpan = 64;  // inputs sharing an exponent: few enough that no 32-bit sum can overflow
+
+// x's M rows as 16-bit integers ([M][K]), each span's unit ([M][groups][spans a group]) and each group's sum of
+// n * unit ([M][groups]), in this thread's scratch. A span holding a NaN or an infinity gets a NaN unit, so that its
+// outputs are NaN as x q's would be.
+struct FixedPointRows {
+  const int16_t* values;
+  const float* units;
+  const float* sums;
+  int64_t spans;  // a group's
+};
+
+inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K, int64_t group) {
+  thread_local std::vector<int16_t> values;
+  thread_local std::vector<float> units, sums;
+  const int64_t groups = K / group, spans = (group + kSpan - 1) / kSpan, stride = x.stride(0);
+  values.resize(M * K), units.resize(M * groups * spans), sums.resize(M * groups);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  for (int m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float group_sum = 0.f;
+      for (int64_t j = 0; j < spans; ++j) {
+        const int64_t k0 = g * group + j * kSpan, len = std::min(kSpan, (g + 1) * group - k0);
+        constexpr int kVecs = kSpan / 16;
+        __m512 v[kVecs];
+        __m512 top = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+#pragma GCC unroll 4
+        for (int i = 0; i < kVecs; ++i) {
+          const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * i));
+          const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+          v[i] = _mm512_castsi512_ps(
+              _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bits + m * stride + k0 + 16 * i)), 16));
+          const __m512 size = _mm512_abs_ps(v[i]);
+          bad |= _mm512_cmp_ps_mask(size, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
+          top = _mm512_max_ps(top, size);
+        }
+        uint32_t top_bits;
+        const float largest = _mm512_reduce_max_ps(top);
+        std::memcpy(&top_bits, &largest, sizeof top_bits);
+        const int e = std::max(static_cast<int>(top_bits >> 23) - 127, -100);  // -100: zeros and denormals
+        const auto power = [](int p) { const uint32_t b = static_cast<uint32_t>(p + 127) << 23; float f; std::memcpy(&f, &b, 4); return f; };
+        const __m512 inverse = _mm512_set1_ps(power(14 - e));
+        __m512i total = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 0; i < kVecs; ++i) {
+          const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * i));
+          const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));  // to nearest, ties to even
+          total = _mm512_add_epi32(total, n);
+          _mm256_mask_storeu_epi16(values.data() + m * K + k0 + 16 * i, static_cast<__mmask16>((1u << count) - 1),
+                                   _mm512_cvtsepi32_epi16(n));
+        }
+        const float unit = bad ? std::numeric_limits<float>::quiet_NaN() : power(e - 14);
+        units[(m * groups + g) * spans + j] = unit;
+        group_sum += static_cast<float>(_mm512_reduce_add_epi32(total)) * unit;
+      }
+      sums[m * groups + g] = group_sum;
+    }
+  }
+  return {values.data(), units.data(), sums.data(), spans};
+}
+#endif
+
 // One row: one tile at a time, its k in four interleaved sums (k mod 4, added as (0 + 1) + (2 + 3) at the end), the
 // thread's next tile pulled into L1 a line every four k steps: each thread reads its run of tiles as one stream, as
-// int4_tile_bf16 does. Four tiles at once (int8_tiles at M = 1) read four streams a tile apart: the bench model's
+// int4_tile_vnni does. Four tiles at once (int8_tiles at M = 1) read four streams a tile apart: the bench model's
 // 120 int8 layers at one row, caches flushed before each pass (Intel Xeon without AMX tiles, bf16, 2 threads, both
 // ways in shuffled order in one process, 16-30 passes each, three runs), took 7.91 -> 7.29, 8.09 -> 7.72 and 7.69 ->
 // 7.47 ms (medians), its int8 head 1.43-1.51 -> 1.38-1.43 ms. (Prefetching two tiles ahead into L2 as well was no
@@ -221,10 +293,79 @@ inline void int8_tile_one_row(const int8_t* w, const float* xf, int64_t K, const
   store_tiles<T, 1, 1>(sums, o, N, t, [sc](float sum, int64_t n) { return sum * static_cast<float>(sc[n]); });
 }
 
+#if defined(ASERVE_VNNI_ROWS)
+// int8 with bf16 rows on vpdpwssd: a tile's rows k and k + 1 (32 bytes, 16 outputs each) widened to 16-bit and
+// interleaved by one vpermw into the pairs (w[k][n], w[k + 1][n]) vpdpwssd multiplies by (n[k], n[k + 1]): two
+// shuffles and M vpdpwssd a 32 weights, against two widening ops and M FMAs a 16 (int8_tile_one_row, int8_tiles).
+// Pairs go to CH chains a row (four at one row, to hide vpdpwssd's latency); each span's sums are folded into fp32
+// with its unit, and the outputs scaled once at the end. Whole spans only (K a multiple of kSpan).
+template <int M>
+inline void int8_tile_vnni(const int8_t* w, const FixedPointRows& xs, int64_t K, const c10::BFloat16* sc,
+                           c10::BFloat16* o, int64_t N, int64_t t, const int8_t* next) {
+  constexpr int CH = M == 1 ? 4 : M <= 3 ? 2 : 1;
+  const int8_t* tile = w + t * K * kInt8Tile;
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
+                                         5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // lane 2j: row k's j, 2j + 1: k + 1's
+  __m512 out[M];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K / kSpan; ++j) {
+    __m512i acc[CH][M];
+#pragma GCC unroll 4
+    for (int c = 0; c < CH; ++c)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int64_t k0 = j * kSpan; k0 < (j + 1) * kSpan; k0 += 8) {  // rows k0..k0+7: two lines
+      if (next != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + k0 * kInt8Tile), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + (k0 + 4) * kInt8Tile), _MM_HINT_T0);
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {  // rows k and k + 1: 32 bytes
+        const int64_t k = k0 + 2 * p;
+        const __m512i wide =
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + k * kInt8Tile)));
+        const __m512i wv = _mm512_permutexvar_epi16(pairs, wide);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          int32_t pair;  // (n[k], n[k + 1])
+          std::memcpy(&pair, xs.values + m * K + k, sizeof pair);
+          acc[p % CH][m] = _mm512_dpwssd_epi32(acc[p % CH][m], wv, _mm512_set1_epi32(pair));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      __m512i sum = acc[0][m];
+#pragma GCC unroll 4
+      for (int c = 1; c < CH; ++c) sum = _mm512_add_epi32(sum, acc[c][m]);
+      out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs.units[m * (K / kSpan) + j]), out[m]);
+    }
+  }
+  store_tiles<c10::BFloat16, M, 1>(out, o, N, t, [sc](float sum, int64_t n) { return sum * static_cast<float>(sc[n]); });
+}
+#endif
+
 template <typename T, int M>
 void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales, at::Tensor& out) {
   constexpr int kTiles = tiles_at_once(M);
   const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
+#if defined(ASERVE_VNNI_ROWS)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (K % kSpan == 0) {
+      const FixedPointRows xs = rows_as_fixed_point(x, M, K, K);
+      const int8_t* w = tiled.data_ptr<int8_t>();
+      const c10::BFloat16* sc = scales.data_ptr<c10::BFloat16>();
+      c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          int8_tile_vnni<M>(w, xs, K, sc, o, N, t, t + 1 < end ? w + (t + 1) * K * kInt8Tile : nullptr);
+      });
+      return;
+    }
+  }
+#endif
   const float* xf = rows_as_float<T>(x, M, K);
   const int8_t* w = tiled.data_ptr<int8_t>();
   const T* sc = scales.data_ptr<T>();
@@ -457,79 +598,7 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
   store_tiles<T, M, R>(out, o, N, t0, [](float sum, int64_t) { return sum; });
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define ASERVE_INT4_VNNI 1
-// bf16 activations as 16-bit integers on vpdpwssd (AVX512-VNNI): x's inputs in spans of up to kSpan (a group's
-// inputs, from its start) share one exponent, each x = n * unit with n = round(x / unit) and unit = 2^(e - 14), e
-// the exponent of the span's largest |x|, so |n| < 2^15. A bf16 has 8 significant bits: n is x exactly for every
-// input within 7 binades of the span's largest, and for the rest x rounded to half a unit (2^-15 of the largest).
-// Then pair row s of a block, (q[2kk], q[2kk + 1]) in each 32-bit word, is a mask (and shift) away from the 16-bit
-// pairs vpdpwssd multiplies by (n[2kk], n[2kk + 1]) and sums into 32-bit lanes: exact integer sums, folded per span
-// into fp32 as sum * unit * s. vdpbf16ps did the same 32 products but costs ~2.2 cycles on an Intel Xeon (fp32 FMAs
-// needed twice as many instructions to widen the codes): one row's codes hot in L2, 12.5 cycles a 64-byte block on
-// either of those against 5.5 here (Intel Xeon, avx512_vnni avx512_bf16, no AMX; a scratch microbenchmark).
-constexpr int64_t kSpan = 64;  // inputs sharing an exponent: 8 blocks, so no 32-bit sum can overflow
-
-// x's M rows as 16-bit integers ([M][K]), each span's unit ([M][groups][spans a group]) and each group's sum of
-// n * unit ([M][groups]), in this thread's scratch. A span holding a NaN or an infinity gets a NaN unit, so that its
-// outputs are NaN as x q's would be.
-struct FixedPointRows {
-  const int16_t* values;
-  const float* units;
-  const float* sums;
-  int64_t spans;  // a group's
-};
-
-inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K, int64_t group) {
-  thread_local std::vector<int16_t> values;
-  thread_local std::vector<float> units, sums;
-  const int64_t groups = K / group, spans = (group + kSpan - 1) / kSpan, stride = x.stride(0);
-  values.resize(M * K), units.resize(M * groups * spans), sums.resize(M * groups);
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  for (int m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float group_sum = 0.f;
-      for (int64_t j = 0; j < spans; ++j) {
-        const int64_t k0 = g * group + j * kSpan, len = std::min(kSpan, (g + 1) * group - k0);
-        constexpr int kVecs = kSpan / 16;
-        __m512 v[kVecs];
-        __m512 top = _mm512_setzero_ps();
-        __mmask16 bad = 0;
-#pragma GCC unroll 4
-        for (int i = 0; i < kVecs; ++i) {
-          const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * i));
-          const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
-          v[i] = _mm512_castsi512_ps(
-              _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bits + m * stride + k0 + 16 * i)), 16));
-          const __m512 size = _mm512_abs_ps(v[i]);
-          bad |= _mm512_cmp_ps_mask(size, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
-          top = _mm512_max_ps(top, size);
-        }
-        uint32_t top_bits;
-        const float largest = _mm512_reduce_max_ps(top);
-        std::memcpy(&top_bits, &largest, sizeof top_bits);
-        const int e = std::max(static_cast<int>(top_bits >> 23) - 127, -100);  // -100: zeros and denormals
-        const auto power = [](int p) { const uint32_t b = static_cast<uint32_t>(p + 127) << 23; float f; std::memcpy(&f, &b, 4); return f; };
-        const __m512 inverse = _mm512_set1_ps(power(14 - e));
-        __m512i total = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int i = 0; i < kVecs; ++i) {
-          const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, len - 16 * i));
-          const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));  // to nearest, ties to even
-          total = _mm512_add_epi32(total, n);
-          _mm256_mask_storeu_epi16(values.data() + m * K + k0 + 16 * i, static_cast<__mmask16>((1u << count) - 1),
-                                   _mm512_cvtsepi32_epi16(n));
-        }
-        const float unit = bad ? std::numeric_limits<float>::quiet_NaN() : power(e - 14);
-        units[(m * groups + g) * spans + j] = unit;
-        group_sum += static_cast<float>(_mm512_reduce_add_epi32(total)) * unit;
-      }
-      sums[m * groups + g] = group_sum;
-    }
-  }
-  return {values.data(), units.data(), sums.data(), spans};
-}
-
+#if defined(ASERVE_VNNI_ROWS)
 // Tile t's scales and s * z, all its groups, into L2 (the thread's next tile, while this one multiplies).
 inline void prefetch_tile_scales(const c10::BFloat16* sz, int64_t t, int64_t groups) {
   const char* p = reinterpret_cast<const char*>(sz + t * groups * 2 * kInt8Tile);
@@ -537,6 +606,11 @@ inline void prefetch_tile_scales(const c10::BFloat16* sz, int64_t t, int64_t gro
   for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
 }
 
+// int4: pair row s of a block, (q[2kk], q[2kk + 1]) in each 32-bit word, is a mask (and shift) away from the 16-bit
+// pairs vpdpwssd multiplies by (n[2kk], n[2kk + 1]). vdpbf16ps took the same 32 products an instruction, and fp32
+// FMAs twice as many instructions to widen the codes: one row's codes hot in L2, 12.5 cycles a 64-byte block on
+// either of those against 5.5 here (Intel Xeon, avx512_vnni avx512_bf16, no AMX; a scratch microbenchmark).
+//
 // Tile t (16 outputs) against M rows, one tile at a time, so that each thread reads its run of tiles as one stream
 // (eight tiles at once, eight streams 4.6 KB apart, read the bench model's int4 layers 30% slower from DRAM on Zen 5).
 // Pair row s of a block goes to chain s % CH of its row: four chains a row for up
@@ -606,7 +680,7 @@ inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K
 template <typename T, int M>
 void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                       at::Tensor& out) {
-#if defined(ASERVE_INT4_VNNI)
+#if defined(ASERVE_VNNI_ROWS)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
     const FixedPointRows xs = rows_as_fixed_point(x, M, K, group);
