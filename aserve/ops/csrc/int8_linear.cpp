@@ -254,6 +254,14 @@ inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K,
   }
   return {values.data(), units.data(), sums.data(), spans};
 }
+
+// A span's CH chains of 32-bit sums for M rows, zeroed.
+template <int CH, int M> inline void zero_sums(__m512i (&acc)[CH][M]) {
+#pragma GCC unroll 4
+  for (int c = 0; c < CH; ++c)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_si512();
+}
 #endif
 
 // One row: one tile at a time, its k in four interleaved sums (k mod 4, added as (0 + 1) + (2 + 3) at the end), the
@@ -311,10 +319,7 @@ inline void int8_tile_vnni(const int8_t* w, const FixedPointRows& xs, int64_t K,
   for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
   for (int64_t j = 0; j < K / kSpan; ++j) {
     __m512i acc[CH][M];
-#pragma GCC unroll 4
-    for (int c = 0; c < CH; ++c)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_si512();
+    zero_sums(acc);
 #pragma GCC unroll 2
     for (int64_t k0 = j * kSpan; k0 < (j + 1) * kSpan; k0 += 8) {  // rows k0..k0+7: two lines
       if (next != nullptr) {
@@ -637,10 +642,7 @@ inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K
     for (int64_t j = 0; j < xs.spans; ++j) {
       const int64_t k0 = g * group + j * kSpan, k1 = std::min(k0 + kSpan, (g + 1) * group);
       __m512i acc[CH][M];
-#pragma GCC unroll 4
-      for (int c = 0; c < CH; ++c)
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_si512();
+      zero_sums(acc);
 #pragma GCC unroll 8
       for (int64_t kk = k0 / 2; kk < k1 / 2; kk += 4) {  // a block: pair rows kk..kk+3
         if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
