@@ -111,7 +111,6 @@ class AserveInt4Method(LinearMethod):
     rows, cpu_gemm.cpp's gemm_int4 above): codes tiled in 64-byte blocks of 8 inputs (tile_int4) and, per tile and
     group, the 16 outputs' scales then scale * zero ([ceil(out/16), groups, 2, 16], in the model's dtype)."""
 
-
     def __init__(self, name: str):
         self.name = name
 

@@ -345,7 +345,7 @@ inline void int8_tile_vnni(const int8_t* w, const FixedPointRows& xs, int64_t K,
       __m512i sum = acc[0][m];
 #pragma GCC unroll 4
       for (int c = 1; c < CH; ++c) sum = _mm512_add_epi32(sum, acc[c][m]);
-      out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs.units[m * (K / kSpan) + j]), out[m]);
+      out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs.units[m * xs.spans + j]), out[m]);
     }
   }
   store_tiles<c10::BFloat16, M, 1>(out, o, N, t, [sc](float sum, int64_t n) { return sum * static_cast<float>(sc[n]); });
@@ -618,9 +618,9 @@ inline void prefetch_tile_scales(const c10::BFloat16* sz, int64_t t, int64_t gro
 //
 // Tile t (16 outputs) against M rows, one tile at a time, so that each thread reads its run of tiles as one stream
 // (eight tiles at once, eight streams 4.6 KB apart, read the bench model's int4 layers 30% slower from DRAM on Zen 5).
-// Pair row s of a block goes to chain s % CH of its row: four chains a row for up
-// to four rows (the vpdpwssd latency hidden at one row), two above (their registers). With four chains pair row 1 is
-// its bits masked in place, 16 q, and its chain is divided by 16 at the fold; with two, shifted down first.
+// Pair row s of a block goes to chain s % CH of its row: four chains a row for up to four rows (the vpdpwssd latency
+// hidden at one row), two above (their registers). With four chains pair row 1 is its bits masked in place, 16 q, and
+// its chain is divided by 16 at the fold; with two, shifted down first.
 template <int M>
 inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group,
                            const c10::BFloat16* sz, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
