@@ -35,9 +35,9 @@ def set_loop(loop: str, monkeypatch, pick_gemm) -> None:
         pick_gemm("onednn")
 
 
-def run(path, dtype, flat: bool, **options):
+def run(path, dtype, flat: bool, team_rows: int | None = None, **options):
     """Greedy outputs and every forward's hidden states, with the flat path on or off, and how many forwards
-    it ran."""
+    it ran. `team_rows`: the C++ loop's steps of up to this many rows run as one team of threads (0: none)."""
     llm = LLM(str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB", **options)
     model = llm.engine.runner.model
     cpu_gemm.prepack_linears(model, model.embed_tokens.weight.dtype)  # bf16 too, native or not
@@ -52,7 +52,13 @@ def run(path, dtype, flat: bool, **options):
     model.forward = recorded
     used = []
     call = FlatForward.__call__
-    FlatForward.__call__ = lambda self, *args: used.append(1) or call(self, *args)
+
+    def counted(self, *args):
+        used.append(1)
+        if team_rows is not None and self.stack is not None:
+            self.stack.set_team_rows(team_rows)
+        return call(self, *args)
+    FlatForward.__call__ = counted
     try:
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
@@ -108,6 +114,37 @@ def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, monkeypa
     assert gated == (weights == "int8-no-bias" and dtype == "bfloat16")
     ref_tokens, ref_hidden, ref_used, _ = run(path, dtype, flat=False, **options)
     assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "gptq"])
+def test_small_steps_run_as_one_team_bit_for_bit(model_dirs, tmp_path, weights):
+    """The C++ loop runs a step of up to its team_rows rows (decode rows here, and the 3-token prompt's prefill)
+    as one team of threads (ops/csrc/step_team.h), whose kernels split their work as at::parallel_for does: the
+    same hidden states as with team_rows 0, one OpenMP region a kernel. A team runs wherever there are two
+    threads and a CPU for each."""
+    from aserve.bench.quantize_rtn import write_rtn_checkpoint
+
+    path, dtype, options = model_dirs["llama-untied"], weights, {}
+    if weights in ("int8", "gptq"):
+        dtype = "bfloat16" if cpu_kernels.available() and torch.ops.aserve.gemm_packs_bf16() else "float32"
+        if weights == "int8":
+            options["quantization"] = "int8"
+        else:
+            path = tmp_path / "gptq"
+            write_rtn_checkpoint(model_dirs["llama-untied"], path, "gptq")
+    elif not cpu_gemm.can_pack(getattr(torch, dtype)):
+        pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU, so the flat path does not run in {dtype}")
+    tokens, hidden, used, model = run(path, dtype, flat=True, **options)
+    stack = model.flat.stack
+    assert stack is not None and stack.team_rows() == 8
+    teams = torch.get_num_threads() > 1 and len(os.sched_getaffinity(0)) >= torch.get_num_threads()
+    packed = getattr(model.layers[0].mlp.down_proj, "packed", None)
+    own_gemms = packed is None or packed.aserve  # not oneDNN's, whose regions would run on one thread in a team
+    assert (stack.team_steps() > 0) == (teams and own_gemms)
+    ref_tokens, ref_hidden, _, ref_model = run(path, dtype, flat=True, team_rows=0, **options)
+    assert ref_model.flat.stack.team_steps() == 0
+    assert tokens == ref_tokens and len(hidden) == len(ref_hidden)
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
 
 
@@ -193,3 +230,12 @@ def test_native_loop_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="need their block tables"):
         stack.forward(x, None, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, None, None,
                       None, None, None)
+    # A kernel's error inside the layers (the dense projection's weight was never packed) ends the step, run as a
+    # team where there are threads for one, and the stack runs its next step.
+    tables, context = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    for rows in (stack.team_rows(), 0):
+        stack.set_team_rows(rows)
+        with pytest.raises(RuntimeError, match="gemm_packed"):
+            stack.forward(x, None, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, tables,
+                          context, None, None, None)
+    assert stack.team_steps() == 0  # none finished

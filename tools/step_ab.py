@@ -7,6 +7,7 @@ median and mean step time.
 
 --compare flat: the flat forward (aserve/models/flat_forward.py) against the modules' forward.
 --compare native: the flat forward's C++ layer loop (csrc/decoder_stack.cpp) against its Python one.
+--compare team: the C++ loop's small steps as one team of threads (csrc/step_team.h) against an OpenMP region a kernel.
 --compare gemm: aserve's GEMM (csrc/cpu_gemm.cpp; fp32, or bf16 with AVX512-BF16) against oneDNN's, every linear layer packed for both.
 --phase decode: N requests prefilled, then decode steps in alternate pairs. --phase prefill: every step prefills
 fresh prompts (one output token each) up to the engine's step budget.
@@ -41,6 +42,17 @@ def native_sides(model):
     def use(side: str) -> None:
         flat.stack = stack if side == "native" else None
     return ("native", "python"), use
+
+
+def team_sides(model):
+    stack = getattr(model.flat, "stack", None)
+    if stack is None:
+        raise SystemExit("--compare team needs a model whose flat forward runs the C++ loop")
+    rows = stack.team_rows()
+
+    def use(side: str) -> None:
+        stack.set_team_rows(rows if side == "team" else 0)
+    return ("team", "regions"), use
 
 
 def gemm_sides(model):
@@ -78,7 +90,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=("int8", "gptq", "awq"), default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or an FP8 format (fp8, fp8_e4m3, fp8_e5m2)")
-    parser.add_argument("--compare", choices=("flat", "native", "gemm"), default="flat")
+    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm"), default="flat")
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -109,7 +121,8 @@ def main() -> None:
         refill()
         engine.step()
 
-    names, use = {"flat": flat_sides, "native": native_sides, "gemm": gemm_sides}[args.compare](model)
+    sides = {"flat": flat_sides, "native": native_sides, "team": team_sides, "gemm": gemm_sides}
+    names, use = sides[args.compare](model)
     print(f"{args.compare}, {args.phase}: {names[0]} against {names[1]}")
     times: dict[str, list[float]] = {name: [] for name in names}
     for step in range(args.steps):

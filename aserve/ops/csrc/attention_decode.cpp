@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "attention_args.h"
+#include "step_team.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -715,7 +716,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   };
   const auto num_items = static_cast<int64_t>(items.size()), num_pairs = static_cast<int64_t>(pairs.size());
   if (num_pairs >= 2 * at::get_num_threads()) {
-    at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
       Worker w = make_worker();
       const int64_t last = pairs[end - 1].item + pairs[end - 1].count;
       for (int64_t pr = begin; pr < end; ++pr) {
@@ -726,7 +727,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     });
     return;
   }
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     Worker w = make_worker();
     for (int64_t i = begin; i < end; ++i) run_item(w, i, i + 1 < end ? i + 1 : -1);
   });

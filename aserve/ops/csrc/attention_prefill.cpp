@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "attention_args.h"
+#include "step_team.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -575,7 +576,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
 
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     PrefillScratch s(padded, D, tiles_per_item, pairs, is_fp8<C>, amx);
 #ifdef ASERVE_PREFILL_AMX
     if (amx) configure_attention_tiles();

@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include "int4_args.h"
+#include "step_team.h"
 #include "vec_helpers.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -396,7 +397,8 @@ void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const P
 #else
   constexpr int64_t kPanelsPerItem = 1;
 #endif
-  at::parallel_for(0, (num_panels + kPanelsPerItem - 1) / kPanelsPerItem, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  aserve_kernels::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     wide::gemm_pairs(x, ldx, M, K, panels, bias, out, N, begin, end, act);
 #else
@@ -412,7 +414,7 @@ at::Tensor pack_fp32(const at::Tensor& weight) {
   at::Tensor packed = at::empty({panels, K, kNR}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  aserve_kernels::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min<int64_t>(kNR, N - p * kNR);
       for (int64_t k = 0; k < K; ++k) {
@@ -1085,7 +1087,7 @@ at::Tensor pack(const at::Tensor& weight) {
   at::Tensor packed = at::empty({panels, kp * 2, kNR}, w.options());  // [panels][kp][32][2], shaped as its K
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  aserve_kernels::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t k = 0; k < kp; ++k) {
         uint16_t* row = dst + (p * kp + k) * 2 * kNR;
@@ -1111,7 +1113,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const auto* b = static_cast<const uint16_t*>(args.bias);
   auto* o = reinterpret_cast<uint16_t*>(args.out.data_ptr());
   const DensePanels panels{w, (args.K + 1) / 2};
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+  aserve_kernels::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, b, nullptr, o, args.N, begin, end, act);
   });
   return args.out;
@@ -1443,7 +1445,7 @@ void gemm_by_tiles(const GemmArgs& args, const Items& items, uint16_t* out, int6
     }
   }
   const float* xt = rows.data();  // (the workers' own `rows` are other vectors)
-  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
+  aserve_kernels::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
       for (int64_t item = begin; item < end; ++item) {
@@ -1466,7 +1468,7 @@ void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale
   const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int8Panels panels{tiled.data_ptr<int8_t>(), args.K, tiled.size(0)};
-  at::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
+  aserve_kernels::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
     gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), scale, o,
                 args.N, begin, end, act);
   });
@@ -1483,7 +1485,7 @@ void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& 
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int4Panels panels{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
                           args.K, group, tiled.size(0)};
-  at::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
+  aserve_kernels::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
     gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), nullptr, o,
                 args.N, begin, end);
   });

@@ -22,6 +22,8 @@
 #include <tuple>
 #include <vector>
 
+#include "step_team.h"
+
 namespace {
 
 using at::Tensor;
@@ -134,6 +136,12 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
   std::vector<Tensor> caches;  // layer i's keys at 2i, values at 2i + 1
   int64_t kv_format = 0;       // the caches' storage: 0 the model's dtype, else an FP8 format's code (kv_quant)
+  // Steps of up to this many rows run their layers as one StepTeam (step_team.h): the kernels' parallel regions of a
+  // small step are short enough for their start and end to show. Not with a oneDNN projection, whose own OpenMP
+  // regions would run on one thread inside the team's.
+  int64_t team_rows = 8;
+  bool uses_onednn = false;
+  int64_t team_steps = 0;  // steps run as a team (fewer than asked where there is one thread, or threads than CPUs)
 
   DecoderStack(Tensor cos, Tensor sin, int64_t rotary_dim)
       : cos(std::move(cos)), sin(std::move(sin)), rotary_dim(rotary_dim) {}
@@ -146,6 +154,7 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(kind != kOneDnn || kernels.onednn_linear.op.has_value(), "DecoderStack: torch has no oneDNN here");
     TORCH_CHECK(kind == kDense || kind == kOneDnn || scales.has_value(),
                 "DecoderStack: int8 and int4 projections need their scales");
+    uses_onednn = uses_onednn || kind == kOneDnn;
     projections.push_back({kind, out_features, group, kernel_rows, activation, std::move(weight),
                            scales.value_or(Tensor()), perm.value_or(Tensor()), std::move(bias)});
     return static_cast<int64_t>(projections.size()) - 1;
@@ -178,6 +187,10 @@ struct DecoderStack : torch::CustomClassHolder {
     kv_format = format;
   }
 
+  void set_team_rows(int64_t rows) { team_rows = rows; }
+  int64_t get_team_rows() const { return team_rows; }
+  int64_t get_team_steps() const { return team_steps; }
+
   // The layers over a step's rows (decode rows first, then prefill chunks): (the last layer's output, the running
   // sum), as flat_forward.FlatForward runs them. `residual` undefined at the first stage.
   std::tuple<Tensor, Tensor> forward(Tensor x, OptTensor residual_in, Tensor positions, Tensor slots,
@@ -190,39 +203,45 @@ struct DecoderStack : torch::CustomClassHolder {
     const Kernels& k = kernels;
     const int64_t T = x.size(0);
     Tensor residual = residual_in.value_or(Tensor());
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const Layer& L = layers[i];
-      const Tensor &k_cache = caches[2 * i], &v_cache = caches[2 * i + 1];
-      if (!residual.defined()) {
-        residual = x;
-        x = k.rms_norm.call(x, L.norm_in, L.eps_in);
-      } else {
-        x = k.add_rms_norm.call(x, residual, L.norm_in, L.eps_in);
+    auto run_layers = [&] {
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const Layer& L = layers[i];
+        const Tensor &k_cache = caches[2 * i], &v_cache = caches[2 * i + 1];
+        if (!residual.defined()) {
+          residual = x;
+          x = k.rms_norm.call(x, L.norm_in, L.eps_in);
+        } else {
+          x = k.add_rms_norm.call(x, residual, L.norm_in, L.eps_in);
+        }
+        const Tensor qkv = projections[L.qkv](k, x);
+        const auto parts = qkv.split_with_sizes({L.q_size, L.kv_size, L.kv_size}, -1);
+        Tensor q = parts[0].view({T, L.heads, L.head_dim}), key = parts[1].view({T, L.kv_heads, L.head_dim});
+        const Tensor value = parts[2].view({T, L.kv_heads, L.head_dim});
+        if (L.q_norm.defined()) {
+          q = k.rms_norm.call(q.reshape({-1, L.head_dim}), L.q_norm, L.q_eps).view({T, L.heads, L.head_dim});
+          key = k.rms_norm.call(key.reshape({-1, L.head_dim}), L.k_norm, L.k_eps).view({T, L.kv_heads, L.head_dim});
+        }
+        k.rotary.call(positions, q, key, cos, sin, rotary_dim);
+        k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, kv_format, true);  // paired keys
+        Tensor out = at::empty({T, L.heads, L.head_dim}, x.options());
+        if (num_decode > 0)
+          k.decode.call(out.slice(0, 0, num_decode), q.slice(0, 0, num_decode), k_cache, v_cache, *decode_tables,
+                        *decode_context, L.scale, L.window, 0.0, L.k_scale, L.v_scale, kv_format);
+        if (prefill)
+          k.prefill.call(out.slice(0, num_decode), q.slice(0, num_decode), k_cache, v_cache, *prefill_tables,
+                         *prefill_starts, *prefill_contexts, L.scale, L.window, 0.0, L.k_scale, L.v_scale,
+                         kv_format);
+        out = out.view({T, L.heads * L.head_dim});
+        x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
+        const Projection& gate_up = projections[L.gate_up];  // silu(gate) * up in its GEMM's epilogue, or after it
+        const Tensor act = gate_up.activation == kSiluMul ? gate_up(k, x) : k.silu_and_mul.call(gate_up(k, x), 0);
+        x = projections[L.down](k, act);
       }
-      const Tensor qkv = projections[L.qkv](k, x);
-      const auto parts = qkv.split_with_sizes({L.q_size, L.kv_size, L.kv_size}, -1);
-      Tensor q = parts[0].view({T, L.heads, L.head_dim}), key = parts[1].view({T, L.kv_heads, L.head_dim});
-      const Tensor value = parts[2].view({T, L.kv_heads, L.head_dim});
-      if (L.q_norm.defined()) {
-        q = k.rms_norm.call(q.reshape({-1, L.head_dim}), L.q_norm, L.q_eps).view({T, L.heads, L.head_dim});
-        key = k.rms_norm.call(key.reshape({-1, L.head_dim}), L.k_norm, L.k_eps).view({T, L.kv_heads, L.head_dim});
-      }
-      k.rotary.call(positions, q, key, cos, sin, rotary_dim);
-      k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, kv_format, true);  // paired keys
-      Tensor out = at::empty({T, L.heads, L.head_dim}, x.options());
-      if (num_decode > 0)
-        k.decode.call(out.slice(0, 0, num_decode), q.slice(0, 0, num_decode), k_cache, v_cache, *decode_tables,
-                      *decode_context, L.scale, L.window, 0.0, L.k_scale, L.v_scale, kv_format);
-      if (prefill)
-        k.prefill.call(out.slice(0, num_decode), q.slice(0, num_decode), k_cache, v_cache, *prefill_tables,
-                       *prefill_starts, *prefill_contexts, L.scale, L.window, 0.0, L.k_scale, L.v_scale,
-                       kv_format);
-      out = out.view({T, L.heads * L.head_dim});
-      x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
-      const Projection& gate_up = projections[L.gate_up];  // silu(gate) * up in its GEMM's epilogue, or after it
-      const Tensor act = gate_up.activation == kSiluMul ? gate_up(k, x) : k.silu_and_mul.call(gate_up(k, x), 0);
-      x = projections[L.down](k, act);
-    }
+    };
+    if (T <= team_rows && !uses_onednn)
+      team_steps += aserve_kernels::StepTeam::run(run_layers);
+    else
+      run_layers();
     return {x, residual};
   }
 };
@@ -236,5 +255,8 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_caches", &DecoderStack::set_caches)
       .def("set_kv_format", &DecoderStack::set_kv_format)
+      .def("set_team_rows", &DecoderStack::set_team_rows)
+      .def("team_rows", &DecoderStack::get_team_rows)
+      .def("team_steps", &DecoderStack::get_team_steps)
       .def("forward", &DecoderStack::forward);
 }

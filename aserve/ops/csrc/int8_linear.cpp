@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "int4_args.h"
+#include "step_team.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -159,7 +160,7 @@ constexpr int tiles_at_once(int M) {
 // 4 for the other) and calls run(integral_constant<R>, t) on them R at a time: kTiles, then what is left 2 and 1.
 template <int kTiles, typename Run> inline void by_tile_runs(int64_t tiles, Run run) {
   constexpr int kHalf = kTiles >= 2 ? kTiles / 2 : 1;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     int64_t t = begin;
     for (; t + kTiles <= end; t += kTiles) run(std::integral_constant<int, kTiles>{}, t, end);
     for (; t + kHalf <= end; t += kHalf) run(std::integral_constant<int, kHalf>{}, t, end);
@@ -363,7 +364,7 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
       const int8_t* w = tiled.data_ptr<int8_t>();
       const c10::BFloat16* sc = scales.data_ptr<c10::BFloat16>();
       c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
           int8_tile_vnni<M>(w, xs, K, sc, o, N, t, t + 1 < end ? w + (t + 1) * K * kInt8Tile : nullptr);
       });
@@ -376,7 +377,7 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const T* sc = scales.data_ptr<T>();
   T* o = out.data_ptr<T>();
   if constexpr (M == 1) {
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         int8_tile_one_row<T>(w, xf, K, sc, o, N, t, t + 1 < end ? w + (t + 1) * K * kInt8Tile : nullptr);
     });
@@ -689,7 +690,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     const uint8_t* w = tiled.data_ptr<uint8_t>();
     const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
     c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) int4_tile_vnni<M>(w, xs, K, group, sz, o, N, t, t + 1 == end);
     });
     return;
@@ -742,7 +743,7 @@ template <typename T> void int8_untile_impl(const at::Tensor& tiled, at::Tensor&
   const int64_t N = out.size(0), K = out.size(1);
   const int8_t* w = tiled.data_ptr<int8_t>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, tiled.size(0), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiled.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t width = std::min<int64_t>(kInt8Tile, N - t * kInt8Tile);
       const int8_t* tile = w + t * K * kInt8Tile;

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "step_team.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -95,7 +96,7 @@ void write_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   // its rows as stored into scratch, then each pair's run of words copied into place, so that every line of the
   // block is written once a run. Token by token (32 scattered 4-byte stores each for bf16 at head size 64), a
   // 8192-token prefill's writes took 0.93 ms a layer against 0.32 for rows; a run at a time 0.57-0.65.
-  at::parallel_for(0, tokens, paired_keys ? 8 : 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, paired_keys ? 8 : 64, [&](int64_t begin, int64_t end) {
     std::vector<C> rows(paired_keys ? block_size * dim : 0);
     // The lines token t's key pairs go to (a line a pair: the whole block's keys at head size 64 and 16 tokens a
     // block), asked for one run ahead: a decode token's stores otherwise each miss, one after another.

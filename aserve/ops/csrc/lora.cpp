@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "step_team.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -136,7 +137,7 @@ void lora_delta_kernel(const at::Tensor& x, at::Tensor& y, const at::Tensor& a, 
   for (int64_t i = 1; i < slices; ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
   const std::vector<Block> blocks = blocks_by_slot(token_slot, num_tokens, num_slots);
 
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xs(kBlock * in), h(kBlock * width), yrow(kExpandVecs * V), bt(rank * kExpandVecs * V);
     for (int64_t w = begin; w < end; ++w) {
       const Block& blk = blocks[w];

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "step_team.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -51,7 +52,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, T* residual, int64_t rs
       std::tie(lo, hi) = at::vec::convert_to_float<T>(b);
     }
   };
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> w(dim);
     load_row(w_ptr, w.data(), dim);
     for (int64_t r = begin; r < end; ++r) {
@@ -152,7 +153,7 @@ void add_layer_norm_impl(at::Tensor& x, const at::Tensor& residual, const at::Te
   const int64_t rows = x.size(0), dim = x.size(1), xs = x.stride(0), rs = residual.stride(0);
   T* x_ptr = x.data_ptr<T>();
   const T* r_ptr = residual.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> w(dim), b(dim), sum(dim);
     load_row(weight.data_ptr<T>(), w.data(), dim);
     load_row(bias.data_ptr<T>(), b.data(), dim);
@@ -270,7 +271,7 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const int64_t* positions, const a
   const T* c_ptr = cos.data_ptr<T>();
   const T* s_ptr = sin.data_ptr<T>();
   const int64_t cs = cos.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(4 * rotary_dim);
     float *c = scratch.data(), *s = c + rotary_dim, *v = s + rotary_dim, *out = v + rotary_dim;
     for (int64_t t = begin; t < end; ++t) {
@@ -329,7 +330,7 @@ template <typename T> void silu_and_mul_impl(at::Tensor& out, const at::Tensor& 
   const T* x_ptr = x.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t j = 0; j < width; j += d) {
         const T* gate = x_ptr + r * xs + 2 * j;

@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "step_team.h"
 #include "vec_helpers.h"
 
 namespace {
@@ -99,7 +100,7 @@ void sample_inverse_cdf_row(const T* x, int64_t n, float u, int64_t* token, floa
 template <typename T> void sample_rows(const at::Tensor& logits, const float* u, int64_t* out) {
   const T* x = logits.data_ptr<T>();
   const int64_t n = logits.size(1), stride = logits.stride(0);
-  at::parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, logits.size(0), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> e;  // the row's exps, walked after they are summed
     e.resize(n);
     for (int64_t r = begin; r < end; ++r) sample_inverse_cdf_row(x + r * stride, n, u[r], out + r, e.data());
@@ -143,7 +144,7 @@ int64_t count_nonfinite_rows(const at::Tensor& logits) {
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
   std::vector<char> finite(rows);
   auto scan = [&](auto* x) {
-    at::parallel_for(0, rows, 2, [&](int64_t begin, int64_t end) {  // a lone row on this thread, no fork
+    parallel_for(0, rows, 2, [&](int64_t begin, int64_t end) {  // a lone row on this thread, no fork
       for (int64_t r = begin; r < end; ++r) finite[r] = row_is_finite(x + r * stride, n);
     });
   };
@@ -217,7 +218,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   auto scan = [&](auto* x) {
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {  // a few rows on one thread, no fork
+    parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {  // a few rows on one thread, no fork
       for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(x + r * stride, n);
     });
   };
