@@ -568,10 +568,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   // are merged after.
   struct Item { int64_t b, kvh, first, stop, part; };  // part: the item's slot among the partial results, or -1
   struct Pair { int64_t item, count; };  // a (request, kv head)'s items, consecutive
-  std::vector<Item> items;
-  std::vector<Pair> pairs;
-  items.reserve(batch * num_kv_heads);
-  pairs.reserve(batch * num_kv_heads);
+  // This thread's, kept with their capacity from call to call (so is each worker's scratch): a batch-1 call made
+  // ~20 allocations. Named through references: the other threads' lambdas must see these, not their own.
+  thread_local std::vector<Item> item_store;
+  thread_local std::vector<Pair> pair_store;
+  std::vector<Item>& items = item_store;
+  std::vector<Pair>& pairs = pair_store;
+  items.clear(), pairs.clear();
   int64_t partials = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -606,10 +609,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     std::vector<int64_t> offsets, next_offsets;
     int64_t ready = -1;  // the item whose rows next_offsets holds
   };
-  auto make_worker = [&] {
-    Worker w;
+  auto make_worker = [&]() -> Worker& {
+    thread_local Worker w;
     w.q.resize(group * head_dim), w.row.resize(head_dim), w.acc.resize(group * head_dim);
     w.merged.resize(head_dim), w.qb.resize(bf16_dot ? group * head_dim : 0), w.totals.resize(group);
+    w.ready = -1;
     return w;
   };
   auto rows_of = [&](int64_t i, std::vector<int64_t>& offs) {
@@ -717,7 +721,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const auto num_items = static_cast<int64_t>(items.size()), num_pairs = static_cast<int64_t>(pairs.size());
   if (num_pairs >= 2 * at::get_num_threads()) {
     parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
-      Worker w = make_worker();
+      Worker& w = make_worker();
       const int64_t last = pairs[end - 1].item + pairs[end - 1].count;
       for (int64_t pr = begin; pr < end; ++pr) {
         const Pair& pair = pairs[pr];
@@ -728,11 +732,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     return;
   }
   parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    Worker w = make_worker();
+    Worker& w = make_worker();
     for (int64_t i = begin; i < end; ++i) run_item(w, i, i + 1 < end ? i + 1 : -1);
   });
   if (partials > 0) {
-    Worker w = make_worker();
+    Worker& w = make_worker();
     for (const Pair& pair : pairs)
       if (pair.count > 1) merge(w, pair);
   }
