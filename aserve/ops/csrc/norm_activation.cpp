@@ -53,9 +53,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, T* residual, int64_t rs
     }
   };
   parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(dim);
-    load_row(w_ptr, w.data(), dim);
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t r = begin; r < end; ++r) {  // the weights widened as they are read (no scratch to allocate)
       const T* src = x_ptr + r * xs;
       T* res = residual != nullptr ? residual + r * rs : nullptr;
       fVec acc(0.f), lo, hi, rlo, rhi;
@@ -89,16 +87,19 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, T* residual, int64_t rs
         lo = lo * inv_v;
         if constexpr (!std::is_same_v<T, float>) hi = hi * inv_v;
         round2(lo, hi, nullptr);
-        lo = lo * fVec::loadu(w.data() + i);
+        fVec wlo, whi;
+        widen2(w_ptr + i, wlo, whi);
+        lo = lo * wlo;
         if constexpr (std::is_same_v<T, float>) {
           lo.store(o + i);
         } else {
-          hi = hi * fVec::loadu(w.data() + i + fVec::size());
+          hi = hi * whi;
           narrow_pair<T>(lo, hi).store(o + i);
         }
       }
       for (; i < dim; ++i)
-        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(src[i]) * inv)) * w[i]);
+        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(src[i]) * inv)) *
+                              static_cast<float>(w_ptr[i]));
     }
   });
 }
@@ -272,7 +273,8 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const int64_t* positions, const a
   const T* s_ptr = sin.data_ptr<T>();
   const int64_t cs = cos.stride(0);
   parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(4 * rotary_dim);
+    thread_local std::vector<float> scratch;  // kept from call to call: a decode step calls this once a layer
+    scratch.resize(4 * rotary_dim);
     float *c = scratch.data(), *s = c + rotary_dim, *v = s + rotary_dim, *out = v + rotary_dim;
     for (int64_t t = begin; t < end; ++t) {
       load_row(c_ptr + positions[t] * cs, c, rotary_dim);
