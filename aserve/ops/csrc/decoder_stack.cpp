@@ -218,6 +218,7 @@ struct DecoderStack : torch::CustomClassHolder {
         const Tensor qkv = projections[L.qkv](k, x);
         // q, k and v as views of qkv's row parts: three tensors made where a split and its views made six, ~0.9 us
         // a layer against ~2.1 at batch 1 (Intel Xeon, avx512_bf16, no AMX; TSC timers in the loop, since removed)
+        TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "DecoderStack: a qkv projection gave no [rows, out] rows");
         const int64_t row = qkv.stride(0), at = qkv.storage_offset();
         Tensor q = qkv.as_strided({T, L.heads, L.head_dim}, {row, L.head_dim, 1}, at);
         Tensor key = qkv.as_strided({T, L.kv_heads, L.head_dim}, {row, L.head_dim, 1}, at + L.q_size);
