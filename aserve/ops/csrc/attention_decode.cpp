@@ -719,14 +719,19 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
   };
   const auto num_items = static_cast<int64_t>(items.size()), num_pairs = static_cast<int64_t>(pairs.size());
-  if (num_pairs >= 2 * at::get_num_threads()) {
-    parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
+  const int64_t threads = parallel_threads();
+  if (num_pairs >= 2 * threads) {
+    // The threads claim runs of pairs as they go (Claims: a static split waited on whichever core the VM ran
+    // slower). Each item prefetches the next, past the end of its run too: most runs' next is this thread's.
+    Claims claims(1, num_pairs, threads);
+    parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       Worker& w = make_worker();
-      const int64_t last = pairs[end - 1].item + pairs[end - 1].count;
-      for (int64_t pr = begin; pr < end; ++pr) {
-        const Pair& pair = pairs[pr];
-        for (int64_t i = pair.item; i < pair.item + pair.count; ++i) run_item(w, i, i + 1 < last ? i + 1 : -1);
-        if (pair.count > 1) merge(w, pair);
+      for (int64_t begin, end; claims.claim(begin, end);) {
+        for (int64_t pr = begin; pr < end; ++pr) {
+          const Pair& pair = pairs[pr];
+          for (int64_t i = pair.item; i < pair.item + pair.count; ++i) run_item(w, i, i + 1 < num_items ? i + 1 : -1);
+          if (pair.count > 1) merge(w, pair);
+        }
       }
     });
     return;

@@ -11,16 +11,17 @@
 // with a running max, sum and output per query row. Both products are register tiles of 6 rows x 2W columns
 // (W = fVec::size()), as in a GEMM: the scores as keys x query rows (a key element broadcast against 2W query
 // rows), the output as query rows x head dims (a probability broadcast against 2W dims of a value row). No
-// transposes of the keys, no horizontal sums. Items are dealt to threads round-robin by descending cost, so the
-// causal triangle's long items do not all land on one thread. bf16 queries over bf16 keys and values on a CPU
-// with AVX512-BF16 take vdpbf16ps instead, nothing widened (ASERVE_PREFILL_BF16, below), or AMX tiles where the
-// CPU has them (ASERVE_PREFILL_AMX).
+// transposes of the keys, no horizontal sums. Threads claim items as they come free, the costliest first, so the
+// causal triangle's long items do not all land on one thread, nor does a fast core wait on one the VM slowed. bf16
+// queries over bf16 keys and values on a CPU with AVX512-BF16 take vdpbf16ps instead, nothing widened
+// (ASERVE_PREFILL_BF16, below), or AMX tiles where the CPU has them (ASERVE_PREFILL_AMX).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -575,8 +576,9 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::atomic<int64_t> next_item{0};  // items are claimed in that order as threads come free
 
-  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // each thread claims items until none is left
     PrefillScratch s(padded, D, tiles_per_item, pairs, is_fp8<C>, amx);
 #ifdef ASERVE_PREFILL_AMX
     if (amx) configure_attention_tiles();
@@ -591,247 +593,247 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
     std::vector<const float*> kf(kKeyStep), vf(kKeyStep);
     struct Tile { int64_t q0, nq, rows, cols, lo, hi; bool started; };
     std::vector<Tile> tiles(tiles_per_item);
-    for (int64_t t = begin; t < end; ++t) {
-      for (size_t it = t; it < items.size(); it += threads) {
-        const Item item = items[it];
-        const int64_t ctx = contexts[item.chunk], count = item_tokens(item);
+    const auto claim = [&] { return static_cast<size_t>(next_item.fetch_add(1, std::memory_order_relaxed)); };
+    for (size_t it = claim(), after; it < items.size(); it = after) {
+      after = claim();  // this thread's next item, claimed now so that its rows can be prefetched
+      const Item item = items[it];
+      const int64_t ctx = contexts[item.chunk], count = item_tokens(item);
+      for (int64_t g = 0; g < item.tiles; ++g) {
+        Tile& tile = tiles[g];
+        tile.q0 = item.q0 + g * tile_queries, tile.nq = std::min(tile_queries, item.q0 + count - tile.q0);
+        tile.rows = tile.nq * group;
+        // score columns: the tile's rows rounded up to whole vectors (pairs) or tiles (fp32), not the largest's
+        tile.cols = pairs ? (tile.rows + 15) / 16 * 16 : (tile.rows + kCols - 1) / kCols * kCols;
+        std::tie(tile.lo, tile.hi) = key_range(item.chunk, tile.q0, tile.nq);
+        tile.started = false;
+      }
+      const int64_t lo = tiles[0].lo, hi = tiles[item.tiles - 1].hi;  // every tile's keys, [lo, hi)
+      // The next item's queries, keys and values go into L2 while this one runs, a few rows before each tile's
+      // products (what is left of a step's share at its end): they may lie in DRAM (a step's rows outgrow the
+      // caches), too scattered for the hardware prefetchers.
+      const bool more = after < items.size();
+      const Item next = more ? items[after] : item;
+      const int64_t next_count = more ? item_tokens(next) : 0;
+      const auto [next_lo, next_hi] = key_range(next.chunk, next.q0, std::max<int64_t>(next_count, 1));
+      const int64_t next_queries = next_count * group, to_fetch = more ? next_queries + next_hi - next_lo : 0;
+      const int64_t step = amx ? amx_step(hi - lo) : kKeyStep;
+      const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + step - 1) / step) * item.tiles;
+      const int64_t tiles_a_step = (kKeyStep + 5) / 6 * ((padded + 63) / 64) + (max_rows + 5) / 6 * ((D + 63) / 64);
+      const int64_t fetch_a_tile = (to_fetch + walk_steps * tiles_a_step - 1) / (walk_steps * tiles_a_step);
+      const int64_t fetch_a_step = (to_fetch + walk_steps - 1) / walk_steps;
+      int64_t fetched = 0, walked = 0;
+      const auto fetch_next = [&](int64_t n) {
+        for (; n > 0 && fetched < to_fetch; --n, ++fetched) {
+          if (fetched < next_queries) {
+            prefetch_l2(q_ptr + (starts[next.chunk] + next.q0 + fetched / group) * qs0 +
+                            (next.kvh * group + fetched % group) * qs1, D * sizeof(T));
+          } else {
+            prefetch_keys(kv, next.chunk, next.kvh, next_lo + fetched - next_queries, 1, D * sizeof(C));
+          }
+        }
+      };
+      const int64_t h0 = item.kvh * group;
+      for (int64_t g = 0; g < item.tiles; ++g) {  // each tile's queries, positions and state
+        const Tile& tile = tiles[g];
+        const int64_t row0 = starts[item.chunk] + tile.q0;
+        // queries as [D][cols] (fp32, scaled) or [D/2][cols] pairs (bf16, as they are); row r = query qi's
+        // head g at r = qi * group + g
+        const auto query_row = [&](int64_t r) { return q_ptr + (row0 + r / group) * qs0 + (h0 + r % group) * qs1; };
+        if (pairs) {
+#ifdef ASERVE_PREFILL_BF16
+          uint32_t* qt2 = s.qt2.data() + g * D / 2 * padded;
+          for (int64_t r0 = 0; r0 < tile.rows; r0 += 16)  // 16 rows' words at a time, transposed in registers
+            for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+              __m512i x[16];
+              for (int64_t i = 0; i < 16; ++i)
+                x[i] = r0 + i < tile.rows ? _mm512_loadu_si512(query_row(r0 + i) + 2 * p0) : _mm512_setzero_si512();
+              transpose16(x);
+              for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(qt2 + (p0 + i) * tile.cols + r0, x[i]);
+            }
+#endif
+        } else {
+          float* qt = s.qt.data() + g * D * padded;
+          std::fill(qt, qt + D * tile.cols, 0.f);
+          for (int64_t r = 0; r < tile.rows; ++r) {
+            load_row(query_row(r), row.data(), D);
+            for (int64_t d = 0; d < D; ++d) qt[d * tile.cols + r] = row[d] * fscale;
+          }
+        }
+        float* pos = s.pos.data() + g * padded;
+        for (int64_t r = 0; r < tile.rows; ++r) pos[r] = static_cast<float>(ctx + tile.q0 + r / group);
+        std::fill(pos + tile.rows, pos + padded, pos[tile.rows - 1]);  // padding rows: copies of the last
+        std::fill(s.m.data() + g * padded, s.m.data() + (g + 1) * padded, neg_inf);
+        std::fill(s.l.data() + g * padded, s.l.data() + (g + 1) * padded, 0.f);
+        if (!amx) std::fill(s.o.data() + g * padded * D, s.o.data() + g * padded * D + tile.cols * D, 0.f);
+      }
+      for (int64_t t0 = lo; t0 < hi; t0 += step) {
+        const int64_t nk = std::min<int64_t>(step, hi - t0);
+        kv.keys(item.chunk, item.kvh, t0, nk, key_rows.data(), krow.data());
+        for (int64_t j = 0; j < nk; ++j) vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
+        // the step's keys and values as the products take them, once for every tile
+#ifdef ASERVE_PREFILL_BF16
+        const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
+        if (pairs) {
+          const BF16* const* values = reinterpret_cast<const BF16* const*>(vrow.data());
+          if constexpr (is_fp8<C>) {
+            fp8_rows_as_bf16(krow.data(), nk, D, s.k16.data());
+            fp8_rows_as_bf16(vrow.data(), nk, D, s.v16.data());
+            keys = k16.data(), values = v16.data();
+          }
+          pair_values(values, nk, D, s.vt2.data());
+#ifdef ASERVE_PREFILL_AMX
+          if (amx) {  // the keys as [16 tiles][D] rows, zero past the last; the values' pairs zero past it too
+            BF16* rows16 = s.k16.data();
+            for (int64_t j = 0; j < nk; ++j)
+              if (keys[j] != rows16 + j * D) std::memcpy(rows16 + j * D, keys[j], D * sizeof(BF16));
+            std::fill(rows16 + nk * D, rows16 + (nk + 15) / 16 * 16 * D, BF16(0.f));
+            std::fill(s.vt2.begin() + (nk + 1) / 2 * D, s.vt2.begin() + (nk + 31) / 32 * 16 * D, 0u);
+          }
+#endif
+        }
+#endif
+        if (!pairs) {
+          for (int64_t j = 0; j < nk; ++j) {
+            if constexpr (std::is_same_v<C, float>) {
+              kf[j] = krow[j];
+              vf[j] = vrow[j];
+            } else {
+              load_row(krow[j], s.kbuf.data() + j * D, D);
+              load_row(vrow[j], s.vbuf.data() + j * D, D);
+              if constexpr (kFp8Unit<C> != 1.f) {
+                scale_row(s.kbuf.data() + j * D, kFp8Unit<C>, D);
+                scale_row(s.vbuf.data() + j * D, kFp8Unit<C>, D);
+              }
+              kf[j] = s.kbuf.data() + j * D;
+              vf[j] = s.vbuf.data() + j * D;
+            }
+          }
+        }
         for (int64_t g = 0; g < item.tiles; ++g) {
           Tile& tile = tiles[g];
-          tile.q0 = item.q0 + g * tile_queries, tile.nq = std::min(tile_queries, item.q0 + count - tile.q0);
-          tile.rows = tile.nq * group;
-          // score columns: the tile's rows rounded up to whole vectors (pairs) or tiles (fp32), not the largest's
-          tile.cols = pairs ? (tile.rows + 15) / 16 * 16 : (tile.rows + kCols - 1) / kCols * kCols;
-          std::tie(tile.lo, tile.hi) = key_range(item.chunk, tile.q0, tile.nq);
-          tile.started = false;
-        }
-        const int64_t lo = tiles[0].lo, hi = tiles[item.tiles - 1].hi;  // every tile's keys, [lo, hi)
-        // The next item's queries, keys and values go into L2 while this one runs, a few rows before each tile's
-        // products (what is left of a step's share at its end): they may lie in DRAM (a step's rows outgrow the
-        // caches), too scattered for the hardware prefetchers.
-        const bool more = it + threads < items.size();
-        const Item next = more ? items[it + threads] : item;
-        const int64_t next_count = more ? item_tokens(next) : 0;
-        const auto [next_lo, next_hi] = key_range(next.chunk, next.q0, std::max<int64_t>(next_count, 1));
-        const int64_t next_queries = next_count * group, to_fetch = more ? next_queries + next_hi - next_lo : 0;
-        const int64_t step = amx ? amx_step(hi - lo) : kKeyStep;
-        const int64_t walk_steps = std::max<int64_t>(1, (hi - lo + step - 1) / step) * item.tiles;
-        const int64_t tiles_a_step = (kKeyStep + 5) / 6 * ((padded + 63) / 64) + (max_rows + 5) / 6 * ((D + 63) / 64);
-        const int64_t fetch_a_tile = (to_fetch + walk_steps * tiles_a_step - 1) / (walk_steps * tiles_a_step);
-        const int64_t fetch_a_step = (to_fetch + walk_steps - 1) / walk_steps;
-        int64_t fetched = 0, walked = 0;
-        const auto fetch_next = [&](int64_t n) {
-          for (; n > 0 && fetched < to_fetch; --n, ++fetched) {
-            if (fetched < next_queries) {
-              prefetch_l2(q_ptr + (starts[next.chunk] + next.q0 + fetched / group) * qs0 +
-                              (next.kvh * group + fetched % group) * qs1, D * sizeof(T));
-            } else {
-              prefetch_keys(kv, next.chunk, next.kvh, next_lo + fetched - next_queries, 1, D * sizeof(C));
-            }
-          }
-        };
-        const int64_t h0 = item.kvh * group;
-        for (int64_t g = 0; g < item.tiles; ++g) {  // each tile's queries, positions and state
-          const Tile& tile = tiles[g];
-          const int64_t row0 = starts[item.chunk] + tile.q0;
-          // queries as [D][cols] (fp32, scaled) or [D/2][cols] pairs (bf16, as they are); row r = query qi's
-          // head g at r = qi * group + g
-          const auto query_row = [&](int64_t r) { return q_ptr + (row0 + r / group) * qs0 + (h0 + r % group) * qs1; };
+          if (t0 >= tile.hi || t0 + nk <= tile.lo) continue;  // none of this step's keys is the tile's
+          const int64_t tk = std::min(nk, tile.hi - t0), cols = tile.cols, rows = tile.rows;  // the tile's keys
+          float* o = s.o.data() + g * padded * D;
+          float* m = s.m.data() + g * padded;
+          float* l = s.l.data() + g * padded;
+          float* corr = s.corr.data() + g * padded;
+          const float* pos = s.pos.data() + g * padded;
+          float* st = s.st.data();  // [tk][cols] scores, then probabilities
           if (pairs) {
 #ifdef ASERVE_PREFILL_BF16
-            uint32_t* qt2 = s.qt2.data() + g * D / 2 * padded;
-            for (int64_t r0 = 0; r0 < tile.rows; r0 += 16)  // 16 rows' words at a time, transposed in registers
-              for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
-                __m512i x[16];
-                for (int64_t i = 0; i < 16; ++i)
-                  x[i] = r0 + i < tile.rows ? _mm512_loadu_si512(query_row(r0 + i) + 2 * p0) : _mm512_setzero_si512();
-                transpose16(x);
-                for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(qt2 + (p0 + i) * tile.cols + r0, x[i]);
-              }
+            const uint32_t* qt2 = s.qt2.data() + g * D / 2 * padded;
+#ifdef ASERVE_PREFILL_AMX
+            if (amx) {
+              score_tiles_amx(s.k16.data(), D, (tk + 15) / 16, qt2, cols, st);
+              if (tile_scale != 1.f)
+                for (int64_t j = 0; j < tk; ++j) scale_row(st + j * cols, tile_scale, cols);
+            }
+#endif
+            if (!amx) by_columns(cols, [&](int64_t c, auto nv) {
+              by_rows(tk, [&](int64_t i, auto mr) {
+                fetch_next(fetch_a_tile);
+                score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, qt2 + c, cols, D / 2,
+                                                                          tile_scale, st + i * cols + c, cols);
+              });
+            });
 #endif
           } else {
-            float* qt = s.qt.data() + g * D * padded;
-            std::fill(qt, qt + D * tile.cols, 0.f);
-            for (int64_t r = 0; r < tile.rows; ++r) {
-              load_row(query_row(r), row.data(), D);
-              for (int64_t d = 0; d < D; ++d) qt[d * tile.cols + r] = row[d] * fscale;
-            }
-          }
-          float* pos = s.pos.data() + g * padded;
-          for (int64_t r = 0; r < tile.rows; ++r) pos[r] = static_cast<float>(ctx + tile.q0 + r / group);
-          std::fill(pos + tile.rows, pos + padded, pos[tile.rows - 1]);  // padding rows: copies of the last
-          std::fill(s.m.data() + g * padded, s.m.data() + (g + 1) * padded, neg_inf);
-          std::fill(s.l.data() + g * padded, s.l.data() + (g + 1) * padded, 0.f);
-          if (!amx) std::fill(s.o.data() + g * padded * D, s.o.data() + g * padded * D + tile.cols * D, 0.f);
-        }
-        for (int64_t t0 = lo; t0 < hi; t0 += step) {
-          const int64_t nk = std::min<int64_t>(step, hi - t0);
-          kv.keys(item.chunk, item.kvh, t0, nk, key_rows.data(), krow.data());
-          for (int64_t j = 0; j < nk; ++j) vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
-          // the step's keys and values as the products take them, once for every tile
-#ifdef ASERVE_PREFILL_BF16
-          const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
-          if (pairs) {
-            const BF16* const* values = reinterpret_cast<const BF16* const*>(vrow.data());
-            if constexpr (is_fp8<C>) {
-              fp8_rows_as_bf16(krow.data(), nk, D, s.k16.data());
-              fp8_rows_as_bf16(vrow.data(), nk, D, s.v16.data());
-              keys = k16.data(), values = v16.data();
-            }
-            pair_values(values, nk, D, s.vt2.data());
-#ifdef ASERVE_PREFILL_AMX
-            if (amx) {  // the keys as [16 tiles][D] rows, zero past the last; the values' pairs zero past it too
-              BF16* rows16 = s.k16.data();
-              for (int64_t j = 0; j < nk; ++j)
-                if (keys[j] != rows16 + j * D) std::memcpy(rows16 + j * D, keys[j], D * sizeof(BF16));
-              std::fill(rows16 + nk * D, rows16 + (nk + 15) / 16 * 16 * D, BF16(0.f));
-              std::fill(s.vt2.begin() + (nk + 1) / 2 * D, s.vt2.begin() + (nk + 31) / 32 * 16 * D, 0u);
-            }
-#endif
-          }
-#endif
-          if (!pairs) {
-            for (int64_t j = 0; j < nk; ++j) {
-              if constexpr (std::is_same_v<C, float>) {
-                kf[j] = krow[j];
-                vf[j] = vrow[j];
-              } else {
-                load_row(krow[j], s.kbuf.data() + j * D, D);
-                load_row(vrow[j], s.vbuf.data() + j * D, D);
-                if constexpr (kFp8Unit<C> != 1.f) {
-                  scale_row(s.kbuf.data() + j * D, kFp8Unit<C>, D);
-                  scale_row(s.vbuf.data() + j * D, kFp8Unit<C>, D);
-                }
-                kf[j] = s.kbuf.data() + j * D;
-                vf[j] = s.vbuf.data() + j * D;
-              }
-            }
-          }
-          for (int64_t g = 0; g < item.tiles; ++g) {
-            Tile& tile = tiles[g];
-            if (t0 >= tile.hi || t0 + nk <= tile.lo) continue;  // none of this step's keys is the tile's
-            const int64_t tk = std::min(nk, tile.hi - t0), cols = tile.cols, rows = tile.rows;  // the tile's keys
-            float* o = s.o.data() + g * padded * D;
-            float* m = s.m.data() + g * padded;
-            float* l = s.l.data() + g * padded;
-            float* corr = s.corr.data() + g * padded;
-            const float* pos = s.pos.data() + g * padded;
-            float* st = s.st.data();  // [tk][cols] scores, then probabilities
-            if (pairs) {
-#ifdef ASERVE_PREFILL_BF16
-              const uint32_t* qt2 = s.qt2.data() + g * D / 2 * padded;
-#ifdef ASERVE_PREFILL_AMX
-              if (amx) {
-                score_tiles_amx(s.k16.data(), D, (tk + 15) / 16, qt2, cols, st);
-                if (tile_scale != 1.f)
-                  for (int64_t j = 0; j < tk; ++j) scale_row(st + j * cols, tile_scale, cols);
-              }
-#endif
-              if (!amx) by_columns(cols, [&](int64_t c, auto nv) {
-                by_rows(tk, [&](int64_t i, auto mr) {
-                  fetch_next(fetch_a_tile);
-                  score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, qt2 + c, cols, D / 2,
-                                                                            tile_scale, st + i * cols + c, cols);
-                });
-              });
-#endif
-            } else {
-              const float* qt = s.qt.data() + g * D * padded;
-              for (int64_t c = 0; c < cols; c += kCols)
-                by_rows(tk, [&](int64_t i, auto mr) {
-                  fetch_next(fetch_a_tile);
-                  score_tile<decltype(mr)::value>(kf.data() + i, qt + c, cols, D, st + i * cols + c, cols);
-                });
-            }
-            // softcap, mask and the online softmax, each across query rows: a vector holds W rows' scores for one
-            // key (padding rows too: their queries are zero, their results unused)
-            const fVec lowest(neg_inf);
-            if (cap > 0.f)
-              for (int64_t j = 0; j < tk; ++j)
-                for (int64_t r = 0; r < cols; r += fVec::size()) {
-                  const fVec x = fVec::loadu(st + j * cols + r);
-                  (tanh_rational(x / fVec(cap)) * fVec(cap)).store(st + j * cols + r);
-                }
-            const int64_t first_pos = ctx + tile.q0, last_pos = ctx + tile.q0 + tile.nq - 1;
-            if ((causal && t0 + tk - 1 > first_pos) || (window > 0 && t0 <= last_pos - window)) {  // some masked
-              for (int64_t j = 0; j < tk; ++j)
-                for (int64_t r = 0; r < cols; r += fVec::size()) {
-                  const fVec key(static_cast<float>(t0 + j)), at = fVec::loadu(pos + r);
-                  fVec masked = key > at;
-                  if (window > 0) masked = masked | (key <= at - fVec(static_cast<float>(window)));
-                  fVec::blendv(fVec::loadu(st + j * cols + r), lowest, masked).store(st + j * cols + r);
-                }
-            }
-            online_softmax(st, tk, cols, softmax_scale, m, l, corr);
-            if (pairs) {
-#ifdef ASERVE_PREFILL_BF16
-#ifdef ASERVE_PREFILL_AMX
-              if (amx) {
-                const int64_t keys32 = (tk + 31) / 32 * 32;
-                probabilities_by_row(st, tk, cols, keys32, s.p16.data());
-                for (int64_t r = 0; tile.started && r < cols; ++r)  // corr 1: the maximum held; 0: o is 0
-                  if (corr[r] != 1.f && corr[r] != 0.f) scale_row(o + r * D, corr[r], D);
-                output_tiles_amx(s.p16.data(), cols, keys32, s.vt2.data(), D, o, !tile.started);
-                tile.started = true;
-                fetch_next(fetch_a_step * ++walked - fetched);
-                continue;
-              }
-#endif
-              pair_probabilities(st, tk, cols, s.pt2.data());
-              const int64_t key_pairs = (tk + 1) / 2;
-              by_rows(rows, [&](int64_t r, auto mr) {
-                by_columns(D, [&](int64_t c, auto nv) {
-                  fetch_next(fetch_a_tile);
-                  output_tile_bf16<decltype(mr)::value, decltype(nv)::value>(
-                      s.pt2.data() + r, cols, s.vt2.data() + c, D, key_pairs, o + r * D + c, D, corr + r);
-                });
-              });
-#endif
-            } else {
-              by_rows(rows, [&](int64_t r, auto mr) {
+            const float* qt = s.qt.data() + g * D * padded;
+            for (int64_t c = 0; c < cols; c += kCols)
+              by_rows(tk, [&](int64_t i, auto mr) {
                 fetch_next(fetch_a_tile);
-                for (int64_t c = 0; c < full_cols; c += kCols)
-                  output_tile<decltype(mr)::value>(st + r, cols, vf.data(), c, tk, o + r * D + c, D, corr + r);
-                for (int64_t i = r; i < r + decltype(mr)::value; ++i)  // head dims past the last full tile
-                  for (int64_t c = full_cols; c < D; ++c) {
-                    float acc = o[i * D + c] * corr[i];
-                    for (int64_t j = 0; j < tk; ++j) acc += st[j * cols + i] * vf[j][c];
-                    o[i * D + c] = acc;
-                  }
+                score_tile<decltype(mr)::value>(kf.data() + i, qt + c, cols, D, st + i * cols + c, cols);
               });
-            }
-            fetch_next(fetch_a_step * ++walked - fetched);  // what this step's share has left
           }
-        }
-        for (int64_t g = 0; g < item.tiles; ++g) {
-          const Tile& tile = tiles[g];
-          const int64_t row0 = starts[item.chunk] + tile.q0;
-          const float* l = s.l.data() + g * padded;
-          for (int64_t r = 0; r < tile.rows; ++r) {
-            T* dst = o_ptr + (row0 + r / group) * os0 + (h0 + r % group) * os1;
-            float* src = s.o.data() + (g * padded + r) * D;
-#ifdef ASERVE_PREFILL_BF16
-            if constexpr (std::is_same_v<T, BF16>) {
-              if (pairs) {  // scaled and rounded to bf16 in one pass
-                const __m512 inv = _mm512_set1_ps(vscale / l[r]);
-                if (stream_out && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {  // whole lines, D % 32 == 0
-                  for (int64_t c = 0; c < D; c += 32) {
-                    const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + c), inv);
-                    const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(src + c + 16), inv);
-                    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + c),
-                                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-                  }
-                  continue;
-                }
-                for (int64_t c = 0; c < D; c += 16)
-                  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv))));
-                continue;
+          // softcap, mask and the online softmax, each across query rows: a vector holds W rows' scores for one
+          // key (padding rows too: their queries are zero, their results unused)
+          const fVec lowest(neg_inf);
+          if (cap > 0.f)
+            for (int64_t j = 0; j < tk; ++j)
+              for (int64_t r = 0; r < cols; r += fVec::size()) {
+                const fVec x = fVec::loadu(st + j * cols + r);
+                (tanh_rational(x / fVec(cap)) * fVec(cap)).store(st + j * cols + r);
               }
+          const int64_t first_pos = ctx + tile.q0, last_pos = ctx + tile.q0 + tile.nq - 1;
+          if ((causal && t0 + tk - 1 > first_pos) || (window > 0 && t0 <= last_pos - window)) {  // some masked
+            for (int64_t j = 0; j < tk; ++j)
+              for (int64_t r = 0; r < cols; r += fVec::size()) {
+                const fVec key(static_cast<float>(t0 + j)), at = fVec::loadu(pos + r);
+                fVec masked = key > at;
+                if (window > 0) masked = masked | (key <= at - fVec(static_cast<float>(window)));
+                fVec::blendv(fVec::loadu(st + j * cols + r), lowest, masked).store(st + j * cols + r);
+              }
+          }
+          online_softmax(st, tk, cols, softmax_scale, m, l, corr);
+          if (pairs) {
+#ifdef ASERVE_PREFILL_BF16
+#ifdef ASERVE_PREFILL_AMX
+            if (amx) {
+              const int64_t keys32 = (tk + 31) / 32 * 32;
+              probabilities_by_row(st, tk, cols, keys32, s.p16.data());
+              for (int64_t r = 0; tile.started && r < cols; ++r)  // corr 1: the maximum held; 0: o is 0
+                if (corr[r] != 1.f && corr[r] != 0.f) scale_row(o + r * D, corr[r], D);
+              output_tiles_amx(s.p16.data(), cols, keys32, s.vt2.data(), D, o, !tile.started);
+              tile.started = true;
+              fetch_next(fetch_a_step * ++walked - fetched);
+              continue;
             }
 #endif
-            scale_row(src, vscale / l[r], D);
-            store_row(src, dst, D);
+            pair_probabilities(st, tk, cols, s.pt2.data());
+            const int64_t key_pairs = (tk + 1) / 2;
+            by_rows(rows, [&](int64_t r, auto mr) {
+              by_columns(D, [&](int64_t c, auto nv) {
+                fetch_next(fetch_a_tile);
+                output_tile_bf16<decltype(mr)::value, decltype(nv)::value>(
+                    s.pt2.data() + r, cols, s.vt2.data() + c, D, key_pairs, o + r * D + c, D, corr + r);
+              });
+            });
+#endif
+          } else {
+            by_rows(rows, [&](int64_t r, auto mr) {
+              fetch_next(fetch_a_tile);
+              for (int64_t c = 0; c < full_cols; c += kCols)
+                output_tile<decltype(mr)::value>(st + r, cols, vf.data(), c, tk, o + r * D + c, D, corr + r);
+              for (int64_t i = r; i < r + decltype(mr)::value; ++i)  // head dims past the last full tile
+                for (int64_t c = full_cols; c < D; ++c) {
+                  float acc = o[i * D + c] * corr[i];
+                  for (int64_t j = 0; j < tk; ++j) acc += st[j * cols + i] * vf[j][c];
+                  o[i * D + c] = acc;
+                }
+            });
           }
+          fetch_next(fetch_a_step * ++walked - fetched);  // what this step's share has left
+        }
+      }
+      for (int64_t g = 0; g < item.tiles; ++g) {
+        const Tile& tile = tiles[g];
+        const int64_t row0 = starts[item.chunk] + tile.q0;
+        const float* l = s.l.data() + g * padded;
+        for (int64_t r = 0; r < tile.rows; ++r) {
+          T* dst = o_ptr + (row0 + r / group) * os0 + (h0 + r % group) * os1;
+          float* src = s.o.data() + (g * padded + r) * D;
+#ifdef ASERVE_PREFILL_BF16
+          if constexpr (std::is_same_v<T, BF16>) {
+            if (pairs) {  // scaled and rounded to bf16 in one pass
+              const __m512 inv = _mm512_set1_ps(vscale / l[r]);
+              if (stream_out && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {  // whole lines, D % 32 == 0
+                for (int64_t c = 0; c < D; c += 32) {
+                  const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + c), inv);
+                  const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(src + c + 16), inv);
+                  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + c),
+                                      reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+                }
+                continue;
+              }
+              for (int64_t c = 0; c < D; c += 16)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv))));
+              continue;
+            }
+          }
+#endif
+          scale_row(src, vscale / l[r], D);
+          store_row(src, dst, D);
         }
       }
     }

@@ -22,7 +22,9 @@
 //    each tile gave 128-134, and 20.5 GB/s at M = 1 against 15, Zen 4), or into L2 where a call reads more lines
 //    than it takes k steps (PacedPrefetch); the bf16 GEMM on AMD's cores does not at up to kRowsWithoutPrefetch
 //    rows, where on Zen 5 the hardware prefetchers alone stream faster;
-//  - threads split the panels: each reads only its share of the weights.
+//  - threads split the panels: each reads only its share of the weights. Calls of a few rows (a GEMV's) split them
+//    evenly; beyond, bound by the multiplies, the threads claim runs of them as they go (aserve_kernels::Claims), so
+//    that neither waits at the end on a core its VM ran slower.
 // Summation is in fp32, each output's K products in order (one FMA chain per kc chunk): what F.linear computes
 // up to the order of the sums.
 #include <ATen/Dispatch.h>
@@ -240,36 +242,58 @@ struct DensePanels {
   const char* stored(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(w + (p * K + k0) * kNR); }
 };
 
-// The fp32 GEMMs' blocking: K in chunks of at most kKC, M in blocks whose copy fits half of L2; for each (chunk,
-// block) x's rows are copied MR interleaved and body(k0, kc, m0, mc, blocks, copy) runs the tiles.
+// The fp32 GEMMs' blocking: K in chunks of at most kKC, M in blocks whose copy fits half of L2 (row_block_of).
+inline int64_t chunk_of(int64_t K) {
+  const int64_t chunks = (K + kKC - 1) / kKC;
+  return (K + chunks - 1) / chunks;
+}
+template <int MR> inline int64_t row_block_of(int64_t K) {
+  return std::max<int64_t>(MR, block_bytes() / (chunk_of(K) * 4) / MR * MR);
+}
+
+// For each (chunk, block), x's rows are copied MR interleaved and body(k0, kc, m0, mc, blocks, copy, i0, i1, last)
+// runs the tiles of items (panels, or pairs of them) [i0, i1), each prefetching the next below `last`: items
+// [i0, i1) of every block; or, given `claims` (K in one chunk; over row blocks x items i0 = 0 to i1), the parts of
+// them this thread claims, each block copied once.
 template <int MR, typename Body>
-void by_blocks(const float* x, int64_t ldx, int64_t M, int64_t K, Body&& body) {
-  const int64_t chunks = (K + kKC - 1) / kKC, kc_max = (K + chunks - 1) / chunks;
-  const int64_t row_block = std::max<int64_t>(MR, block_bytes() / (kc_max * 4) / MR * MR);
+void by_blocks(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t i0, int64_t i1,
+               aserve_kernels::Claims* claims, Body&& body) {
+  const int64_t kc_max = chunk_of(K), row_block = row_block_of<MR>(K);
   thread_local std::vector<float> packed;
   packed.resize(((std::min(M, row_block) + MR - 1) / MR) * MR * kc_max);
+  if (claims != nullptr) {
+    int64_t packed_m0 = -1;
+    for (int64_t begin, end; claims->claim(begin, end);) {
+      const int64_t m0 = begin / i1 * row_block, mc = std::min(row_block, M - m0);
+      if (m0 != packed_m0) pack_rows<MR>(x, ldx, m0, mc, 0, K, packed.data()), packed_m0 = m0;
+      body(int64_t{0}, K, m0, mc, (mc + MR - 1) / MR, static_cast<const float*>(packed.data()), begin % i1,
+           begin % i1 + (end - begin), i1);
+    }
+    return;
+  }
   for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
     const int64_t kc = std::min(kc_max, K - k0);
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t mc = std::min(row_block, M - m0);
       pack_rows<MR>(x, ldx, m0, mc, k0, kc, packed.data());
-      body(k0, kc, m0, mc, (mc + MR - 1) / MR, static_cast<const float*>(packed.data()));
+      body(k0, kc, m0, mc, (mc + MR - 1) / MR, static_cast<const float*>(packed.data()), i0, i1, i1);
     }
   }
 }
 
-// Panels [p0, p1) of out for all M rows.
+// Panels [p0, p1) of out for all M rows (by_blocks: or the parts `claims` hands this thread).
 template <class Panels>
 void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const float* bias,
-                 float* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation) {
-  by_blocks<kMR>(x, ldx, M, K, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
-                                   const float* packed) {
+                 float* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation,
+                 aserve_kernels::Claims* claims = nullptr) {
+  by_blocks<kMR>(x, ldx, M, K, p0, p1, claims, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
+                                                   const float* packed, int64_t q0, int64_t q1, int64_t end) {
     const RowCalls<kMR> calls(mc);
     const bool first = k0 == 0, last = k0 + kc == K;
     const int64_t total_lines = (kc * Panels::kBytesPerK + 63) / 64;  // of the next panel, shared out to the blocks
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t p = q0; p < q1; ++p) {
       const float* panel = panels.get(p, k0, kc);
-      const char* next = p + 1 < p1 ? panels.stored(p + 1, k0) : nullptr;
+      const char* next = p + 1 < end ? panels.stored(p + 1, k0) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const float* b = bias != nullptr ? bias + p * kNR : nullptr;
       for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
@@ -350,23 +374,24 @@ constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1, NP>, tile<2, NP>, tile<3, N
                                     tile<12, NP>};
 
 // Panel pairs [q0, q1) (panels 2q and 2q + 1; a last odd panel alone) of out for all M rows, K in chunks of at most
-// kKC, from `panels` (DensePanels, or int8 / int4 tiles widened into scratch: Int8Panels, Int4Panels below).
+// kKC, from `panels` (DensePanels, or int8 / int4 tiles widened into scratch: Int8Panels, Int4Panels below); or
+// the parts of them `claims` hands this thread (by_blocks).
 template <class Panels>
 void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& source, const float* bias, float* out,
-                int64_t N, int64_t q0, int64_t q1, int64_t act) {
+                int64_t N, int64_t q0, int64_t q1, int64_t act, aserve_kernels::Claims* claims = nullptr) {
   const int64_t panels = (N + kNR - 1) / kNR;
-  by_blocks<kMR>(x, ldx, M, K, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
-                                   const float* packed) {
+  by_blocks<kMR>(x, ldx, M, K, q0, q1, claims, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
+                                                   const float* packed, int64_t i0, int64_t i1, int64_t end) {
     const RowCalls<kMR> calls(mc);
     const bool first = k0 == 0, last = k0 + kc == K;
-    for (int64_t q = q0; q < q1; ++q) {
+    for (int64_t q = i0; q < i1; ++q) {
       const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
       const float* b0 = source.get(p, k0, kc, 0);
       const float* b1 = np == 2 ? source.get(p + 1, k0, kc, 1) : nullptr;
       // the next pair's chunks as stored, shared out to the blocks: line l of them is byte 64 l % chunk of panel
       // p + 2 + 64 l / chunk's chunk (a block's run may go on past its panel's chunk: a hint)
       const int64_t chunk = kc * Panels::kBytesPerK;
-      const int64_t next_np = q + 1 < q1 ? std::min<int64_t>(2, panels - p - 2) : 0;
+      const int64_t next_np = q + 1 < end ? std::min<int64_t>(2, panels - p - 2) : 0;
       const int64_t total_lines = (next_np * chunk + 63) / 64;
       const int cols = static_cast<int>(std::min<int64_t>(kNR * np, N - p * kNR));
       const float* pb = bias != nullptr ? bias + p * kNR : nullptr;
@@ -388,16 +413,36 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels&
 #endif  // __AVX512F__
 
 // The fp32 GEMM over `num_panels` panels of `panels`, the threads splitting them: the 512-bit tiles' pairs where
-// AVX-512 is, else single panels. `done(n0, n1)` then runs on each thread's output columns [n0, n1).
-template <class Panels, class Done>
+// AVX-512 is, else single panels. `done(n0, n1)` then runs on each thread's output columns [n0, n1), all M rows.
+// As the bf16 GEMM's (bf16::gemm_all_panels), calls of more than kClaimRows rows, K in one chunk and with nothing
+// to do after (`done` a no-op), have the threads claim their parts as they go (aserve_kernels::Claims).
+constexpr int64_t kClaimRows = 4;
+struct NothingAfter {
+  void operator()(int64_t, int64_t) const {}
+};
+template <class Panels, class Done = NothingAfter>
 void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, int64_t num_panels,
-                      const float* bias, float* out, int64_t N, int64_t act, Done done) {
+                      const float* bias, float* out, int64_t N, int64_t act, Done done = {}) {
 #if defined(__AVX512F__)
   constexpr int64_t kPanelsPerItem = 2;
+  constexpr int MR = wide::kMR;
 #else
   constexpr int64_t kPanelsPerItem = 1;
+  constexpr int MR = kMR;
 #endif
   const int64_t items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  if (std::is_same_v<Done, NothingAfter> && M > kClaimRows && K <= kKC) {
+    const int64_t threads = std::min(aserve_kernels::parallel_threads(), items);
+    aserve_kernels::Claims claims((M + row_block_of<MR>(K) - 1) / row_block_of<MR>(K), items, threads);
+    aserve_kernels::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // each thread claims until none is left
+#if defined(__AVX512F__)
+      wide::gemm_pairs(x, ldx, M, K, panels, bias, out, N, 0, items, act, &claims);
+#else
+      gemm_panels(x, ldx, M, K, panels, bias, out, N, 0, items, act, &claims);
+#endif
+    });
+    return;
+  }
   aserve_kernels::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     wide::gemm_pairs(x, ldx, M, K, panels, bias, out, N, begin, end, act);
@@ -476,7 +521,7 @@ at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::o
   const float* xp = rows.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  gemm_fp32_panels(xp, rows.stride(0), M, K, DensePanels{w, K}, packed.size(0), b, o, N, act, [](int64_t, int64_t) {});
+  gemm_fp32_panels(xp, rows.stride(0), M, K, DensePanels{w, K}, packed.size(0), b, o, N, act);
   return out;
 }
 
@@ -1012,17 +1057,25 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
 }  // namespace amx
 #endif  // __AMX_TILE__ && __AMX_BF16__
 
+// Rows a thread packs and widens at a time: their x block (rows x K, fp32 where widened) fills half of L2.
+inline int64_t block_rows(int64_t K) {
+  return std::max<int64_t>(kMR, block_bytes() / ((K + 1) / 2 * 4) / kMR * kMR);
+}
+
 // `scale`: with int8 weights, every output column's scale in fp32 (zero-padded to whole panels); else null.
+// Panels [p0, p1) of every row block; or, given `claims` (over row blocks x panels p0 = 0 to p1, block_rows's
+// blocks), whichever parts of them this thread claims.
 template <class Panels>
 void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
-                 const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation) {
+                 const float* scale, uint16_t* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation,
+                 aserve_kernels::Claims* claims = nullptr) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (bf16_products() == Products::kAmx)
     return amx::gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, p0, p1, act);
 #endif
   const int64_t kp = (K + 1) / 2;
   const int64_t ldo = act == kSiluMul ? N / 2 : N, po = act == kSiluMul ? kNR / 2 : kNR;  // out's pitch, a panel's columns
-  const int64_t row_block = std::max<int64_t>(kMR, block_bytes() / (kp * 4) / kMR * kMR);
+  const int64_t row_block = block_rows(K);
   const int64_t total_lines = (panels.bytes() + 63) / 64;
   thread_local std::vector<uint32_t> packed;
   packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
@@ -1030,24 +1083,29 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   const bool fma = std::is_same_v<Panels, DensePanels> && bf16_products() == Products::kFma && M > kRowsOnDpbf16;
   thread_local std::vector<float> widened;  // fma: the x block widened ([kp][2][12] a call)
   if (fma) widened.resize(packed.size() * 2);
-  for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+  int64_t packed_m0 = -1;  // the row block `packed` holds
+  // panels [q0, q1) of the row block from m0; the panel after each is prefetched where it is below `last`
+  const auto run = [&](int64_t m0, int64_t q0, int64_t q1, int64_t last) {
     const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
-    pack_rows(x, ldx, m0, mc, K, packed.data());
-    if (fma) {
-      for (int64_t r = 0; r < blocks; ++r) widen_block(packed.data() + r * kMR * kp, kp, widened.data() + r * 2 * kMR * kp);
+    if (m0 != packed_m0) {
+      pack_rows(x, ldx, m0, mc, K, packed.data());
+      if (fma) {
+        for (int64_t r = 0; r < blocks; ++r) widen_block(packed.data() + r * kMR * kp, kp, widened.data() + r * 2 * kMR * kp);
+      }
+      packed_m0 = m0;
     }
     const RowCalls<kMR> calls(mc);
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t p = q0; p < q1; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
       const float* ps = scale != nullptr ? scale + p * kNR : nullptr;
       if constexpr (std::is_same_v<Panels, DensePanels>) {
-        if (M == 1 && !fma && p + 1 < p1) {  // a GEMV: two panels at a time, the two after them prefetched
+        if (M == 1 && !fma && p + 1 < q1) {  // a GEMV: two panels at a time, the two after them prefetched
           const PanelOut second{panels.get(p + 1), out + (p + 1) * po,
                                 static_cast<int>(std::min<int64_t>(kNR, N - (p + 1) * kNR)),
                                 bias != nullptr ? bias + (p + 1) * kNR : nullptr,
                                 scale != nullptr ? scale + (p + 1) * kNR : nullptr};
-          const int64_t ahead = M > rows_without_prefetch() ? std::min<int64_t>(2, p1 - p - 2) : 0;
+          const int64_t ahead = M > rows_without_prefetch() ? std::min<int64_t>(2, last - p - 2) : 0;
           row_by_two_panels(packed.data(), kp, {panels.get(p), out + p * po, cols, pb, ps}, second,
                             ahead > 0 ? panels.stored(p + 2) : nullptr, ahead > 0 ? ahead * total_lines : 0, act);
           ++p;
@@ -1055,7 +1113,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
         }
       }
       const Stored stored{panels.get(p)};  // int8 panels: the scratch the block's first call widens them into
-      const char* next = p + 1 < p1 && M > rows_without_prefetch() ? panels.stored(p + 1) : nullptr;
+      const char* next = p + 1 < last && M > rows_without_prefetch() ? panels.stored(p + 1) : nullptr;
       for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
         const int64_t from = r * total_lines / blocks;
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
@@ -1078,7 +1136,34 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
         kTilesOf<Stored>[rows](packed.data() + r * kMR * kp, &stored, kp, c, ldo, cols, pb, ps, pf, lines, act);
       }
     }
+  };
+  if (claims != nullptr) {  // the next panel is prefetched past a part's end too: most parts' next is this thread's
+    for (int64_t begin, end; claims->claim(begin, end);)
+      run(begin / p1 * row_block, begin % p1, begin % p1 + (end - begin), p1);
+    return;
   }
+  for (int64_t m0 = 0; m0 < M; m0 += row_block) run(m0, p0, p1, p1);
+}
+
+// gemm_panels over all `num_panels` panels on every thread. Calls of more rows than kRowsOnDpbf16 are bound by the
+// multiplies, and there the threads claim parts as they go (aserve_kernels::Claims): with a static split, each
+// call ended waiting on whichever core the VM ran slower then (both threads spent ~11% of a batch-64 run in
+// OpenMP's barrier). Fewer rows stream the weights, each thread its own half. Each output comes out the same
+// whichever thread makes it. (AMX tiles keep the static split: amx::gemm_panels blocks its rows itself.)
+template <class Panels>
+void gemm_all_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
+                     const float* scale, uint16_t* out, int64_t N, int64_t num_panels, int64_t act = kNoActivation) {
+  if (M > kRowsOnDpbf16 && bf16_products() != Products::kAmx) {
+    const int64_t threads = std::min(aserve_kernels::parallel_threads(), num_panels);
+    aserve_kernels::Claims claims((M + block_rows(K) - 1) / block_rows(K), num_panels, threads);
+    aserve_kernels::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // each thread claims until none is left
+      gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, 0, num_panels, act, &claims);
+    });
+    return;
+  }
+  aserve_kernels::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, begin, end, act);
+  });
 }
 
 at::Tensor pack(const at::Tensor& weight) {
@@ -1113,9 +1198,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const auto* b = static_cast<const uint16_t*>(args.bias);
   auto* o = reinterpret_cast<uint16_t*>(args.out.data_ptr());
   const DensePanels panels{w, (args.K + 1) / 2};
-  aserve_kernels::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, b, nullptr, o, args.N, begin, end, act);
-  });
+  gemm_all_panels(xp, args.rows.stride(0), args.M, args.K, panels, b, nullptr, o, args.N, packed.size(0), act);
   return args.out;
 }
 
@@ -1445,16 +1528,27 @@ void gemm_by_tiles(const GemmArgs& args, const Items& items, uint16_t* out, int6
     }
   }
   const float* xt = rows.data();  // (the workers' own `rows` are other vectors)
-  aserve_kernels::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-      const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
-      for (int64_t item = begin; item < end; ++item) {
-        for (int64_t r = 0; r < calls.count; ++r) {
-          const int64_t first = m0 + calls.first(r);
-          (items.*kRuns[calls.rows(r)])(TileCall{xt + first * K2, out + first * ldo, ldo, item});
-        }
+  const auto run = [&](int64_t m0, int64_t begin, int64_t end) {  // items [begin, end) of the block from m0
+    const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
+    for (int64_t item = begin; item < end; ++item) {
+      for (int64_t r = 0; r < calls.count; ++r) {
+        const int64_t first = m0 + calls.first(r);
+        (items.*kRuns[calls.rows(r)])(TileCall{xt + first * K2, out + first * ldo, ldo, item});
       }
     }
+  };
+  const int64_t count = items.count();
+  if (M > kRowsOnDpbf16) {  // claimed as they go, as gemm_all_panels's
+    const int64_t threads = std::min(aserve_kernels::parallel_threads(), count);
+    aserve_kernels::Claims claims((M + row_block - 1) / row_block, count, threads);
+    aserve_kernels::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t begin, end; claims.claim(begin, end);)
+        run(begin / count * row_block, begin % count, begin % count + (end - begin));
+    });
+    return;
+  }
+  aserve_kernels::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) run(m0, begin, end);
   });
 }
 
@@ -1468,10 +1562,8 @@ void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale
   const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int8Panels panels{tiled.data_ptr<int8_t>(), args.K, tiled.size(0)};
-  aserve_kernels::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), scale, o,
-                args.N, begin, end, act);
-  });
+  gemm_all_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), scale, o,
+                  args.N, (args.N + kNR - 1) / kNR, act);
 }
 
 void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
@@ -1485,10 +1577,8 @@ void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& 
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int4Panels panels{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
                           args.K, group, tiled.size(0)};
-  aserve_kernels::parallel_for(0, (args.N + kNR - 1) / kNR, 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), nullptr, o,
-                args.N, begin, end);
-  });
+  gemm_all_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), nullptr, o,
+                  args.N, (args.N + kNR - 1) / kNR);
 }
 
 }  // namespace bf16
@@ -1634,8 +1724,7 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
   float* o = out.data_ptr<float>();
   const Int4Panels panels{tiled.data_ptr<uint8_t>(), scales_zeros.data_ptr<float>(), K, group};
   const auto* b = static_cast<const float*>(args.bias);
-  gemm_fp32_panels(xp, args.rows.stride(0), args.M, K, panels, tiled.size(0), b, o, args.N, kNoActivation,
-                   [](int64_t, int64_t) {});
+  gemm_fp32_panels(xp, args.rows.stride(0), args.M, K, panels, tiled.size(0), b, o, args.N, kNoActivation);
   return out;
 }
 

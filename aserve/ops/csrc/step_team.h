@@ -90,6 +90,12 @@ class StepTeam {
     return false;
   }
 
+  // The threads parallel_for runs on: the team's, or at::get_num_threads().
+  static int64_t threads() {
+    const StepTeam* team = active();
+    return team != nullptr ? team->threads_ : at::get_num_threads();
+  }
+
   // f over [begin, end) in at::parallel_for's chunks: on the team's threads where this thread runs a team.
   template <class F> static void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     StepTeam* team = active();
@@ -171,5 +177,36 @@ class StepTeam {
 template <class F> inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   StepTeam::parallel_for(begin, end, grain, f);
 }
+
+// The threads of the running parallel_for: the team's where one is running, else at::get_num_threads().
+inline int64_t parallel_threads() { return StepTeam::threads(); }
+
+// Parts of [0, count) handed to threads as they ask for them, in `rows` runs of `width` (a part never crosses a
+// run's end): the first parts large, then smaller as fewer are left (guided scheduling). A static split ends each
+// region with a wait on the slower core, and on a shared VM either core may be the slower one from one region to
+// the next.
+class Claims {
+ public:
+  Claims(int64_t rows, int64_t width, int64_t threads)
+      : count_(rows * width), width_(width), divisor_(2 * std::max<int64_t>(1, threads)) {}
+  // The next part, [begin, end) within run begin / width; false when none is left.
+  bool claim(int64_t& begin, int64_t& end) {
+    int64_t at = next_.load(std::memory_order_relaxed);
+    for (;;) {
+      if (at >= count_) return false;
+      const int64_t run_end = (at / width_ + 1) * width_;
+      const int64_t size = std::max<int64_t>(1, (count_ - at) / divisor_);
+      const int64_t stop = std::min(run_end, at + size);
+      if (next_.compare_exchange_weak(at, stop, std::memory_order_relaxed)) {
+        begin = at, end = stop;
+        return true;
+      }
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<int64_t> next_{0};
+  int64_t count_, width_, divisor_;
+};
 
 }  // namespace aserve_kernels
