@@ -249,12 +249,17 @@ def test_prefill_over_fp8_equals_prefill_over_the_same_values_in_bf16(fmt, head_
     assert torch.equal(got, want)
 
 
-def test_prefill_attention_refuses_tables_shorter_than_the_chunk():
+def test_prefill_attention_refuses_tables_shorter_than_the_chunk_or_outside_the_cache():
     gen = torch.Generator().manual_seed(0)
     query, k_cache, v_cache, tables, starts, contexts, *_ = prefill_case([(4, 40)], 16, (2, 2), 32,
                                                                          torch.float32, gen)
     with pytest.raises(RuntimeError, match="block table is shorter"):
         run_prefill(query, k_cache, v_cache, tables[:, :2], starts, contexts, 0.1)
+    for stray in (k_cache.shape[1], -1):
+        bad = tables.clone()
+        bad[0, 1] = stray
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            run_prefill(query, k_cache, v_cache, bad, starts, contexts, 0.1)
 
 
 @pytest.mark.parametrize("heads", [(6, 2), (12, 12)])
@@ -402,6 +407,15 @@ def test_decode_attention_rejects_bad_input():
     with pytest.raises(RuntimeError, match="kv_format"):
         torch.ops.aserve.paged_decode_attention(torch.empty_like(query), query, k_cache.to(torch.uint8),
                                                 v_cache.to(torch.uint8), tables, lens, 1.0, 0, 0.0, 1.0, 1.0, 3)
+    # a table too short for its context, or pointing outside the cache: an error, not a read past the cache
+    with pytest.raises(RuntimeError, match="block table is shorter"):
+        torch.ops.aserve.paged_decode_attention(torch.empty_like(query), query, k_cache, v_cache, tables,
+                                                lens + 16 * tables.shape[1], 1.0, 0, 0.0)
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[1]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.aserve.paged_decode_attention(torch.empty_like(query), query, k_cache, v_cache, bad, lens,
+                                                1.0, 0, 0.0)
 
 
 def torch_path(fn):

@@ -25,4 +25,21 @@ inline void check_attention_args(const char* op, const at::Tensor& out, const at
               op, ": the cache must be in the query's dtype, or uint8 (FP8 bytes) with kv_format 1 or 2");
 }
 
+// Row i of block_tables ([rows, width] int64) holds the blocks of tokens[i] tokens: enough entries, each a block of
+// the cache. The kernels read wherever a table points, so a short table or a stray block id read outside the cache.
+inline void check_block_tables(const char* op, const at::Tensor& block_tables, const int64_t* tokens,
+                               const at::Tensor& k_cache) {
+  const int64_t rows = block_tables.size(0), width = block_tables.size(1);
+  const int64_t num_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(tokens[i] >= 0 && (tokens[i] + block_size - 1) / block_size <= width, op,
+                ": row ", i, "'s block table is shorter than its context and tokens (", tokens[i], " tokens, ", width,
+                " blocks of ", block_size, ")");
+    for (int64_t j = 0; j < (tokens[i] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(table[i * width + j] >= 0 && table[i * width + j] < num_blocks, op, ": block ",
+                  table[i * width + j], " is outside the cache (", num_blocks, " blocks)");
+  }
+}
+
 }  // namespace aserve_kernels

@@ -782,12 +782,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                             double scale, int64_t window, double softcap, double k_scale, double v_scale,
                             int64_t kv_format) {
   check_attention_args("paged_decode_attention", out, query, k_cache, v_cache, kv_format);
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == query.size(0),
               "block_tables must be contiguous int64 [batch, width]");
-  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() &&
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous() && context_lens.dim() == 1 &&
                   context_lens.size(0) == query.size(0),
               "context_lens must be contiguous int64 [batch]");
+  check_block_tables("paged_decode_attention", block_tables, context_lens.data_ptr<int64_t>(), k_cache);
   switch (query.scalar_type()) {
     case at::kFloat: return decode_attention_by_cache<float>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
     case at::kBFloat16: return decode_attention_by_cache<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);

@@ -900,12 +900,12 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
               "block_tables must be contiguous int64 [chunks, width]");
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* contexts = context_lens.data_ptr<int64_t>();
+  std::vector<int64_t> tokens(chunks);  // each chunk's context and its own tokens
   for (int64_t c = 0; c < chunks; ++c) {
     TORCH_CHECK(contexts[c] >= 0, "context_lens must be >= 0");
-    TORCH_CHECK((contexts[c] + starts[c + 1] - starts[c] + k_cache.size(2) - 1) / k_cache.size(2) <=
-                    block_tables.size(1),
-                "a chunk's block table is shorter than its context and tokens");
+    tokens[c] = contexts[c] + starts[c + 1] - starts[c];
   }
+  check_block_tables("paged_prefill_attention", block_tables, tokens.data(), k_cache);
   if (chunks == 0) return;
   switch (query.scalar_type()) {
     case at::kFloat: return prefill_attention_by_cache<float>(out, query, k_cache, v_cache, block_tables, query_starts, context_lens, scale, window, softcap, k_scale, v_scale, kv_format);
