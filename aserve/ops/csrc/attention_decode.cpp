@@ -719,12 +719,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     }
   };
   const auto num_items = static_cast<int64_t>(items.size()), num_pairs = static_cast<int64_t>(pairs.size());
-  const int64_t threads = parallel_threads();
-  if (num_pairs >= 2 * threads) {
+  if (num_pairs >= 2 * parallel_threads()) {
     // The threads claim runs of pairs as they go (Claims: a static split waited on whichever core the VM ran
     // slower). Each item prefetches the next, past the end of its run too: most runs' next is this thread's.
-    Claims claims(1, num_pairs, threads);
-    parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    parallel_claims(1, num_pairs, [&](Claims& claims) {
       Worker& w = make_worker();
       for (int64_t begin, end; claims.claim(begin, end);) {
         for (int64_t pr = begin; pr < end; ++pr) {

@@ -432,9 +432,8 @@ void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const P
 #endif
   const int64_t items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
   if (std::is_same_v<Done, NothingAfter> && M > kClaimRows && K <= kKC) {
-    const int64_t threads = std::min(aserve_kernels::parallel_threads(), items);
-    aserve_kernels::Claims claims((M + row_block_of<MR>(K) - 1) / row_block_of<MR>(K), items, threads);
-    aserve_kernels::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // each thread claims until none is left
+    const int64_t row_block = row_block_of<MR>(K);
+    aserve_kernels::parallel_claims((M + row_block - 1) / row_block, items, [&](aserve_kernels::Claims& claims) {
 #if defined(__AVX512F__)
       wide::gemm_pairs(x, ldx, M, K, panels, bias, out, N, 0, items, act, &claims);
 #else
@@ -1154,9 +1153,8 @@ template <class Panels>
 void gemm_all_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
                      const float* scale, uint16_t* out, int64_t N, int64_t num_panels, int64_t act = kNoActivation) {
   if (M > kRowsOnDpbf16 && bf16_products() != Products::kAmx) {
-    const int64_t threads = std::min(aserve_kernels::parallel_threads(), num_panels);
-    aserve_kernels::Claims claims((M + block_rows(K) - 1) / block_rows(K), num_panels, threads);
-    aserve_kernels::parallel_for(0, threads, 1, [&](int64_t, int64_t) {  // each thread claims until none is left
+    const int64_t row_block = block_rows(K);
+    aserve_kernels::parallel_claims((M + row_block - 1) / row_block, num_panels, [&](aserve_kernels::Claims& claims) {
       gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, 0, num_panels, act, &claims);
     });
     return;
@@ -1539,9 +1537,7 @@ void gemm_by_tiles(const GemmArgs& args, const Items& items, uint16_t* out, int6
   };
   const int64_t count = items.count();
   if (M > kRowsOnDpbf16) {  // claimed as they go, as gemm_all_panels's
-    const int64_t threads = std::min(aserve_kernels::parallel_threads(), count);
-    aserve_kernels::Claims claims((M + row_block - 1) / row_block, count, threads);
-    aserve_kernels::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    aserve_kernels::parallel_claims((M + row_block - 1) / row_block, count, [&](aserve_kernels::Claims& claims) {
       for (int64_t begin, end; claims.claim(begin, end);)
         run(begin / count * row_block, begin % count, begin % count + (end - begin));
     });

@@ -209,4 +209,11 @@ class Claims {
   int64_t count_, width_, divisor_;
 };
 
+// f(claims) on each thread of one parallel_for, every thread claiming parts of [0, rows x width) until none is left.
+template <class F> inline void parallel_claims(int64_t rows, int64_t width, const F& f) {
+  const int64_t threads = std::max<int64_t>(1, std::min(parallel_threads(), rows * width));
+  Claims claims(rows, width, threads);
+  parallel_for(0, threads, 1, [&](int64_t, int64_t) { f(claims); });
+}
+
 }  // namespace aserve_kernels
