@@ -265,7 +265,8 @@ def test_aserve_gemm_takes_batched_and_strided_rows(aserve_gemm, dtype):
         torch.ops.aserve.gemm_packed(torch.randn(2, 20, dtype=torch.float16), packed.data, None, 24)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 13, 64, 257])  # vdpbf16ps up to 4 rows, then FMAs; 257: two row blocks
+# FMAs from 2 rows (one row stays on vdpbf16ps), 24 rows a call (25: 13 + 12); 257: row blocks of 120 at K = 2100
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 13, 25, 64, 257])
 @pytest.mark.parametrize("out_features,in_features", [(40, 33), (96, 576), (33, 2100)])  # panel and K tails
 def test_fma_products_give_the_bits_of_vdpbf16ps(aserve_gemm, bf16_products, rows, out_features, in_features):
     """Off AMX tiles bf16 panels are multiplied by vdpbf16ps or by fp32 FMAs on widened values (Intel's default):

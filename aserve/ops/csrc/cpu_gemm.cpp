@@ -414,8 +414,9 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels&
 
 // The fp32 GEMM over `num_panels` panels of `panels`, the threads splitting them: the 512-bit tiles' pairs where
 // AVX-512 is, else single panels. `done(n0, n1)` then runs on each thread's output columns [n0, n1), all M rows.
-// As the bf16 GEMM's (bf16::gemm_all_panels), calls of more than kClaimRows rows, K in one chunk and with nothing
-// to do after (`done` a no-op), have the threads claim their parts as they go (aserve_kernels::Claims).
+// Calls of more than kClaimRows rows are bound by the multiplies, and in every GEMM here their threads claim parts as
+// they go (aserve_kernels::Claims; here where K is one chunk and there is nothing to do after, `done` a no-op); fewer
+// rows stream the weights, each thread its own even share.
 constexpr int64_t kClaimRows = 4;
 struct NothingAfter {
   void operator()(int64_t, int64_t) const {}
@@ -571,65 +572,21 @@ inline void micro_kernel(const uint32_t* a, const Source& source, int64_t kp, __
   for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
 }
 
-// The same products in fp32 FMAs, for CPUs whose two FMA ports outrun vdpbf16ps (bf16_products(), below). A panel's
-// pair row is widened to four fp32 vectors (the even and odd k of its two 16-column halves: a bf16 is the top half
-// of its fp32), and x's block is widened once before the panels ([kp][2][12]: a pair row's 12 evens, then its 12
-// odds; widen_block), so a row costs two broadcasts and four FMAs a pair row, and each output sums its k in order.
-struct FmaStored {
-  const uint16_t* b;
-};
-
-template <int MR>
-inline void micro_kernel(const uint32_t* a_block, const FmaStored& source, int64_t kp, __m512 (&acc)[kMR][2],
-                         const char* pf, int64_t lines) {
-  const float* a = reinterpret_cast<const float*>(a_block);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 r[MR][2];
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) r[i][0] = acc[i][0], r[i][1] = acc[i][1];
-  PacedPrefetch ahead(pf, lines, kp);
-  for (int64_t k = 0; k < kp; ++k) {
-    ahead.at(k);
-    const __m512i p0 = _mm512_load_si512(source.b + k * 2 * kNR), p1 = _mm512_load_si512(source.b + k * 2 * kNR + kNR);
-    const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
-    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
-    const float* ak = a + k * 2 * kMR;
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xe = _mm512_set1_ps(ak[i]), xo = _mm512_set1_ps(ak[kMR + i]);
-      r[i][0] = _mm512_fmadd_ps(xo, o0, r[i][0]);
-      r[i][1] = _mm512_fmadd_ps(xo, o1, r[i][1]);
-      r[i][0] = _mm512_fmadd_ps(xe, e0, r[i][0]);
-      r[i][1] = _mm512_fmadd_ps(xe, e1, r[i][1]);
-    }
-  }
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
-}
-
-// A packed block's [kp][12] pairs as [kp][2][12] fp32 (FmaStored's x). Words of rows the block does not have are
-// widened too and never read.
-inline void widen_block(const uint32_t* pairs, int64_t kp, float* out) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t k = 0; k < kp; ++k) {
-    const __m512i v = _mm512_maskz_loadu_epi32(0x0FFF, pairs + k * kMR);
-    _mm512_mask_storeu_ps(out + k * 2 * kMR, 0x0FFF, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-    _mm512_mask_storeu_ps(out + k * 2 * kMR + kMR, 0x0FFF, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
-  }
-}
-
-// What multiplies bf16 panels: AMX tiles where the CPU lends them (amx::gemm_panels, below), else vdpbf16ps or fp32
-// FMAs on widened values (FmaStored), which give vdpbf16ps's bits: it is two fp32 FMAs, the odd k's product first, of
+// What multiplies bf16 panels: AMX tiles where the CPU lends them (amx::gemm_panels, below), else vdpbf16ps or, for
+// CPUs whose two FMA ports outrun it, fp32 FMAs on widened values (16-column halves of the panels as tiles of
+// gemm_by_tiles, DenseItems below), which give vdpbf16ps's bits: it is two fp32 FMAs, the odd k's product first, of
 // products exact in fp32 (but with denormal inputs read as zero and denormal sums flushed). The choice is
 // aserve_kernels::bf16_products() (vec_helpers.h), which decode attention follows too.
 using aserve_kernels::amx_tiles;
 using aserve_kernels::Products;
 using aserve_kernels::bf16_products;
-// Up to this many rows vdpbf16ps multiplies even so: a GEMV's few rows are bound by the weights' streaming, and there
-// the FMAs' dependent pairs were slower (the bench model's 120 layers, an Intel Xeon without AMX tiles: 1 row 9.4
-// against 11.2 ms, 2 rows 10.0 against 11.6, 4 rows level; 5 and 6 rows 7% faster on FMAs, 8 rows 16.3 against 13.4,
-// 64 rows 89 against 61). The same bits either way, so a row's output does not depend on its batch.
-constexpr int64_t kRowsOnDpbf16 = 4;
+// Up to this many rows a dense product is multiplied on vdpbf16ps even where FMAs multiply the rest: a GEMV's row is
+// bound by the weights' streaming, and row_by_two_panels streams them as fast as the tiles do (the bench model
+// decoding one request, steps alternated in one engine, Intel Xeon without AMX tiles, 2 threads: 13.04 ms a step
+// against 12.92 on the tiles). From 2 rows the tiles were faster: 2 requests 14.15/14.79 against 13.57/14.08 ms,
+// 3 15.65 against 14.50, 4 15.85 against 15.07 (the panels' 12 x 32 FMA micro-kernel, earlier, had lost to
+// vdpbf16ps up to 4 rows). The same bits either way, so a row's output does not depend on its batch.
+constexpr int64_t kRowsOnDpbf16 = 1;
 
 inline __m512 widen(const uint16_t* p) { return aserve_kernels::load_bf16_as_float(p); }
 
@@ -1078,19 +1035,13 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   const int64_t total_lines = (panels.bytes() + 63) / 64;
   thread_local std::vector<uint32_t> packed;
   packed.resize(((std::min(M, row_block) + kMR - 1) / kMR) * kMR * kp);
-  // (quantized weights on FMA products take the tile GEMM, gemm_by_tiles)
-  const bool fma = std::is_same_v<Panels, DensePanels> && bf16_products() == Products::kFma && M > kRowsOnDpbf16;
-  thread_local std::vector<float> widened;  // fma: the x block widened ([kp][2][12] a call)
-  if (fma) widened.resize(packed.size() * 2);
+  // (on FMA products, more dense rows than kRowsOnDpbf16 take the tile GEMM, gemm_by_tiles, and quantized ones all)
   int64_t packed_m0 = -1;  // the row block `packed` holds
   // panels [q0, q1) of the row block from m0; the panel after each is prefetched where it is below `last`
   const auto run = [&](int64_t m0, int64_t q0, int64_t q1, int64_t last) {
     const int64_t mc = std::min(row_block, M - m0), blocks = (mc + kMR - 1) / kMR;
     if (m0 != packed_m0) {
       pack_rows(x, ldx, m0, mc, K, packed.data());
-      if (fma) {
-        for (int64_t r = 0; r < blocks; ++r) widen_block(packed.data() + r * kMR * kp, kp, widened.data() + r * 2 * kMR * kp);
-      }
       packed_m0 = m0;
     }
     const RowCalls<kMR> calls(mc);
@@ -1099,7 +1050,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
       const uint16_t* pb = bias != nullptr ? bias + p * kNR : nullptr;
       const float* ps = scale != nullptr ? scale + p * kNR : nullptr;
       if constexpr (std::is_same_v<Panels, DensePanels>) {
-        if (M == 1 && !fma && p + 1 < q1) {  // a GEMV: two panels at a time, the two after them prefetched
+        if (M == 1 && p + 1 < q1) {  // a GEMV: two panels at a time, the two after them prefetched
           const PanelOut second{panels.get(p + 1), out + (p + 1) * po,
                                 static_cast<int>(std::min<int64_t>(kNR, N - (p + 1) * kNR)),
                                 bias != nullptr ? bias + (p + 1) * kNR : nullptr,
@@ -1126,12 +1077,6 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
             continue;
           }
         }
-        if (fma) {
-          const FmaStored source{panels.get(p)};
-          const auto* a = reinterpret_cast<const uint32_t*>(widened.data() + r * 2 * kMR * kp);
-          kTilesOf<FmaStored>[rows](a, &source, kp, c, ldo, cols, pb, ps, pf, lines, act);
-          continue;
-        }
         kTilesOf<Stored>[rows](packed.data() + r * kMR * kp, &stored, kp, c, ldo, cols, pb, ps, pf, lines, act);
       }
     }
@@ -1144,7 +1089,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
   for (int64_t m0 = 0; m0 < M; m0 += row_block) run(m0, p0, p1, p1);
 }
 
-// gemm_panels over all `num_panels` panels on every thread. Calls of more rows than kRowsOnDpbf16 are bound by the
+// gemm_panels over all `num_panels` panels on every thread. Calls of more rows than kClaimRows are bound by the
 // multiplies, and there the threads claim parts as they go (aserve_kernels::Claims): with a static split, each
 // call ended waiting on whichever core the VM ran slower then (both threads spent ~11% of a batch-64 run in
 // OpenMP's barrier). Fewer rows stream the weights, each thread its own half. Each output comes out the same
@@ -1152,7 +1097,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
 template <class Panels>
 void gemm_all_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const uint16_t* bias,
                      const float* scale, uint16_t* out, int64_t N, int64_t num_panels, int64_t act = kNoActivation) {
-  if (M > kRowsOnDpbf16 && bf16_products() != Products::kAmx) {
+  if (M > kClaimRows && bf16_products() != Products::kAmx) {
     const int64_t row_block = block_rows(K);
     aserve_kernels::parallel_claims((M + row_block - 1) / row_block, num_panels, [&](aserve_kernels::Claims& claims) {
       gemm_panels(x, ldx, M, K, panels, bias, scale, out, N, 0, num_panels, act, &claims);
@@ -1182,22 +1127,6 @@ at::Tensor pack(const at::Tensor& weight) {
     }
   });
   return packed;
-}
-
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                int64_t out_features, int64_t act) {
-  TORCH_CHECK(act != kSiluMul || (out_features % kNR == 0 && x.size(-1) > 0),
-              "gemm_packed: SiLU-and-mul needs a gate | up weight of whole 32-row panels (2 x a multiple of 16)");
-  GemmArgs args = gemm_args(x, packed, bias, out_features, (x.size(-1) + 1) / 2 * 2, kNR,
-                            "[ceil(out/32), 2 * ceil(in/2), 32] (bf16)", act == kSiluMul ? out_features / 2 : -1);
-  if (args.M == 0 || args.N == 0 || args.K == 0) return args.out;
-  const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const auto* b = static_cast<const uint16_t*>(args.bias);
-  auto* o = reinterpret_cast<uint16_t*>(args.out.data_ptr());
-  const DensePanels panels{w, (args.K + 1) / 2};
-  gemm_all_panels(xp, args.rows.stride(0), args.M, args.K, panels, b, nullptr, o, args.N, packed.size(0), act);
-  return args.out;
 }
 
 // int8 tiles ([ceil(N/16)][K][16], quantization.int8's layout) two at a time as a bf16 panel, widened into the
@@ -1345,9 +1274,9 @@ struct Int4Panels {
   }
 };
 
-// int8 and int4 GEMMs on FMA products: a tile (16 outputs) at a time, its weights made fp32 in registers (int8:
-// widened; int4: dequantized with one fmsub, fp32, not rounded to bf16 as the panels' are) and multiplied at once by up
-// to kRowsAtOnce rows, the tile widened again for each further call (from L1: a tile is K x 16 or K / 2 x 16 bytes).
+// The bf16 GEMMs on FMA products, dense (from 2 rows), int8 and int4: a tile (16 outputs) at a time, its weights
+// made fp32 in registers (dense: a panel's half, widened; int8: widened; int4: dequantized with one fmsub, fp32, not
+// rounded to bf16 as the panels' are) and multiplied at once by up to kRowsAtOnce rows, the tile widened again for each further call (from L1: a tile is K x 16 or K / 2 x 16 bytes).
 // Widening panels into scratch for the dense micro-kernel (as on vdpbf16ps) was half of a 16-row int4 product on an
 // Intel Xeon without AMX (2 threads): writing a panel's bf16 pairs and reading them back cost as much as its
 // products. In registers a tile's pair row costs four widening ops (int4: and two fmsubs) beside its 2 x 16 FMAs at
@@ -1359,7 +1288,10 @@ struct Int4Panels {
 // bench model's 120 layers, int8 and GPTQ (group 64), bf16, 2 threads, both ways alternated in one process (30 rounds,
 // best, ms; an Intel Xeon without AMX tiles): 20 rows int8 21.4 -> 18.7, GPTQ 20.1 -> 17.8; 24 rows 23.4 -> 21.6,
 // 22.3 -> 20.3; 40 rows 36.1 -> 34.2, 36.1 -> 33.8; 64 rows 54.2 -> 52.6, 54.2 -> 52.8; 32 rows (16 + 16 either way)
-// level.
+// level. Dense weights took the panels' 12 x 32 micro-kernel on FMAs until its compiled loop turned out to copy
+// registers (a vmovaps for every two of its FMAs, ~73% of the FMA ports' peak in L1 against ~80% for a 24 x 16 tile;
+// an Intel Xeon with AVX512-BF16, no AMX tiles): on the tiles, batch-64 decode steps of the bench model ran 101.4 ms
+// against 112.3 (alternated in one engine), its head's [64, 576] x [576, 49152] product 1.07-1.14x as fast.
 constexpr int kRowsAtOnce = 24;
 
 // Rows [0, rows) of x (bf16, ldx apart) as fp32 [2 ceil(K / 2)][rows]: x's transpose, 16 rows by 16 k at a time (an
@@ -1420,17 +1352,22 @@ struct Int8Tile {
 };
 
 // acc[m] += the tile's products with row m of x (fp32 [2 ceil(K / 2)][MR]: transpose_rows_fp32), a pair row's odd k
-// first, as vdpbf16ps and the FMA micro-kernel add them: exact products (int8 weights) give their bits.
+// first, as vdpbf16ps adds them: exact products (bf16 and int8 weights) give their bits.
 template <int MR, class Tile>
 inline void tile_sums(const Tile& tile, const float* x, __m512 (&acc)[MR]) {
+  __m512 r[MR];  // a local copy: sums kept in the caller's array may be stored back on every step (see micro_kernel)
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m) r[m] = acc[m];
   tile.pair_rows([&](int64_t kk, __m512 even, __m512 odd) __attribute__((always_inline)) {
     const float* xk = x + 2 * kk * MR;  // the MR rows' x[2kk], then their x[2kk + 1]
 #pragma GCC unroll 32
     for (int m = 0; m < MR; ++m) {
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[MR + m]), odd, acc[m]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), even, acc[m]);
+      r[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[MR + m]), odd, r[m]);
+      r[m] = _mm512_fmadd_ps(_mm512_set1_ps(xk[m]), even, r[m]);
     }
   });
+#pragma GCC unroll 32
+  for (int m = 0; m < MR; ++m) acc[m] = r[m];
 }
 
 inline void store_tile_row(__m512 v, uint16_t* c, int cols) {
@@ -1451,6 +1388,7 @@ struct TileCall {
   const float* x;
   uint16_t* c;
   int64_t ldc, item;
+  bool first;  // the item's first call in its row block
 };
 
 // int4: tile `item`'s 16 outputs (`cols` real), from the bias.
@@ -1502,6 +1440,64 @@ struct Int8Items {
   }
 };
 
+// A dense panel's 16-column half as a tile: pair row kk's 16 pairs of bf16 (64 bytes, 128 bytes apart: the other
+// half's between), widened to fp32 (a bf16 is the top half of its fp32). Its own pair rows are prefetched into L1
+// kAhead rows ahead: a call after the first finds them in L2, and without it a tenth of a 64-row product's samples
+// sat on their loads. `next` (the call that first reads this half of its row block) is where the next panel's
+// matching half starts, fetched into L2 a line a step.
+struct DenseTile {
+  static constexpr int64_t kAhead = 8;
+  const uint16_t* w;  // the half's first pair row
+  int64_t kp;
+  const char* next;   // or null
+  template <class F> inline void pair_rows(F&& f) const {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t kk = 0; kk < kp; ++kk) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kk + kAhead) * 2 * kNR), _MM_HINT_T0);
+      if (next != nullptr) _mm_prefetch(next + kk * 64, _MM_HINT_T1);
+      const __m512i p = _mm512_load_si512(w + kk * 2 * kNR);
+      f(kk, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)), _mm512_castsi512_ps(_mm512_and_si512(p, high)));
+    }
+  }
+};
+
+// Dense bf16 panels ([ceil(N/32)][kp][32][2]) on FMAs: tile t is panel t / 2's half t % 2, from the bias, then GELU
+// where asked; with SiLU-and-mul item p is panel p, its gates in half 0 and their ups in half 1 (pack_gated_weight),
+// out 16 columns of silu(gate) * up. Each output's sums are the FMAs the panels' 12 x 32 micro-kernel ran, in the
+// same order: the same bits as vdpbf16ps.
+struct DenseItems {
+  const uint16_t* w;
+  const uint16_t* bias;
+  int64_t kp, N, act;
+  int64_t count() const { return act == kSiluMul ? N / 32 : (N + 15) / 16; }
+  int64_t panels() const { return (N + kNR - 1) / kNR; }
+  template <int MR> void sums(int64_t t, const TileCall& call, int cols, __m512 (&acc)[MR]) const {
+    const __m512 b = tile_bias(bias, t, cols);
+#pragma GCC unroll 32
+    for (int m = 0; m < MR; ++m) acc[m] = b;
+    const int64_t p = t / 2, half = t % 2;
+    const char* next = call.first && p + 1 < panels()
+                           ? reinterpret_cast<const char*>(w + (p + 1) * kp * 2 * kNR) + half * kp * 64 : nullptr;
+    tile_sums<MR>(DenseTile{w + p * kp * 2 * kNR + half * 16 * 2, kp, next}, call.x, acc);
+  }
+  template <int MR> void run(const TileCall& call) const {
+    __m512 acc[MR];
+    if (act != kSiluMul) {
+      const int cols = static_cast<int>(std::min<int64_t>(16, N - call.item * 16));
+      sums<MR>(call.item, call, cols, acc);
+      if (act != kNoActivation) {
+        for (int m = 0; m < MR; ++m) acc[m] = gelu(aserve_kernels::fVec(acc[m]), act);
+      }
+      for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + call.item * 16, cols);
+      return;
+    }
+    __m512 gates[MR];
+    sums<MR>(2 * call.item, call, 16, gates);
+    sums<MR>(2 * call.item + 1, call, 16, acc);
+    for (int m = 0; m < MR; ++m) store_tile_row(silu_times(gates[m], acc[m]), call.c + m * call.ldc + call.item * 16, 16);
+  }
+};
+
 template <class Items, int... MR>
 constexpr std::array<void (Items::*)(const TileCall&) const, sizeof...(MR) + 1> rows_table(
     std::integer_sequence<int, MR...>) {
@@ -1509,41 +1505,64 @@ constexpr std::array<void (Items::*)(const TileCall&) const, sizeof...(MR) + 1> 
 }
 
 // The tile GEMM: row blocks whose fp32 rows fit half of L2 (block_bytes), each against all of a thread's items in
-// calls of up to kRowsAtOnce rows: an item's weights are read once per block, the block's rows once per item.
+// calls of up to kRowsAtOnce rows: an item's weights are read once per block, the block's rows once per item. Each
+// call's rows are transposed once, by whichever thread takes them first (the threads take them in turn before their
+// items, and wait on a block's before multiplying it): made by the calling thread alone before the region, they held
+// the others back ~3% of a batch-64 step.
 template <class Items>
 void gemm_by_tiles(const GemmArgs& args, const Items& items, uint16_t* out, int64_t ldo) {
   static constexpr auto kRuns = rows_table<Items>(std::make_integer_sequence<int, kRowsAtOnce>());
   const int64_t M = args.M, K = args.K, K2 = (K + 1) / 2 * 2, ldx = args.rows.stride(0);
   const int64_t row_block = std::max<int64_t>(kRowsAtOnce, block_bytes() / (K2 * 4) / kRowsAtOnce * kRowsAtOnce);
+  const int64_t calls_per_block = RowCalls<kRowsAtOnce>(std::min(row_block, M)).count;  // all but the last block's
+  const int64_t num_calls = (M / row_block) * calls_per_block +
+                            (M % row_block != 0 ? RowCalls<kRowsAtOnce>(M % row_block).count : 0);
   thread_local std::vector<float> rows;  // each call's rows as [K2][rows] fp32, one call after the other
   rows.resize(M * K2);
+  thread_local std::vector<std::atomic<int>> state;  // per call: 0 to take, 1 being transposed, 2 ready
+  if (static_cast<int64_t>(state.size()) < num_calls) state = std::vector<std::atomic<int>>(num_calls);
+  for (int64_t c = 0; c < num_calls; ++c) state[c].store(0, std::memory_order_relaxed);
   const auto* x = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
-  for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-    const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
-    for (int64_t r = 0; r < calls.count; ++r) {
-      const int64_t first = m0 + calls.first(r);
-      transpose_rows_fp32(x + first * ldx, ldx, calls.rows(r), K, rows.data() + first * K2);
+  float* xt = rows.data();  // (the workers' own `rows` are other vectors)
+  std::atomic<int>* ready = state.data();
+  const auto transpose_all = [&] {  // every call nobody has taken yet
+    for (int64_t m0 = 0, c = 0; m0 < M; m0 += row_block) {
+      const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
+      for (int64_t r = 0; r < calls.count; ++r, ++c) {
+        int expected = 0;
+        if (ready[c].load(std::memory_order_relaxed) != 0 ||
+            !ready[c].compare_exchange_strong(expected, 1, std::memory_order_relaxed))
+          continue;
+        const int64_t first = m0 + calls.first(r);
+        transpose_rows_fp32(x + first * ldx, ldx, calls.rows(r), K, xt + first * K2);
+        ready[c].store(2, std::memory_order_release);
+      }
     }
-  }
-  const float* xt = rows.data();  // (the workers' own `rows` are other vectors)
+  };
   const auto run = [&](int64_t m0, int64_t begin, int64_t end) {  // items [begin, end) of the block from m0
     const RowCalls<kRowsAtOnce> calls(std::min(row_block, M - m0));
+    const int64_t c0 = m0 / row_block * calls_per_block;
+    for (int64_t r = 0; r < calls.count; ++r) {
+      for (uint32_t spins = 0; ready[c0 + r].load(std::memory_order_acquire) != 2;) aserve_kernels::spin_pause(spins);
+    }
     for (int64_t item = begin; item < end; ++item) {
       for (int64_t r = 0; r < calls.count; ++r) {
         const int64_t first = m0 + calls.first(r);
-        (items.*kRuns[calls.rows(r)])(TileCall{xt + first * K2, out + first * ldo, ldo, item});
+        (items.*kRuns[calls.rows(r)])(TileCall{xt + first * K2, out + first * ldo, ldo, item, r == 0});
       }
     }
   };
   const int64_t count = items.count();
-  if (M > kRowsOnDpbf16) {  // claimed as they go, as gemm_all_panels's
+  if (M > kClaimRows) {  // claimed as they go, as gemm_all_panels's
     aserve_kernels::parallel_claims((M + row_block - 1) / row_block, count, [&](aserve_kernels::Claims& claims) {
+      transpose_all();
       for (int64_t begin, end; claims.claim(begin, end);)
         run(begin / count * row_block, begin % count, begin % count + (end - begin));
     });
     return;
   }
   aserve_kernels::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    transpose_all();
     for (int64_t m0 = 0; m0 < M; m0 += row_block) run(m0, begin, end);
   });
 }
@@ -1575,6 +1594,26 @@ void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& 
                           args.K, group, tiled.size(0)};
   gemm_all_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), nullptr, o,
                   args.N, (args.N + kNR - 1) / kNR);
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                int64_t out_features, int64_t act) {
+  TORCH_CHECK(act != kSiluMul || (out_features % kNR == 0 && x.size(-1) > 0),
+              "gemm_packed: SiLU-and-mul needs a gate | up weight of whole 32-row panels (2 x a multiple of 16)");
+  GemmArgs args = gemm_args(x, packed, bias, out_features, (x.size(-1) + 1) / 2 * 2, kNR,
+                            "[ceil(out/32), 2 * ceil(in/2), 32] (bf16)", act == kSiluMul ? out_features / 2 : -1);
+  if (args.M == 0 || args.N == 0 || args.K == 0) return args.out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const auto* b = static_cast<const uint16_t*>(args.bias);
+  auto* o = reinterpret_cast<uint16_t*>(args.out.data_ptr());
+  if (bf16_products() == Products::kFma && args.M > kRowsOnDpbf16) {
+    gemm_by_tiles(args, DenseItems{w, b, (args.K + 1) / 2, args.N, act}, o, args.out.size(-1));
+    return args.out;
+  }
+  const DensePanels panels{w, (args.K + 1) / 2};
+  gemm_all_panels(xp, args.rows.stride(0), args.M, args.K, panels, b, nullptr, o, args.N, packed.size(0), act);
+  return args.out;
 }
 
 }  // namespace bf16
