@@ -1429,6 +1429,27 @@ struct Int4Items {
   }
 };
 
+// A call's outputs of its item: tile `item`'s 16 (`cols` real; GELU where `act` asks), or with SiLU-and-mul (gate |
+// up tiles alternating) 16 columns of silu(gate) * up from tiles 2 item and 2 item + 1. sums(t, cols, acc) makes tile
+// t's MR rows of fp32 sums.
+template <int MR, class Sums>
+inline void write_item(const TileCall& call, int64_t N, int64_t act, const Sums& sums) {
+  __m512 acc[MR];
+  if (act != kSiluMul) {
+    const int cols = static_cast<int>(std::min<int64_t>(16, N - call.item * 16));
+    sums(call.item, cols, acc);
+    if (act != kNoActivation) {
+      for (int m = 0; m < MR; ++m) acc[m] = gelu(aserve_kernels::fVec(acc[m]), act);
+    }
+    for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + call.item * 16, cols);
+    return;
+  }
+  __m512 gates[MR];
+  sums(2 * call.item, 16, gates);
+  sums(2 * call.item + 1, 16, acc);
+  for (int m = 0; m < MR; ++m) store_tile_row(silu_times(gates[m], acc[m]), call.c + m * call.ldc + call.item * 16, 16);
+}
+
 // int8: tile `item`'s sums scaled per column, then the bias added; with SiLU-and-mul (gate | up tiles alternating,
 // quantization.int8's gated tiling) item p's gates are tile 2p and its ups 2p + 1, out 16 columns of silu(gate) * up.
 struct Int8Items {
@@ -1448,17 +1469,7 @@ struct Int8Items {
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(acc[m], s, b);
   }
   template <int MR> void run(const TileCall& call) const {
-    __m512 acc[MR];
-    if (act != kSiluMul) {
-      const int cols = static_cast<int>(std::min<int64_t>(16, N - call.item * 16));
-      scaled_sums<MR>(call.item, call, cols, acc);
-      for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + call.item * 16, cols);
-      return;
-    }
-    __m512 gates[MR];
-    scaled_sums<MR>(2 * call.item, call, 16, gates);
-    scaled_sums<MR>(2 * call.item + 1, call, 16, acc);
-    for (int m = 0; m < MR; ++m) store_tile_row(silu_times(gates[m], acc[m]), call.c + m * call.ldc + call.item * 16, 16);
+    write_item<MR>(call, N, act, [&](int64_t t, int cols, __m512 (&acc)[MR]) { scaled_sums<MR>(t, call, cols, acc); });
   }
 };
 
@@ -1502,20 +1513,7 @@ struct DenseItems {
     tile_sums<MR>(DenseTile{w + p * kp * 2 * kNR + half * 16 * 2, kp, next}, call.x, acc);
   }
   template <int MR> void run(const TileCall& call) const {
-    __m512 acc[MR];
-    if (act != kSiluMul) {
-      const int cols = static_cast<int>(std::min<int64_t>(16, N - call.item * 16));
-      sums<MR>(call.item, call, cols, acc);
-      if (act != kNoActivation) {
-        for (int m = 0; m < MR; ++m) acc[m] = gelu(aserve_kernels::fVec(acc[m]), act);
-      }
-      for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + call.item * 16, cols);
-      return;
-    }
-    __m512 gates[MR];
-    sums<MR>(2 * call.item, call, 16, gates);
-    sums<MR>(2 * call.item + 1, call, 16, acc);
-    for (int m = 0; m < MR; ++m) store_tile_row(silu_times(gates[m], acc[m]), call.c + m * call.ldc + call.item * 16, 16);
+    write_item<MR>(call, N, act, [&](int64_t t, int cols, __m512 (&acc)[MR]) { sums<MR>(t, call, cols, acc); });
   }
 };
 
