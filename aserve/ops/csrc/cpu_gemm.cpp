@@ -1013,7 +1013,7 @@ void gemm_panels(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const Pan
 }  // namespace amx
 #endif  // __AMX_TILE__ && __AMX_BF16__
 
-// Rows a thread packs and widens at a time: their x block (rows x K, fp32 where widened) fills half of L2.
+// Rows a thread packs at a time: their x block (rows x ceil(K / 2) pairs of bf16) fills half of L2.
 inline int64_t block_rows(int64_t K) {
   return std::max<int64_t>(kMR, block_bytes() / ((K + 1) / 2 * 4) / kMR * kMR);
 }
