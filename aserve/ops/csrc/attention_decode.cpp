@@ -95,11 +95,12 @@ template <typename T, int D> inline void widen(const T* p, fVec* out) {
 // cache; with a per-token callback the compiler kept the sums on the stack).
 inline void token_offsets(const int64_t* table, int64_t block_size, int64_t row_size, int64_t first, int64_t len,
                           int64_t* out) {
-  for (int64_t t = first; t < len;) {
-    const int64_t offset = t % block_size, block = t / block_size;
-    const int64_t stop = std::min(len, t - offset + block_size);
-    int64_t at = (table[block] * block_size + offset) * row_size;
-    for (; t < stop; ++t, at += row_size) *out++ = at;
+  int64_t block = first / block_size, offset = first % block_size;  // then each block from its start
+  for (int64_t t = first; t < len; ++block, offset = 0) {
+    const int64_t count = std::min(len - t, block_size - offset);
+    const int64_t at = (table[block] * block_size + offset) * row_size;
+    for (int64_t j = 0; j < count; ++j) out[j] = at + j * row_size;  // (written so that it vectorizes)
+    out += count, t += count;
   }
 }
 
@@ -190,6 +191,13 @@ template <typename C> inline float as_float(C x) {
   if constexpr (is_fp8<C>) return fp8_to_float<C>(x.bits); else return static_cast<float>(x);
 }
 
+// peaks = max(peaks, the first `count` lanes of scores), lane by lane: the key pass keeps each head's running maximum
+// for the softmax, which then needs no pass of its own to find it (NaN propagates as at::vec::maximum does).
+inline void running_max(const fVec& scores, int count, float* peaks) {
+  const fVec top = fVec::loadu(peaks), higher = at::vec::maximum(top, scores);
+  (count == fVec::size() ? higher : fVec::set(top, higher, count)).store(peaks);
+}
+
 template <typename C> inline void pair_lanes_scalar(const C* src, int count, fVec& even, fVec& odd) {
   alignas(64) float e[fVec::size()] = {}, o[fVec::size()] = {};
   for (int t = 0; t < count; ++t) e[t] = as_float(src[2 * t]), o[t] = as_float(src[2 * t + 1]);
@@ -267,13 +275,18 @@ template <typename C> inline void pair_lanes(const C* src, int count, fVec& even
 #endif
 
 // NH query heads' scores (q fp32, already scaled, rows HeadDim apart) for `count` tokens of one block whose pairs
-// start at `pairs` (pair runs `pair_stride` elements apart): out[h * out_stride + t]. Even and odd dims sum apart
-// (two chains a head, so that the FMAs' latency overlaps), added at the end.
-template <typename C, int HeadDim, int NH>
+// start at `pairs` (pair runs `pair_stride` elements apart): out[h * out_stride + t], and each head's running
+// maximum in peaks[h]. Even and odd dims sum apart (two chains a head, so that the FMAs' latency overlaps), added at
+// the end. Full: count is a whole vector, known when compiled, so that the loop over the pairs has no masks to
+// choose (with them it kept two register copies and a branch a pair: hot decode attention, bench model, Intel Xeon
+// avx512_bf16 without AMX).
+template <typename C, int HeadDim, int NH, bool Full>
 inline void pair_scores(const float* q, const C* pairs, int64_t pair_stride, int count, float* out,
-                        int64_t out_stride) {
+                        int64_t out_stride, float* peaks) {
+  if constexpr (Full) count = fVec::size();
   fVec acc[NH][2];
   for (int h = 0; h < NH; ++h) acc[h][0] = fVec(0.f), acc[h][1] = fVec(0.f);
+#pragma GCC unroll 4
   for (int p = 0; p < HeadDim / 2; ++p) {
     fVec even, odd;
     pair_lanes(pairs + p * pair_stride, count, even, odd);
@@ -285,6 +298,7 @@ inline void pair_scores(const float* q, const C* pairs, int64_t pair_stride, int
   for (int h = 0; h < NH; ++h) {
     const fVec sums = acc[h][0] + acc[h][1];
     if (count == fVec::size()) sums.store(out + h * out_stride); else sums.store(out + h * out_stride, count);
+    running_max(sums, count, peaks + h * fVec::size());
   }
 }
 
@@ -313,11 +327,18 @@ inline void key_groups(const C* k_head, const C* v_head, const int64_t* offsets,
 template <typename C, int HeadDim>
 void key_scores(const float* q, int64_t heads, int64_t head_dim, const C* k_head, const C* v_head,
                 const int64_t* offsets, int64_t first, int64_t n, int64_t block_size, float* scores, float* scratch,
-                Ahead& ahead) {
+                float* peaks, Ahead& ahead) {
+  constexpr int W = fVec::size();
   if constexpr (HeadDim > 0) {
     key_groups(k_head, v_head, offsets, first, n, block_size, HeadDim, ahead, [&](int64_t i, int count, const C* pairs) {
       head_groups<4>(heads, [&](auto nh, int64_t g) {
-        pair_scores<C, HeadDim, decltype(nh)::value>(q + g * HeadDim, pairs, 2 * block_size, count, scores + g * n + i, n);
+        constexpr int NH = decltype(nh)::value;
+        const float* qg = q + g * HeadDim;
+        float *out = scores + g * n + i, *top = peaks + g * W;
+        if (count == W)
+          pair_scores<C, HeadDim, NH, true>(qg, pairs, 2 * block_size, count, out, n, top);
+        else
+          pair_scores<C, HeadDim, NH, false>(qg, pairs, 2 * block_size, count, out, n, top);
       });
     });
   } else {
@@ -326,6 +347,7 @@ void key_scores(const float* q, int64_t heads, int64_t head_dim, const C* k_head
         for (int64_t d = 0; d < head_dim; ++d) scratch[d] = as_float(pairs[d / 2 * 2 * block_size + 2 * t + d % 2]);
         for (int64_t g = 0; g < heads; ++g) scores[g * n + i + t] = dot(q + g * head_dim, scratch, head_dim);
       }
+      for (int64_t g = 0; g < heads; ++g) running_max(fVec::loadu(scores + g * n + i, count), count, peaks + g * W);
     });
   }
 }
@@ -367,7 +389,7 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // dims, broadcast, in one instruction; the scale is applied to the sums. q: the heads' bf16 rows as 32-bit pairs.
 template <int HeadDim, int NH>
 inline void pair_scores_bf16(const uint32_t* q, const BF16* pairs, int64_t pair_stride, int count, float scale,
-                             float* out, int64_t out_stride) {
+                             float* out, int64_t out_stride, float* peaks) {
   __m512 acc[NH][2];
   for (int h = 0; h < NH; ++h) acc[h][0] = _mm512_setzero_ps(), acc[h][1] = _mm512_setzero_ps();
   for (int p = 0; p < HeadDim / 2; ++p) {
@@ -378,17 +400,19 @@ inline void pair_scores_bf16(const uint32_t* q, const BF16* pairs, int64_t pair_
   for (int h = 0; h < NH; ++h) {
     const fVec sums = fVec(_mm512_add_ps(acc[h][0], acc[h][1])) * fVec(scale);
     if (count == 16) sums.store(out + h * out_stride); else sums.store(out + h * out_stride, count);
+    running_max(sums, count, peaks + h * 16);
   }
 }
 
 template <int HeadDim>
 void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
-                     int64_t first, int64_t n, int64_t block_size, float scale, float* scores, Ahead& ahead) {
+                     int64_t first, int64_t n, int64_t block_size, float scale, float* scores, float* peaks,
+                     Ahead& ahead) {
   const auto* words = reinterpret_cast<const uint32_t*>(q);
   key_groups(k_head, v_head, offsets, first, n, block_size, HeadDim, ahead, [&](int64_t i, int count, const BF16* pairs) {
     head_groups<4>(heads, [&](auto nh, int64_t g) {
       pair_scores_bf16<HeadDim, decltype(nh)::value>(words + g * HeadDim / 2, pairs, 2 * block_size, count, scale,
-                                                     scores + g * n + i, n);
+                                                     scores + g * n + i, n, peaks + g * 16);
     });
   });
 }
@@ -515,11 +539,30 @@ void value_sum_bf16(const P* p, int64_t stride, int64_t heads, const BF16* v_hea
 #else  // declared only, so the branches that would call them compile away
 template <int HeadDim>
 void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, int64_t, int64_t, float,
-                     float*, Ahead&);
+                     float*, float*, Ahead&);
 float exp_to_bf16(const float*, float, int64_t, uint16_t*);
 template <int HeadDim, typename P>
 void value_sum_bf16(const P*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
 #endif
+
+// s[i] = exp(s[i] - peak) for i < n, in one pass that also returns their sum (the softmax's total).
+inline float exp_in_place(float* s, float peak, int64_t n) {
+  constexpr int W = fVec::size();
+  const fVec log2e(kLog2e), top(peak);
+  fVec total(0.f);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const fVec e = exp2_bounded((fVec::loadu(s + i) - top) * log2e);
+    e.store(s + i);
+    total = total + e;
+  }
+  if (i < n) {
+    const fVec e = exp2_bounded((fVec::loadu(s + i, n - i) - top) * log2e);
+    e.store(s + i, n - i);
+    total = total + fVec::set(fVec(0.f), e, n - i);
+  }
+  return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, total);
+}
 
 // Tokens a work item attends to at most: longer contexts are split in parts of at most this size, their softmaxes
 // merged. Batch 1 had too few (request, kv head) items for two threads: splitting the query heads instead read every
@@ -603,7 +646,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const bool bf16_probs = bf16_dot && !fma_dot;  // probabilities rounded to bf16 pairs for vdpbf16ps
   // One thread's scratch, and the items it runs in turn (the next one's rows found and prefetched meanwhile).
   struct Worker {
-    std::vector<float> q, row, acc, scores, merged, totals;
+    std::vector<float> q, row, acc, scores, merged, totals, peaks;
     std::vector<T> qb;
     std::vector<uint16_t> probs;
     std::vector<int64_t> offsets, next_offsets;
@@ -613,6 +656,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     thread_local Worker w;
     w.q.resize(group * head_dim), w.row.resize(head_dim), w.acc.resize(group * head_dim);
     w.merged.resize(head_dim), w.qb.resize(bf16_dot ? group * head_dim : 0), w.totals.resize(group);
+    w.peaks.resize(group * fVec::size());
     w.ready = -1;
     return w;
   };
@@ -642,12 +686,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
                     following.stop - following.first, sizeof(C), head_dim * sizeof(C), n);
     }
     for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
+    float* peaks = w.peaks.data();  // each head's running maximum, lane by lane
+    std::fill(w.peaks.begin(), w.peaks.end(), -std::numeric_limits<float>::infinity());
     if constexpr (bf16_dot) {
       if (!fma_dot) {
         for (int64_t g = 0; g < group; ++g)
           std::memcpy(w.qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
         key_scores_bf16<HeadDim>(w.qb.data(), group, k_head, v_head, offsets, it.first, n, block_size, fscale, scores,
-                                 ahead);
+                                 peaks, ahead);
       }
     }
     if (!bf16_probs) {
@@ -656,10 +702,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         scale_row(w.q.data() + g * head_dim, fscale, head_dim);
       }
       key_scores<C, HeadDim>(w.q.data(), group, head_dim, k_head, v_head, offsets, it.first, n, block_size, scores,
-                             w.row.data(), ahead);
+                             w.row.data(), peaks, ahead);
     }
-    if (cap > 0.f)  // soft-capping
+    const auto max_of = [](fVec& x, fVec& y) { return at::vec::maximum(x, y); };
+    if (cap > 0.f) {  // soft-capping: the maxima are found again after it
       at::vec::map([cap](fVec x) { return tanh_rational(x / fVec(cap)) * fVec(cap); }, scores, scores, group * n);
+      for (int64_t g = 0; g < group; ++g)
+        fVec(at::vec::reduce_all<float>(max_of, scores + g * n, n)).store(peaks + g * fVec::size());
+    }
     // Softmax. bf16 cache on vdpbf16ps: exp(s - max) rounded to bf16 in the same pass that sums it, into rows of
     // even length (the value pass reads a pair of tokens' probabilities as one word); on FMAs in place. Either way
     // the value sums are divided by the total after. Other caches: in place, normalized before the value pass.
@@ -668,14 +718,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
     float* totals = w.totals.data();
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * n;
-      const float peak = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, s, n);
+      const float peak = at::vec::vec_reduce_all<float>(max_of, fVec::loadu(peaks + g * fVec::size()));
       float total;
       if (bf16_probs) {  // (exp_to_bf16 is only declared where bf16_dot is false)
         if constexpr (bf16_dot) total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride);
       } else {
-        const fVec log2e(kLog2e), top(peak);
-        at::vec::map([&](fVec x) { return exp2_bounded((x - top) * log2e); }, s, s, n);
-        total = at::vec::reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, s, n);
+        total = exp_in_place(s, peak, n);
         if (!bf16_dot) scale_row(s, 1.f / total, n);  // bf16 caches divide the value sums instead
       }
       totals[g] = total;
