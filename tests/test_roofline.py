@@ -70,6 +70,18 @@ def test_work_counted_is_the_work_done(model_dirs):
     assert not hasattr(llm.engine.executor, "execute") or "execute" not in vars(llm.engine.executor)
 
 
+def test_gemm_ceiling_is_the_gemms_at_the_peak_plus_the_rest_as_it_was():
+    """A run of 10 s whose profile gave the GEMMs 8 of 12.5 s (64%): the rest is 36% of the timed wall, 3.6 s. Its
+    1200 GFLOP at 200 GFLOP/s take 6 s: at most 6 / 9.6 of the peak; a faster peak leaves the rest a larger share."""
+    run = roofline.Run(10.0, 100, roofline.Work(gemm_flops=1200e9),
+                       split={"GEMM": 8.0, "attention": 3.0, "other ops": 1.0, "Python and scheduling": 0.5},
+                       profiled_wall=12.5)
+    assert roofline.gemm_ceiling(run, 200.0) == pytest.approx(6.0 / 9.6)
+    assert roofline.gemm_ceiling(run, 400.0) == pytest.approx(3.0 / 6.6)
+    run.split["GEMM"] = 12.5  # nothing outside the GEMMs: nothing caps the run
+    assert roofline.gemm_ceiling(run, 200.0) == pytest.approx(1.0)
+
+
 def test_probes_between_steps_stay_out_of_the_timing(model_dirs):
     """Probes with no interval read both peaks before every call of the executor (the 4 steps that run the model and
     the last, which only frees the requests), outside the run's timed wall; with a long one, once, before the first
@@ -116,7 +128,10 @@ def test_roofline_command_prints_every_figure(model_dirs, capsys):
                     r"\| Python and scheduling \|", r"inside the GEMMs: \d+ GFLOP/s",
                     r"peaks read during the run \(\d+ probes, [\d.]+ s kept out of the timing\): GEMM median \d+ "
                     r"GFLOP/s \(\d+-\d+\), bandwidth median [\d.]+ GB/s .*against the medians: GEMM \d+% of the peak, "
-                    r"memory \d+% of the bandwidth, \d+% of the limit", r"\d+% of the probes' median\)"):
+                    r"memory \d+% of the bandwidth, \d+% of the limit", r"\d+% of the probes' median\)",
+                    r"outside the GEMMs \(attention \d+%, other ops \d+%, Python and scheduling \d+% of the time\): "
+                    r"with every GEMM at the peak, the run would reach \d+% of the peak "
+                    r"\(\d+% of the probes' median\)"):
         assert re.search(pattern, out), (pattern, out)
     assert re.search(r"Throughput: [0-9.]+ requests/s", out.splitlines()[-1])
     # both peaks are read again after the run, and the fractions use the higher reading of each

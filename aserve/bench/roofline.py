@@ -367,6 +367,15 @@ def measure(llm, prompts: list[list[int]], params, peaks: Peaks | None,
 # -- the report -------------------------------------------------------------------------------------------------
 
 
+def gemm_ceiling(run: Run, gemm_gflops: float) -> float:
+    """The fraction of `gemm_gflops` the run would reach with every GEMM at that rate and everything else taking the
+    share of the time it took under the profiler (attention, other ops, Python), scaled to the timed wall: what the
+    time outside the GEMMs leaves within reach, whatever the GEMMs do."""
+    at_peak = run.work.gemm_flops / gemm_gflops / 1e9
+    rest = (1.0 - run.split["GEMM"] / run.profiled_wall) * run.wall
+    return at_peak / (at_peak + max(rest, 0.0))
+
+
 def report(run: Run, peaks: Peaks) -> None:
     w = run.work
     gemm_speed = w.gemm_flops / run.wall / 1e9
@@ -400,6 +409,11 @@ def report(run: Run, peaks: Peaks) -> None:
             inside = w.gemm_flops / gemm / 1e9
             median = f" ({inside / gemm_median:.0%} of the probes' median)" if probes is not None else ""
             print(f"inside the GEMMs: {inside:.0f} GFLOP/s = {inside / peaks.gemm_gflops:.0%} of the peak{median}")
+            rest = ", ".join(f"{label} {seconds / run.profiled_wall:.0%}" for label, seconds in run.split.items()
+                             if label != "GEMM")
+            median = f" ({gemm_ceiling(run, gemm_median):.0%} of the probes' median)" if probes is not None else ""
+            print(f"outside the GEMMs ({rest} of the time): with every GEMM at the peak, the run would reach "
+                  f"{gemm_ceiling(run, peaks.gemm_gflops):.0%} of the peak{median}")
 
 
 def main(args: argparse.Namespace) -> None:
