@@ -200,7 +200,7 @@ def test_prefill_attention_matches_torch_path(block_size, heads, dtype, head_dim
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the pairs path where the CPU has it
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the pairs path where the CPU takes it
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 30.0), (17, 50.0), (40, None)])
 def test_prefill_attention_windows_and_softcap(window, softcap, dtype):
     """Windows shorter than a chunk (rows whose first keys lie in a later step of the walk) and soft-capping."""
@@ -211,6 +211,26 @@ def test_prefill_attention_windows_and_softcap(window, softcap, dtype):
     expected = reference(query, k_cache, v_cache, row_tables, row_lens, num_physical, 16, 0.2, window, softcap)
     tol = 2e-5 if dtype == torch.float32 else TOL[dtype]
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("products", ["dpbf16", "fma"])
+def test_prefill_attention_over_a_bf16_cache_on_either_product(bf16_products, products):
+    """bf16 queries over a bf16 cache run on vdpbf16ps pairs, or on the fp32 tiles (rows widened) where bf16 products
+    run on FMAs: both match the torch path, with windows and soft-capping, and an FP8 cache follows the same choice
+    (the same bits as a bf16 cache holding its values)."""
+    bf16_products(products)
+    gen = torch.Generator().manual_seed(11)
+    query, k_cache, v_cache, tables, starts, contexts, row_tables, row_lens, num_physical = prefill_case(
+        CHUNKS, 16, (9, 3), 64, torch.bfloat16, gen)
+    for window, softcap in [(None, None), (40, None), (None, 30.0)]:
+        out = run_prefill(query, k_cache, v_cache, tables, starts, contexts, 0.125, window or 0, softcap or 0.0)
+        expected = reference(query, k_cache, v_cache, row_tables, row_lens, num_physical, 16, 0.125, window, softcap)
+        torch.testing.assert_close(out.float(), expected, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    f = FP8_FORMATS["fp8_e4m3"]
+    k_bits, v_bits = quantize(k_cache.float(), 1.0, f), quantize(v_cache.float(), 1.0, f)
+    k_bf16, v_bf16 = (dequantize(b, 1.0, f, torch.bfloat16) for b in (k_bits, v_bits))
+    assert torch.equal(run_prefill(query, k_bits, v_bits, tables, starts, contexts, 0.125, 0, 0.0, 1.0, 1.0, f.code),
+                       run_prefill(query, k_bf16, v_bf16, tables, starts, contexts, 0.125, 0, 0.0, 1.0, 1.0, 0))
 
 
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
@@ -234,8 +254,8 @@ def test_prefill_attention_reads_an_fp8_cache(fmt, dtype):
 def test_prefill_over_fp8_equals_prefill_over_the_same_values_in_bf16(fmt, head_dim):
     """Every FP8 value is a bf16 value, so bf16 queries over an FP8 cache (unit scales) give the bits that a bf16
     cache holding the dequantized values gives: with AVX512-BF16 both run the bf16 tiles (the FP8 rows made bf16 a
-    key step at a time), elsewhere both widen to fp32. Subnormal and extreme FP8 values included; head_dim 40
-    takes the fp32 tiles."""
+    key step at a time), elsewhere (and where bf16 products run on FMAs) both widen to fp32. Subnormal and extreme
+    FP8 values included; head_dim 40 takes the fp32 tiles."""
     gen = torch.Generator().manual_seed(head_dim)
     f = FP8_FORMATS[fmt]
     query, k_cache, v_cache, tables, starts, contexts, *_ = prefill_case(CHUNKS, 16, (6, 2), head_dim,

@@ -14,7 +14,8 @@
 // transposes of the keys, no horizontal sums. Threads claim items as they come free, the costliest first, so the
 // causal triangle's long items do not all land on one thread, nor does a fast core wait on one the VM slowed. bf16
 // queries over bf16 keys and values on a CPU with AVX512-BF16 take vdpbf16ps instead, nothing widened
-// (ASERVE_PREFILL_BF16, below), or AMX tiles where the CPU has them (ASERVE_PREFILL_AMX).
+// (ASERVE_PREFILL_BF16, below), or AMX tiles where the CPU has them (ASERVE_PREFILL_AMX), unless its bf16 products
+// run on fp32 FMAs (bf16_products(), as the GEMMs' and decode attention's do).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -54,19 +55,22 @@ constexpr int kCols = 2 * fVec::size();
 // st[i][0..kCols) = sum_d k[i][d] * qt[d][0..kCols): MR keys' scores against kCols query rows.
 template <int MR>
 inline void score_tile(const float* const* k, const float* qt, int64_t ldq, int64_t D, float* st, int64_t ldst) {
-  fVec acc[MR][2];
+  fReg acc[MR][2];  // registers (see fReg)
+#pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = fVec(0.f);
   for (int64_t d = 0; d < D; ++d) {
     const fVec b0 = fVec::loadu(qt + d * ldq), b1 = fVec::loadu(qt + d * ldq + fVec::size());
+#pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
       const fVec a(k[i][d]);
-      acc[i][0] = at::vec::fmadd(a, b0, acc[i][0]);
-      acc[i][1] = at::vec::fmadd(a, b1, acc[i][1]);
+      acc[i][0] = at::vec::fmadd(a, b0, fVec(acc[i][0]));
+      acc[i][1] = at::vec::fmadd(a, b1, fVec(acc[i][1]));
     }
   }
+#pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
-    acc[i][0].store(st + i * ldst);
-    acc[i][1].store(st + i * ldst + fVec::size());
+    fVec(acc[i][0]).store(st + i * ldst);
+    fVec(acc[i][1]).store(st + i * ldst + fVec::size());
   }
 }
 
@@ -74,22 +78,25 @@ inline void score_tile(const float* const* k, const float* qt, int64_t ldq, int6
 template <int MR>
 inline void output_tile(const float* pt, int64_t ldp, const float* const* v, int64_t c, int64_t nk, float* o,
                         int64_t ldo, const float* corr) {
-  fVec acc[MR][2];
+  fReg acc[MR][2];  // registers (see fReg)
+#pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
     acc[i][0] = fVec::loadu(o + i * ldo) * fVec(corr[i]);
     acc[i][1] = fVec::loadu(o + i * ldo + fVec::size()) * fVec(corr[i]);
   }
   for (int64_t j = 0; j < nk; ++j) {
     const fVec b0 = fVec::loadu(v[j] + c), b1 = fVec::loadu(v[j] + c + fVec::size());
+#pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
       const fVec a(pt[j * ldp + i]);
-      acc[i][0] = at::vec::fmadd(a, b0, acc[i][0]);
-      acc[i][1] = at::vec::fmadd(a, b1, acc[i][1]);
+      acc[i][0] = at::vec::fmadd(a, b0, fVec(acc[i][0]));
+      acc[i][1] = at::vec::fmadd(a, b1, fVec(acc[i][1]));
     }
   }
+#pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) {
-    acc[i][0].store(o + i * ldo);
-    acc[i][1].store(o + i * ldo + fVec::size());
+    fVec(acc[i][0]).store(o + i * ldo);
+    fVec(acc[i][1]).store(o + i * ldo + fVec::size());
   }
 }
 
@@ -529,7 +536,10 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
   // prefill chunks (PagedRows), which keep plain stores.
   [[maybe_unused]] constexpr bool stream_out = std::is_same_v<Rows, FlatRows<C>>;
 #ifdef ASERVE_PREFILL_BF16  // an FP8 cache too, its rows made bf16 a key step at a time (fp8_rows_as_bf16)
-  const bool pairs = std::is_same_v<T, BF16> && (std::is_same_v<C, BF16> || is_fp8<C>) && D % 32 == 0 && D <= 512;
+  // not where bf16 products run on fp32 FMAs (bf16_products(): Intel cores without AMX, where vdpbf16ps issues
+  // once every two cycles and the FMAs twice a cycle): there the fp32 tiles take bf16 and FP8 rows widened
+  const bool pairs = std::is_same_v<T, BF16> && (std::is_same_v<C, BF16> || is_fp8<C>) && D % 32 == 0 && D <= 512 &&
+                     bf16_products() != Products::kFma;
 #else
   const bool pairs = false;
 #endif

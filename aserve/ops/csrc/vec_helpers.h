@@ -41,6 +41,14 @@
 namespace aserve_kernels {
 
 using fVec = at::vec::Vectorized<float>;  // 16 lanes with AVX-512, 8 with AVX2 (CPU_CAPABILITY_* at build)
+// fVec's register, for sums a loop keeps: GCC may keep an array of fVec in memory and store every element back on
+// every step of the loop (prefill attention's fp32 tiles, as built for bf16 rows, stored their 12 sums beside their
+// 12 FMAs), an array of the register type it keeps in registers.
+#if defined(CPU_CAPABILITY_AVX512)
+using fReg = __m512;
+#else
+using fReg = fVec;  // AVX2: those tiles ran no faster on __m256
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x log2(e))
 
