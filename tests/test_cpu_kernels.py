@@ -160,6 +160,30 @@ def test_decode_attention_reads_an_fp8_cache(fmt, dtype, head_dim):
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_decode_attention_widens_every_fp8_pattern_exactly(fmt, head_dim):
+    """Every finite FP8 pattern as keys and values: attention over the bytes gives the bits it gives over their
+    values in an fp32 cache. With scales of 2^-8 the kernel's e4m3 2^8 folds in exactly, so any difference is
+    the widening's."""
+    gen = torch.Generator().manual_seed(11)
+    f = FP8_FORMATS[fmt]
+    lengths = [300, 17, 16, 1]  # whole blocks of 16, parts of 128 merged, a partial block
+    query, k_cache, _, tables, lens, _ = paged_case(lengths, 16, (6, 2), head_dim, torch.float32, gen)
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[finite.view(f.dtype).float().isfinite()]
+    k_bits, v_bits = (finite[torch.randint(len(finite), k_cache.shape, generator=gen)] for _ in range(2))
+    scale = 2.0 ** -8
+    fp8_out, fp32_out = torch.empty_like(query), torch.empty_like(query)
+    with torch.inference_mode():
+        torch.ops.aserve.paged_decode_attention(fp8_out, query, k_bits, v_bits, tables, lens, 0.125, 0, 0.0, scale,
+                                                scale, f.code)
+        torch.ops.aserve.paged_decode_attention(fp32_out, query, dequantize(k_bits, scale, f, torch.float32),
+                                                dequantize(v_bits, scale, f, torch.float32), tables, lens, 0.125, 0,
+                                                0.0)
+    assert torch.equal(fp8_out, fp32_out)
+
+
 def prefill_case(chunks, block_size, heads, head_dim, dtype, gen):
     """Chunks (cached context, new tokens) over a scattered cache holding every chunk's context and tokens, with
     each query row's expansion as a decode query: its chunk's table and its own causal length."""

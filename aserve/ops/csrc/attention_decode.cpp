@@ -226,8 +226,15 @@ template <typename C> inline void pair_lanes(const C* src, int count, fVec& even
   } else if constexpr (is_fp8<C>) {  // a pair is two bytes
     const __m256i pairs = count == 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
                                       : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), src);
-    even = fp8_bytes_as_float<C>(_mm256_cvtepi16_epi8(pairs));  // each pair's low byte, then its high one
-    odd = fp8_bytes_as_float<C>(_mm256_cvtepi16_epi8(_mm256_srli_epi16(pairs, 8)));
+    // each pair's low byte moved into its lane's high byte, then the high byte where it lies, as fp16 patterns
+    const __m256i low = _mm256_slli_epi16(pairs, 8);
+    if constexpr (std::is_same_v<C, E5M2>) {
+      even = _mm512_cvtph_ps(low);
+      odd = _mm512_cvtph_ps(_mm256_and_si256(pairs, _mm256_set1_epi16(static_cast<int16_t>(0xFF00))));
+    } else {
+      even = _mm512_cvtph_ps(e4m3_high_bytes_as_half(low));
+      odd = _mm512_cvtph_ps(e4m3_high_bytes_as_half(pairs));
+    }
   } else {
     pair_lanes_scalar(src, count, even, odd);
   }
