@@ -66,14 +66,8 @@ template <typename T, int D> inline void widen(const T* p, fVec* out) {
 #if defined(CPU_CAPABILITY_AVX512)
       out[c] = fp8_16_as_float<T>(bytes);
 #elif defined(CPU_CAPABILITY_AVX2)
-      __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-      if constexpr (std::is_same_v<T, E5M2>) {
-        w = _mm_slli_epi16(w, 8);
-      } else {
-        w = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
-                         _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
-      }
-      out[c] = _mm256_cvtph_ps(w);
+      const __m128i w = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))), 8);
+      out[c] = _mm256_cvtph_ps(std::is_same_v<T, E5M2> ? w : e4m3_high_bytes_as_half(w));
 #else
       float lanes[fVec::size()];
       for (int i = 0; i < fVec::size(); ++i) lanes[i] = fp8_to_float<T>(bytes[i]);
@@ -261,18 +255,16 @@ template <typename C> inline void pair_lanes(const C* src, int count, fVec& even
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
     even = half_lanes_as_float(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
     odd = half_lanes_as_float(_mm256_srli_epi32(w, 16));
-  } else {  // FP8: a pair is two bytes, each made its fp16 pattern (fp8_to_fp16_bits)
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    const auto as_half = [](__m256i b) {
-      if constexpr (std::is_same_v<C, E5M2>) {
-        return _mm256_slli_epi32(b, 8);
-      } else {
-        return _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 7),
-                               _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 8));
-      }
-    };
-    even = half_lanes_as_float(as_half(_mm256_and_si256(w, _mm256_set1_epi32(0xFF))));
-    odd = half_lanes_as_float(as_half(_mm256_srli_epi32(w, 8)));
+  } else {  // FP8: 8 tokens' pairs as 8 words, the low byte moved up, then the high byte where it lies (as AVX-512's)
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i low = _mm_slli_epi16(w, 8);
+    if constexpr (std::is_same_v<C, E5M2>) {
+      even = _mm256_cvtph_ps(low);
+      odd = _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16(static_cast<int16_t>(0xFF00))));
+    } else {
+      even = _mm256_cvtph_ps(e4m3_high_bytes_as_half(low));
+      odd = _mm256_cvtph_ps(e4m3_high_bytes_as_half(w));
+    }
   }
 }
 #else

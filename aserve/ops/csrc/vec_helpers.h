@@ -197,6 +197,16 @@ inline fVec max_of(const fVec& a, const fVec& b) {
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2) || defined(__AVX512F__)
+// e4m3 bytes, each in the high byte of a 16-bit lane (the low byte anything), as fp16 bit patterns
+// (fp8_to_fp16_bits): an arithmetic shift right by 1 puts the sign in bits 15 and 14 and the exponent and mantissa
+// in bits 13-7, and the mask clears bit 14 and the low byte's bits left in 6-0. Two ops where moving the sign and the
+// rest apart took five. 8 lanes here, 16 below.
+inline __m128i e4m3_high_bytes_as_half(__m128i w) {
+  return _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+#endif
+
 #if defined(__AVX512F__)  // the instruction set, not torch's capability: cpu_gemm's bf16 kernels use it under either
 // 16 bf16 values, as their bits, in fp32 lanes: exact (the bits moved up 16).
 inline __m512 bf16_bits_to_float(__m256i bits) {
@@ -205,10 +215,6 @@ inline __m512 bf16_bits_to_float(__m256i bits) {
 inline __m512 load_bf16_as_float(const void* p) {
   return bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// e4m3 bytes, each in the high byte of a 16-bit lane (the low byte anything), as fp16 bit patterns
-// (fp8_to_fp16_bits): an arithmetic shift right by 1 puts the sign in bits 15 and 14 and the exponent and mantissa
-// in bits 13-7, and the mask clears bit 14 and the low byte's bits left in 6-0. Two ops where moving the sign and the
-// rest apart took five.
 inline __m256i e4m3_high_bytes_as_half(__m256i w) {
   return _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
 }
