@@ -66,8 +66,7 @@ template <typename T, int D> inline void widen(const T* p, fVec* out) {
 #if defined(CPU_CAPABILITY_AVX512)
       out[c] = fp8_16_as_float<T>(bytes);
 #elif defined(CPU_CAPABILITY_AVX2)
-      const __m128i w = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))), 8);
-      out[c] = _mm256_cvtph_ps(std::is_same_v<T, E5M2> ? w : e4m3_high_bytes_as_half(w));
+      out[c] = fp8_8_as_float<T>(bytes);
 #else
       float lanes[fVec::size()];
       for (int i = 0; i < fVec::size(); ++i) lanes[i] = fp8_to_float<T>(bytes[i]);

@@ -133,13 +133,53 @@ template <typename T> inline float fp8_to_float(uint8_t b) {
   return static_cast<float>(c10::Half(fp8_to_fp16_bits<T>(b), c10::Half::from_bits()));
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2) || defined(__AVX512F__)
+// e4m3 bytes, each in the high byte of a 16-bit lane (the low byte anything), as fp16 bit patterns
+// (fp8_to_fp16_bits): an arithmetic shift right by 1 puts the sign in bits 15 and 14 and the exponent and mantissa
+// in bits 13-7, and the mask clears bit 14 and the low byte's bits left in 6-0. Two ops where moving the sign and the
+// rest apart took five. 8 lanes, and 16 with AVX-512.
+inline __m128i e4m3_high_bytes_as_half(__m128i w) {
+  return _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+// 8 FP8 bytes at p as fp32 lanes through fp16 bit patterns: exact, e4m3's values times 2^-8.
+template <typename T> inline __m256 fp8_8_as_float(const void* p) {
+  const __m128i w = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(static_cast<const __m128i*>(p))), 8);
+  return _mm256_cvtph_ps(std::is_same_v<T, E5M2> ? w : e4m3_high_bytes_as_half(w));
+}
+#endif
+#if defined(__AVX512F__)
+inline __m256i e4m3_high_bytes_as_half(__m256i w) {
+  return _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+}
+// 16 FP8 bytes (tag T; in a register, or at p) as fp32 lanes, as fp8_8_as_float.
+template <typename T> inline __m512 fp8_bytes_as_float(__m128i bytes) {
+  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);  // each byte in its lane's high byte
+  return _mm512_cvtph_ps(std::is_same_v<T, E5M2> ? w : e4m3_high_bytes_as_half(w));
+}
+template <typename T> inline __m512 fp8_16_as_float(const void* p) {
+  return fp8_bytes_as_float<T>(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+}
+#endif
+
+// n FP8 values as fp32 (e4m3's times 2^-8), a vector at a time: one at a time they went through c10::Half.
+template <typename T> inline void fp8_row_as_float(const T* src, float* dst, int64_t n) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fp8_16_as_float<T>(bytes + i));
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8_8_as_float<T>(bytes + i));
+#endif
+  for (; i < n; ++i) dst[i] = fp8_to_float<T>(bytes[i]);
+}
+
 // Rows are converted to fp32 scratch once and worked on there (at::vec's generic convert is scalar for
 // 16-bit -> fp32, so the widening is spelled out with Vectorized<T>; the narrowing one is vectorized).
 template <typename T> inline void load_row(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else if constexpr (is_fp8<T>) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_to_float<T>(src[i].bits);
+    fp8_row_as_float(src, dst, n);
   } else {
     using bVec = at::vec::Vectorized<T>;
     int64_t i = 0;
@@ -197,16 +237,6 @@ inline fVec max_of(const fVec& a, const fVec& b) {
 #endif
 }
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2) || defined(__AVX512F__)
-// e4m3 bytes, each in the high byte of a 16-bit lane (the low byte anything), as fp16 bit patterns
-// (fp8_to_fp16_bits): an arithmetic shift right by 1 puts the sign in bits 15 and 14 and the exponent and mantissa
-// in bits 13-7, and the mask clears bit 14 and the low byte's bits left in 6-0. Two ops where moving the sign and the
-// rest apart took five. 8 lanes here, 16 below.
-inline __m128i e4m3_high_bytes_as_half(__m128i w) {
-  return _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
-}
-#endif
-
 #if defined(__AVX512F__)  // the instruction set, not torch's capability: cpu_gemm's bf16 kernels use it under either
 // 16 bf16 values, as their bits, in fp32 lanes: exact (the bits moved up 16).
 inline __m512 bf16_bits_to_float(__m256i bits) {
@@ -214,18 +244,6 @@ inline __m512 bf16_bits_to_float(__m256i bits) {
 }
 inline __m512 load_bf16_as_float(const void* p) {
   return bf16_bits_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m256i e4m3_high_bytes_as_half(__m256i w) {
-  return _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-}
-// 16 FP8 bytes (tag T; in a register, or at p) as fp32 lanes through fp16 bit patterns (fp8_to_fp16_bits, 16 at a
-// time): exact, e4m3's values times 2^-8.
-template <typename T> inline __m512 fp8_bytes_as_float(__m128i bytes) {
-  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);  // each byte in its lane's high byte
-  return _mm512_cvtph_ps(std::is_same_v<T, E5M2> ? w : e4m3_high_bytes_as_half(w));
-}
-template <typename T> inline __m512 fp8_16_as_float(const void* p) {
-  return fp8_bytes_as_float<T>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 #endif
 
