@@ -88,22 +88,23 @@ def test_flat_forward_is_the_modules_forward_bit_for_bit(model_dirs, monkeypatch
 
 
 @pytest.mark.parametrize("loop", ["native", "python"])
-@pytest.mark.parametrize("weights", ["int8", "int8-no-bias", "gptq"])
+@pytest.mark.parametrize("weights", ["int8", "int8-no-bias", "gptq", "gptq-no-bias"])
 def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, monkeypatch, tmp_path, weights, loop):
     """int8 weights (aserve's tiled kernel for decode rows, its int8 GEMM for prefill chunks) and GPTQ int4
     (aserve's int4 kernels) run each projection through their method in the Python loop, and as the same kernels
-    in the C++ one, as through the modules. Without biases (llama-gqa-tied) in bf16, int8's gate | up is tiled for
-    the GEMM's SiLU-and-mul epilogue, which all three paths take."""
+    in the C++ one, as through the modules. Without biases (llama-gqa-tied) in bf16, int8's and int4's gate | up
+    is tiled for the GEMM's SiLU-and-mul epilogue, which all three paths take."""
     from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
     if loop == "python":
         monkeypatch.setenv("ASERVE_NATIVE_LOOP", "0")
-    path, options = model_dirs["llama-gqa-tied" if weights == "int8-no-bias" else "llama-untied"], {}
+    source = model_dirs["llama-gqa-tied" if weights.endswith("no-bias") else "llama-untied"]
+    path, options = source, {}
     if weights.startswith("int8"):
         options["quantization"] = "int8"
     else:
         path = tmp_path / "gptq"
-        write_rtn_checkpoint(model_dirs["llama-untied"], path, "gptq")
+        write_rtn_checkpoint(source, path, "gptq")
     # bf16 where aserve's int8 and int4 kernels take bf16 rows (AVX512-BF16); elsewhere fp32, where they always do
     dtype = "bfloat16" if cpu_kernels.available() and torch.ops.aserve.gemm_packs_bf16() else "float32"
     tokens, hidden, used, model = run(path, dtype, flat=True, **options)
@@ -112,6 +113,8 @@ def test_quantized_models_take_the_flat_forward_bit_for_bit(model_dirs, monkeypa
     assert (model.flat.stack is not None) == (loop == "native")
     gated = getattr(model.layers[0].mlp.gate_up_proj, "int8_gated", False)
     assert gated == (weights == "int8-no-bias" and dtype == "bfloat16")
+    int4_gated = getattr(model.layers[0].mlp.gate_up_proj, "int4_gated", False)
+    assert int4_gated == (weights == "gptq-no-bias" and dtype == "bfloat16")
     ref_tokens, ref_hidden, ref_used, _ = run(path, dtype, flat=False, **options)
     assert ref_used == 0 and tokens == ref_tokens and len(hidden) == len(ref_hidden)
     assert all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
@@ -196,8 +199,8 @@ def test_flat_forward_stays_out_of_what_it_does_not_run(model_dirs, monkeypatch)
 
 
 def test_native_loop_refuses_what_it_cannot_run():
-    """DecoderStack's own checks: an unknown projection kind, int8 without scales, SiLU-and-mul on a projection that
-    is neither dense nor int8 or not a layer's gate_up, a layer naming a projection it does not hold, caches that
+    """DecoderStack's own checks: an unknown projection kind, int8 without scales, SiLU-and-mul on oneDNN's
+    projection or one that is not a layer's gate_up, a layer naming a projection it does not hold, caches that
     are not a key and a value per layer, a step before the caches are set."""
     from aserve.ops import cpu_kernels
 
@@ -210,8 +213,8 @@ def test_native_loop_refuses_what_it_cannot_run():
         stack.add_projection(7, weight, None, None, None, 0, 2, 0, 0)
     with pytest.raises(RuntimeError, match="need their scales"):
         stack.add_projection(1, weight, None, None, None, 0, 2, 8, 0)
-    with pytest.raises(RuntimeError, match="only a dense or int8 projection applies an activation"):
-        stack.add_projection(2, weight, weight, None, None, 32, 2, 8, 3)
+    with pytest.raises(RuntimeError, match="only a dense, int8 or int4 projection applies an activation"):
+        stack.add_projection(3, weight, None, None, None, 0, 2, 0, 3)
     p = stack.add_projection(0, weight, None, None, None, 0, 2, 0, 0)
     gated = stack.add_projection(0, weight, None, None, None, 0, 2, 0, 3)
     norm = torch.ones(2)

@@ -197,6 +197,43 @@ def test_int4_bf16_kernel_is_within_bf16_rounding(checkpoints, monkeypatch, case
                 assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), (kernels, name, rows)
 
 
+@pytest.mark.parametrize("case", ["gptq-desc-act", "awq-g64"])
+def test_int4_gate_up_is_tiled_for_the_silu_and_mul_epilogue(checkpoints, monkeypatch, bf16_products, case):
+    """Loaded in bf16, a GPTQ/AWQ gate | up has its tiles reordered a gate tile, then its up tile (prepack with
+    `gated`): its product stays gate | up, bit for bit the unordered layer's, at every row count; forward_silu_and_mul
+    (the row kernel's product combined, or gemm_int4's SiLU-and-mul epilogue, on vdpbf16ps and on FMA products)
+    gives silu(gate) * up of the dequantized weights to bf16 precision; the C++ loop is told so. The other layers
+    are left as they were."""
+    from aserve.ops.cpu_gemm import SILU_AND_MUL
+
+    quantized_dir, reference_dir = checkpoints[case]
+    ref = linears(load_model(reference_dir, dtype="float32").model)
+    gated_layers = linears(load_model(quantized_dir, dtype="bfloat16").model)
+    monkeypatch.setattr(int4.AserveInt4Method, "prepack", lambda *args, **kwargs: False)
+    plain_layers = linears(load_model(quantized_dir, dtype="bfloat16").model)
+    name = next(n for n in gated_layers if n.endswith("gate_up_proj"))
+    gated, plain = gated_layers[name], plain_layers[name]
+    assert gated.int4_gated and gated.silu_and_mul_fused is not None and gated.method.name.endswith("int4")
+    assert not plain.int4_gated and plain.silu_and_mul_fused is None
+    assert all(layer.int4_gated == n.endswith("gate_up_proj") for n, layer in gated_layers.items())
+    assert gated.method.native_projection(gated).activation == SILU_AND_MUL
+    assert plain.method.native_projection(plain).activation == 0
+    half = gated.out_features // 2
+    weight = ref[name].weight.double()
+    gen = torch.Generator().manual_seed(4)
+    for products in ("dpbf16", "fma"):
+        bf16_products(products)
+        with torch.inference_mode():
+            for rows in (1, 3, 8, 9, 20, 64):
+                x = torch.randn(rows, gated.in_features, generator=gen).to(torch.bfloat16)
+                assert torch.equal(gated(x), plain(x)), (products, rows)
+                product = x.double() @ weight.t()
+                expected = torch.nn.functional.silu(product[:, :half]) * product[:, half:]
+                got = gated.forward_silu_and_mul(x)
+                assert got.shape == (rows, half)
+                assert (got.double() - expected).abs().max() <= 0.02 * expected.abs().max(), (products, rows)
+
+
 @pytest.mark.parametrize("case", ["gptq-desc-act", "gptq-row", "awq-g64"])
 def test_int4_greedy_equals_the_dequantized_model(checkpoints, int4_kernels, case):
     """End to end, fp32 activations on aserve's int4 kernels or torch's: token for token the greedy output of the

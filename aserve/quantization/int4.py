@@ -33,6 +33,7 @@ import functools
 import torch
 from torch import nn
 
+from aserve.ops import cpu_gemm
 from aserve.quantization.base import INT4, UNQUANTIZED, LinearMethod, NativeProjection, replace_params
 
 KERNEL_DTYPES = (torch.bfloat16,)
@@ -120,15 +121,51 @@ class AserveInt4Method(LinearMethod):
     def apply(self, layer, x):
         out = _aserve_int4(x.reshape(-1, x.shape[-1]), layer.perm, layer.qweight, layer.scales_zeros, layer.int4_group,
                            layer.bias, layer.out_features)
-        return out.view(*x.shape[:-1], layer.out_features)
+        out = out.view(*x.shape[:-1], layer.out_features)
+        return cpu_gemm.gates_in_order(out) if layer.int4_gated else out
+
+    def prepack(self, layer, dtype, gated=False):
+        """A SwiGLU's gate | up in bf16: its tiles (and their scales) reordered a gate tile, then its up tile, so that
+        each of gemm_int4's panels (two tiles) is 16 gates and their 16 ups and the GEMM applies silu(gate) * up as
+        it writes (`silu_and_mul_projection`), as int8's gated tiles do; the layer's product stays gate | up (apply
+        puts it back in order). Without it a GPTQ step ran a separate silu_and_mul a layer: at 16 x 128/128 other
+        ops took 7% of the bench model's run against dense's 5% (AMD EPYC Zen 5)."""
+        if (not gated or layer.int4_gated or layer.bias is not None or dtype != torch.bfloat16
+                or layer.scales_zeros.dtype != dtype or layer.out_features % (2 * cpu_gemm.GATE_ROWS)):
+            return False
+        tiles = layer.qweight.shape[0]
+        order = torch.arange(tiles).view(2, tiles // 2).t().reshape(-1)  # gate tile j, then up tile j
+        replace_params(layer, qweight=layer.qweight[order].contiguous(),
+                       scales_zeros=layer.scales_zeros[order].contiguous())
+        layer.int4_gated = True
+        return True
+
+    def silu_and_mul_projection(self, layer):
+        if not layer.int4_gated:
+            return None
+        perm, qweight, scales_zeros, group = layer.perm, layer.qweight, layer.scales_zeros, layer.int4_group
+        out_features = layer.out_features
+        kernel, gemm, silu_and_mul = torch.ops.aserve.int4_linear, torch.ops.aserve.gemm_int4, torch.ops.aserve.silu_and_mul
+
+        def gated(x: torch.Tensor) -> torch.Tensor:  # a few rows: the row kernel's product, its blocks then combined
+            if perm is not None:
+                x = x.index_select(1, perm)
+            if x.shape[0] <= KERNEL_MAX_ROWS:
+                return silu_and_mul(kernel(x.contiguous(), qweight, scales_zeros, group, out_features),
+                                    cpu_gemm.GATE_ROWS)
+            return gemm(x, qweight, scales_zeros, group, None, out_features, cpu_gemm.SILU_AND_MUL)
+        return gated
 
     def projection(self, layer):
+        if layer.int4_gated:  # apply puts the product in order
+            return super().projection(layer)
         return functools.partial(_aserve_int4, perm=layer.perm, qweight=layer.qweight, scales_zeros=layer.scales_zeros,
                                  group=layer.int4_group, bias=layer.bias, out_features=layer.out_features)
 
     def native_projection(self, layer):
         return NativeProjection(INT4, layer.qweight, layer.scales_zeros, layer.bias, layer.perm, layer.int4_group,
-                                layer.out_features, KERNEL_MAX_ROWS)
+                                layer.out_features, KERNEL_MAX_ROWS,
+                                cpu_gemm.SILU_AND_MUL if layer.int4_gated else 0)
 
 
 def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias, out_features: int) -> torch.Tensor:
@@ -241,6 +278,7 @@ def finish(layer: nn.Module, codes: torch.Tensor, zeros: torch.Tensor, scales: t
         layer.register_buffer("perm", perm)
         layer.param_layouts = {"bias": layer.param_layouts["bias"]}
         layer.int4_group, layer.method = group, AserveInt4Method(name)
+        layer.int4_gated = False  # prepack may reorder a gate | up's tiles for the SiLU-and-mul epilogue
         return None
     kernel_group = next(g for g in KERNEL_GROUP_SIZES if group % g == 0)
     s = scales.float().repeat_interleave(group // kernel_group, dim=0)

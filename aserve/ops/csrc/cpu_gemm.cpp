@@ -1461,20 +1461,20 @@ struct Int4Items {
   const uint8_t* tiles;
   const uint16_t* sz;
   const uint16_t* bias;
-  int64_t K, group, N;
-  int64_t count() const { return (N + 15) / 16; }
-  template <int MR> void run(const TileCall& call) const {
-    const int64_t t = call.item;
-    const int cols = static_cast<int>(std::min<int64_t>(16, N - t * 16));
+  int64_t K, group, N, act;
+  int64_t count() const { return act == kSiluMul ? N / 32 : (N + 15) / 16; }
+  int64_t tiles_count() const { return (N + 15) / 16; }
+  template <int MR> void sums(int64_t t, const TileCall& call, int cols, __m512 (&acc)[MR]) const {
     const __m512 b = tile_bias(bias, t, cols);
-    __m512 acc[MR];
 #pragma GCC unroll 32
     for (int m = 0; m < MR; ++m) acc[m] = b;
     const char* next =
-        call.first && t + 1 < count() ? reinterpret_cast<const char*>(tiles + (t + 1) * (K / 2) * 16) : nullptr;
-    tile_sums_kept<MR>(Int4Tile{tiles + t * (K / 2) * 16, sz + t * (K / group) * 32, K, group, next}, K / 2, call, 0,
-                       acc);
-    for (int m = 0; m < MR; ++m) store_tile_row(acc[m], call.c + m * call.ldc + t * 16, cols);
+        call.first && t + 1 < tiles_count() ? reinterpret_cast<const char*>(tiles + (t + 1) * (K / 2) * 16) : nullptr;
+    tile_sums_kept<MR>(Int4Tile{tiles + t * (K / 2) * 16, sz + t * (K / group) * 32, K, group, next}, K / 2, call,
+                       static_cast<int>(act == kSiluMul ? t % 2 : 0), acc);
+  }
+  template <int MR> void run(const TileCall& call) const {
+    write_item<MR>(call, N, act, [&](int64_t t, int cols, __m512 (&acc)[MR]) { sums<MR>(t, call, cols, acc); });
   }
 };
 
@@ -1651,18 +1651,18 @@ void gemm_int8(const GemmArgs& args, const at::Tensor& tiled, const float* scale
 }
 
 void gemm_int4(const GemmArgs& args, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
-               at::Tensor& out) {
+               at::Tensor& out, int64_t act) {
   if (bf16_products() == Products::kFma) {
     const Int4Items items{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
-                          static_cast<const uint16_t*>(args.bias), args.K, group, args.N};
-    return gemm_by_tiles(args, items, reinterpret_cast<uint16_t*>(out.data_ptr()), args.N);
+                          static_cast<const uint16_t*>(args.bias), args.K, group, args.N, act};
+    return gemm_by_tiles(args, items, reinterpret_cast<uint16_t*>(out.data_ptr()), out.size(-1));
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(args.rows.data_ptr());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const Int4Panels panels{tiled.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()),
                           args.K, group, tiled.size(0)};
   gemm_all_panels(xp, args.rows.stride(0), args.M, args.K, panels, static_cast<const uint16_t*>(args.bias), nullptr, o,
-                  args.N, (args.N + kNR - 1) / kNR);
+                  args.N, (args.N + kNR - 1) / kNR, act);
 }
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -1809,19 +1809,24 @@ struct Int4Panels {
 // layout (bf16 on FMA products: each tile in registers, gemm_by_tiles). bf16 with AVX512-BF16 (the weights
 // rounded to bf16, as a dequantized bf16 layer's are, except on FMA products), else fp32.
 at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
-                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+                     const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t act) {
   TORCH_CHECK(x.dim() >= 1, "gemm_int4: x must be [..., in_features]");
   const int64_t K = x.size(-1);
   aserve_kernels::check_int4_weights("gemm_int4", x, K, tiled, scales_zeros, group, out_features);
-  GemmArgs args = gemm_args(x, bias, out_features);
+  TORCH_CHECK(act == kNoActivation || act == kSiluMul, "gemm_int4: the activation is none or SiLU-and-mul");
+  TORCH_CHECK(act != kSiluMul || (x.scalar_type() == at::kBFloat16 && out_features % 32 == 0),
+              "gemm_int4: SiLU-and-mul needs bf16 rows and gate | up tiles of whole 32-row panels (2 x a multiple of "
+              "16)");
+  GemmArgs args = gemm_args(x, bias, out_features, act == kSiluMul ? out_features / 2 : -1);
   at::Tensor out = args.out;
   if (args.M == 0 || args.N == 0 || K == 0) return out;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == at::kBFloat16) {
-    bf16::gemm_int4(args, tiled, scales_zeros, group, out);
+    bf16::gemm_int4(args, tiled, scales_zeros, group, out, act);
     return out;
   }
 #endif
+  TORCH_CHECK(act == kNoActivation, "gemm_int4: SiLU-and-mul needs bf16 rows on a CPU with AVX512-BF16");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm_int4: x must be fp32, or bf16 on a CPU with AVX512-BF16; got ",
               x.scalar_type());
   const float* xp = args.rows.data_ptr<float>();
@@ -1888,7 +1893,8 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("gemm_packs_bf16() -> bool", &gemm_packs_bf16);  // no tensor to dispatch on: one kernel for all
   m.def("gemm_bf16_products(str set=\"\") -> str", &gemm_bf16_products);
   m.def("gemm_int8(Tensor x, Tensor tiled, Tensor scales, Tensor? bias, int out_features, int act=0) -> Tensor");
-  m.def("gemm_int4(Tensor x, Tensor tiled, Tensor scales_zeros, int group, Tensor? bias, int out_features) -> Tensor");
+  m.def("gemm_int4(Tensor x, Tensor tiled, Tensor scales_zeros, int group, Tensor? bias, int out_features, "
+        "int act=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {

@@ -65,7 +65,7 @@ struct Kernels {
   using Int8Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t);
   using GemmInt8 = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, int64_t, int64_t);
   using Int4Linear = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t);
-  using GemmInt4 = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t);
+  using GemmInt4 = Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, const OptTensor&, int64_t, int64_t);
 
   c10::TypedOperatorHandle<Norm> rms_norm = handle<Norm>("aserve::rms_norm");
   c10::TypedOperatorHandle<AddNorm> add_rms_norm = handle<AddNorm>("aserve::add_rms_norm");
@@ -84,12 +84,12 @@ struct Kernels {
 
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kOneDnn = 3 };
 constexpr int64_t kSiluMul = 3;  // gemm_packed's SiLU-and-mul epilogue (cpu_gemm.cpp's Activation)
-constexpr int64_t kInt8GateBlock = 16;  // int8 gate | up tiles: 16 gates, then their 16 ups (quantization.int8)
+constexpr int64_t kGateBlock = 16;  // int8 and int4 gate | up tiles: 16 gates, then their 16 ups (quantization)
 
 // x [rows, in] -> x W^T + b, as the method's Python projection computes it (quantization/*.py). `activation`:
-// kSiluMul for a gate | up weight packed for the GEMM's SwiGLU epilogue, dense or int8 (the projection then gives
-// silu(gate) * up, [rows, out / 2]; int8's row kernel gives the product, its gates and ups in alternate blocks of
-// 16, which silu_and_mul then combines), else 0.
+// kSiluMul for a gate | up weight packed for the GEMM's SwiGLU epilogue, dense, int8 or int4 (the projection then
+// gives silu(gate) * up, [rows, out / 2]; the int8 and int4 row kernels give the product, its gates and ups in
+// alternate blocks of 16, which silu_and_mul then combines), else 0.
 struct Projection {
   int64_t kind, out_features, group, kernel_rows, activation;
   Tensor weight, scales, perm;  // scales: int8's per-channel scales or int4's scales and zeros; perm: act-order
@@ -104,14 +104,16 @@ struct Projection {
       case kInt8:
         if (x.size(0) <= kernel_rows) {
           const Tensor out = with_bias(k.int8_linear.call(x.contiguous(), weight, scales, out_features));
-          return activation == kSiluMul ? k.silu_and_mul.call(out, kInt8GateBlock) : out;
+          return activation == kSiluMul ? k.silu_and_mul.call(out, kGateBlock) : out;
         }
         return k.gemm_int8.call(x, weight, scales, bias, out_features, activation);
       default: {
         const Tensor in = perm.defined() ? x.index_select(1, perm) : x;
-        if (in.size(0) <= kernel_rows)
-          return with_bias(k.int4_linear.call(in.contiguous(), weight, scales, group, out_features));
-        return k.gemm_int4.call(in, weight, scales, group, bias, out_features);
+        if (in.size(0) <= kernel_rows) {
+          const Tensor out = with_bias(k.int4_linear.call(in.contiguous(), weight, scales, group, out_features));
+          return activation == kSiluMul ? k.silu_and_mul.call(out, kGateBlock) : out;
+        }
+        return k.gemm_int4.call(in, weight, scales, group, bias, out_features, activation);
       }
     }
   }
@@ -149,8 +151,8 @@ struct DecoderStack : torch::CustomClassHolder {
   int64_t add_projection(int64_t kind, Tensor weight, OptTensor scales, OptTensor bias, OptTensor perm, int64_t group,
                          int64_t out_features, int64_t kernel_rows, int64_t activation) {
     TORCH_CHECK(kind >= kDense && kind <= kOneDnn, "DecoderStack: unknown projection kind ", kind);
-    TORCH_CHECK(activation == 0 || (activation == kSiluMul && (kind == kDense || kind == kInt8)),
-                "DecoderStack: only a dense or int8 projection applies an activation (SiLU and mul)");
+    TORCH_CHECK(activation == 0 || (activation == kSiluMul && kind != kOneDnn),
+                "DecoderStack: only a dense, int8 or int4 projection applies an activation (SiLU and mul)");
     TORCH_CHECK(kind != kOneDnn || kernels.onednn_linear.op.has_value(), "DecoderStack: torch has no oneDNN here");
     TORCH_CHECK(kind == kDense || kind == kOneDnn || scales.has_value(),
                 "DecoderStack: int8 and int4 projections need their scales");
