@@ -143,18 +143,9 @@ class AserveInt4Method(LinearMethod):
     def silu_and_mul_projection(self, layer):
         if not layer.int4_gated:
             return None
-        perm, qweight, scales_zeros, group = layer.perm, layer.qweight, layer.scales_zeros, layer.int4_group
-        out_features = layer.out_features
-        kernel, gemm, silu_and_mul = torch.ops.aserve.int4_linear, torch.ops.aserve.gemm_int4, torch.ops.aserve.silu_and_mul
-
-        def gated(x: torch.Tensor) -> torch.Tensor:  # a few rows: the row kernel's product, its blocks then combined
-            if perm is not None:
-                x = x.index_select(1, perm)
-            if x.shape[0] <= KERNEL_MAX_ROWS:
-                return silu_and_mul(kernel(x.contiguous(), qweight, scales_zeros, group, out_features),
-                                    cpu_gemm.GATE_ROWS)
-            return gemm(x, qweight, scales_zeros, group, None, out_features, cpu_gemm.SILU_AND_MUL)
-        return gated
+        return functools.partial(_aserve_int4, perm=layer.perm, qweight=layer.qweight, scales_zeros=layer.scales_zeros,
+                                 group=layer.int4_group, bias=None, out_features=layer.out_features,
+                                 activation=cpu_gemm.SILU_AND_MUL)
 
     def projection(self, layer):
         if layer.int4_gated:  # apply puts the product in order
@@ -168,14 +159,18 @@ class AserveInt4Method(LinearMethod):
                                 cpu_gemm.SILU_AND_MUL if layer.int4_gated else 0)
 
 
-def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias, out_features: int) -> torch.Tensor:
-    """A layer on aserve's int4 kernels, for 2-D rows: int4_linear up to KERNEL_MAX_ROWS, gemm_int4 above."""
+def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias, out_features: int,
+                 activation: int = 0) -> torch.Tensor:
+    """A layer on aserve's int4 kernels, for 2-D rows: int4_linear up to KERNEL_MAX_ROWS, gemm_int4 above.
+    `activation` cpu_gemm.SILU_AND_MUL (gated tiles): silu(gate) * up, the row kernel's product combined in blocks
+    of 16, the GEMM's in its epilogue."""
     if perm is not None:  # act-order: the inputs in group order
         x = x.index_select(1, perm)
     if x.shape[0] <= KERNEL_MAX_ROWS:
         out = torch.ops.aserve.int4_linear(x.contiguous(), qweight, scales_zeros, group, out_features)
-        return out if bias is None else out + bias
-    return torch.ops.aserve.gemm_int4(x, qweight, scales_zeros, group, bias, out_features)
+        out = out if bias is None else out + bias
+        return torch.ops.aserve.silu_and_mul(out, cpu_gemm.GATE_ROWS) if activation else out
+    return torch.ops.aserve.gemm_int4(x, qweight, scales_zeros, group, bias, out_features, activation)
 
 
 def aserve_kernel_refusal(layer: nn.Module, group_size: int, dtype: torch.dtype, device: torch.device) -> str | None:

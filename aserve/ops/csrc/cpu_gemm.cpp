@@ -1471,7 +1471,7 @@ struct Int4Items {
     const char* next =
         call.first && t + 1 < tiles_count() ? reinterpret_cast<const char*>(tiles + (t + 1) * (K / 2) * 16) : nullptr;
     tile_sums_kept<MR>(Int4Tile{tiles + t * (K / 2) * 16, sz + t * (K / group) * 32, K, group, next}, K / 2, call,
-                       static_cast<int>(act == kSiluMul ? t % 2 : 0), acc);
+                       static_cast<int>(t % 2), acc);
   }
   template <int MR> void run(const TileCall& call) const {
     write_item<MR>(call, N, act, [&](int64_t t, int cols, __m512 (&acc)[MR]) { sums<MR>(t, call, cols, acc); });
