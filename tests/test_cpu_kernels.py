@@ -646,7 +646,7 @@ def test_silu_and_mul_takes_gates_and_ups_in_alternate_blocks(dtype):
 @pytest.mark.parametrize("dtype,products", [(torch.float32, None), (torch.bfloat16, None),
                                             (torch.bfloat16, "dpbf16"), (torch.bfloat16, "fma")])
 def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
-    """GPTQ/AWQ layers on aserve's int4 kernels: int4_linear (1-8 rows) and gemm_int4 (any rows) equal x @ (q * s -
+    """GPTQ/AWQ layers on aserve's int4 kernels: int4_linear (1-16 rows) and gemm_int4 (any rows) equal x @ (q * s -
     s * z)^T with the stored (dtype-rounded) s and s * z, for group sizes 24/32/64/128 and a whole row, output widths
     that end mid-tile and mid-panel, inputs that end mid-way through 16 (72), a batch over one row block, inputs
     past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
@@ -682,7 +682,7 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
         wide = torch.zeros(rows, in_features + 3, dtype=dtype)
         wide[:, 1:in_features + 1] = x
         view = wide[:, 1:in_features + 1]
-        if rows <= 8:
+        if rows <= 16:
             got = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
             assert got.dtype == dtype and (got.float() - expected).abs().max() <= bound, (out_features, rows)
             again = torch.ops.aserve.int4_linear(view, tiles, sz, group, out_features)
@@ -693,6 +693,8 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
         assert torch.equal(again, got), (out_features, rows)
     with pytest.raises(RuntimeError, match="group size"):
         torch.ops.aserve.int4_linear(x, tiles, sz, 60, out_features)
+    with pytest.raises(RuntimeError, match="takes 1 to 16 rows"):
+        torch.ops.aserve.int4_linear(x.new_zeros(17, in_features), tiles, sz, group, out_features)
 
 
 def _fixed_point(x: torch.Tensor, group: int, span: int = 64) -> torch.Tensor:
@@ -709,17 +711,16 @@ def _fixed_point(x: torch.Tensor, group: int, span: int = 64) -> torch.Tensor:
     return out
 
 
-def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent():
-    """int4_linear's bf16 path (vpdpwssd) multiplies x made 16-bit integers, one exponent per span of 64 inputs: the
-    product of the rounded x to bf16's precision, whatever the spread of the x, for a group of two spans, of one
-    short one (96 = 64 + 32) and of less than a span. An input more than 7 binades below its span's largest is
-    rounded to half a unit (the outlier row, where the exact product differs); zeros and values near fp32's
-    smallest normal are exact; a NaN or an infinity makes its row's outputs NaN and leaves the other rows alone."""
+def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(bf16_products):
+    """int4_linear's bf16 path on vpdpwssd (where bf16 products run on FMAs or AMX tiles) multiplies x made 16-bit
+    integers, one exponent per span of 64 inputs: the product of the rounded x to bf16's precision, whatever the
+    spread of the x, for a group of two spans, of one short one (96 = 64 + 32) and of less than a span. An input more
+    than 7 binades below its span's largest is rounded to half a unit (the outlier row, where the exact product
+    differs); zeros and values near fp32's smallest normal are exact; a NaN or an infinity makes its row's outputs
+    NaN and leaves the other rows alone."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
-    from aserve.quantization.int8 import gemm_dtypes
 
-    if torch.bfloat16 not in gemm_dtypes():
-        pytest.skip("aserve's bf16 int4 kernel needs AVX512-BF16")
+    bf16_products("fma")
     gen = torch.Generator().manual_seed(11)
     out_features = 48
     for in_features, group in ((128, 128), (192, 96), (72, 24)):
@@ -754,6 +755,51 @@ def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent():
             broken[3, 5] = bad
             again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
             assert again[3].isnan().all() and torch.equal(again[:3], got[:3].bfloat16()), (in_features, bad)
+
+
+def test_int4_bf16_rows_on_vdpbf16ps_multiply_x_as_it_is(bf16_products):
+    """Where bf16 products run on vdpbf16ps, int4_linear multiplies x as it is by each code made 128 + q: the exact
+    product x (q * s - s * z) to bf16's rounding of the output and fp32's of the sums of x (128 + q) s (whose 128s
+    cancel), for 1 to 16 rows, groups of 24, 96 and 128. An input 16 binades below its row's largest, which the
+    vpdpwssd path rounds away, counts. Each row's output is the same bits at any batch (blocks of up to 4 rows, each
+    summed in the same order), and a NaN or an infinity makes its row's outputs NaN and leaves the others alone."""
+    from aserve.quantization.int4 import kernel_rows, tile_int4, tile_scales_zeros
+
+    bf16_products("dpbf16")
+    assert kernel_rows(torch.bfloat16) == 16 and kernel_rows(torch.float32) == 8
+    gen = torch.Generator().manual_seed(13)
+    out_features = 40
+    for in_features, group in ((192, 24), (192, 96), (256, 128)):
+        groups = in_features // group
+        codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
+        scales = torch.rand(groups, out_features, generator=gen) * 0.1 + 0.01
+        zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
+        zeros[0] = 8  # input 0, the outlier, weighs 8 s - 8 s = 0 exactly: the output is the small inputs'
+        codes[:, 0] = 8
+        tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, torch.bfloat16)
+        s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
+        sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
+        g = torch.arange(in_features) // group
+        weight = codes.double() * s[g].t() - sz_term[g].t()
+        x = torch.randn(16, in_features, generator=gen)
+        x[1, 1:] *= 2.0 ** -16  # beside one large input: 2^-2 of a unit of the vpdpwssd path's span, rounded to 0
+        x[1, 0] = 1.0
+        x = x.bfloat16()
+        exact = x.double() @ weight.t()
+        terms = x.double().abs() @ ((codes + 128) * s[g].t() + (sz_term[g] + 128 * s[g]).abs().t()).t()
+        bound = 2.0 ** -8 * exact.abs() + 2.0 ** -18 * terms
+        singles = torch.cat([torch.ops.aserve.int4_linear(x[m:m + 1], tiles, sz, group, out_features)
+                             for m in range(16)])
+        assert ((singles.double() - exact).abs() <= bound).all(), in_features
+        assert (singles[1].double() - exact[1]).abs().max() <= 0.05 * float(exact[1].abs().max()), in_features
+        for rows in (2, 3, 5, 8, 9, 16):
+            got = torch.ops.aserve.int4_linear(x[:rows], tiles, sz, group, out_features)
+            assert torch.equal(got, singles[:rows]), (in_features, rows)
+        for bad in (float("nan"), float("inf")):
+            broken = x[:6].clone()
+            broken[4, 5] = bad
+            again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
+            assert again[4].isnan().all() and torch.equal(again[[0, 1, 2, 3, 5]], singles[[0, 1, 2, 3, 5]])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])

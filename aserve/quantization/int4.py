@@ -4,13 +4,15 @@ a scale s and an integer zero point z, the weight being w = (q - z) * s.
 On the CPU, where aserve's kernels are built and the activations are fp32 (or bf16 with AVX512-BF16), they run on
 aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
 (`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 8 rows
-(`KERNEL_MAX_ROWS`) `int4_linear` (csrc/int8_linear.cpp) sums x * q per group in registers (bf16: x made 16-bit
-integers sharing an exponent per span of up to 64 inputs, exact within 7 binades of the span's largest, and an
-output's two codes of a pair of inputs a mask away from the 16-bit pair vpdpwssd multiplies by, 32 products an
-instruction; fp32: each code masked where it lies and converted, beside x scaled by powers of two) and folds in s *
-sum(x q) - s * z * sum(x); above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's
-layout, or, where that GEMM multiplies on fp32 FMAs, each tile in registers for every 16 rows (from 5 rows there).
-Any group size that is a multiple of 8 and divides the inputs.
+(`KERNEL_MAX_ROWS`, 16 where bf16 runs on vdpbf16ps: `kernel_rows`) `int4_linear` (csrc/int8_linear.cpp) sums x * q
+per group in registers and folds in s * sum(x q) - s * z * sum(x). bf16 where aserve's GEMMs multiply on vdpbf16ps
+(AMD's cores): each code made the bf16 128 + q, exactly, and multiplied by x as it is, 32 products an instruction,
+in blocks of up to 4 rows (a row's output the same bits at any batch). bf16 elsewhere: x made 16-bit integers sharing
+an exponent per span of up to 64 inputs, exact within 7 binades of the span's largest, and an output's two codes of
+a pair of inputs a mask away from the 16-bit pair vpdpwssd multiplies by. fp32: each code masked where it lies and
+converted, beside x scaled by powers of two. Above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per
+row block into the dense GEMM's layout, or, where that GEMM multiplies on fp32 FMAs, each tile in registers for
+every 16 rows (from 5 rows there). Any group size that is a multiple of 8 and divides the inputs.
 
 Otherwise they run on torch's int4 kernel `_weight_int4pack_mm_for_cpu` (the layout made by
 `_convert_weight_to_int4pack_for_cpu`). Its dequantization is w = (q - 8) * s + m, so each group's zero point
@@ -39,11 +41,24 @@ from aserve.quantization.base import INT4, UNQUANTIZED, LinearMethod, NativeProj
 KERNEL_DTYPES = (torch.bfloat16,)
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 SHIFTS = tuple(range(0, 32, 4))
-# The most rows int4_linear takes, and where layers use it up to (gemm_int4 above). The bench model's 120 int4 layers,
-# bf16, the two kernels timed alone (Intel Xeon, avx512_vnni avx512_bf16, no AMX, 2 threads, at 7974a57): 2.05 against
-# 6.03 ms at 1 row, 3.43 against 6.75 at 4, 5.67 against 9.16 at 8; fp32 (AMD EPYC Zen 5, at 39c8f62) 3.08 against
-# 8.46 at 4 rows, 5.55 against 9.99 at 8.
+# The most rows int4_linear's kernels take at once, and where layers use it up to (gemm_int4 above). The bench model's
+# 120 int4 layers, bf16, the two kernels timed alone (Intel Xeon, avx512_vnni avx512_bf16, no AMX, 2 threads, at
+# 7974a57): 2.05 against 6.03 ms at 1 row, 3.43 against 6.75 at 4, 5.67 against 9.16 at 8; fp32 (AMD EPYC Zen 5, at
+# 39c8f62) 3.08 against 8.46 at 4 rows, 5.55 against 9.99 at 8.
 KERNEL_MAX_ROWS = 8
+# Where bf16 rows multiply on vdpbf16ps (int4_linear's bf16 path where the GEMMs use it: AMD's cores), up to 16 rows.
+# One bench-model layer hot in cache, 2 threads, AMD EPYC Zen 5, us a call (rows kernel / gemm_int4 / the dense
+# GEMM on the same shape): gate | up 3072 x 576 at 16 rows 73.9 / 82.5 / 63.7, at 24 rows 111.7 / 110.2 / 90.0;
+# down 576 x 1536 at 16 rows 40.6 / 43.2 / 34.6, at 24 rows 58.5 / 57.6 / 46.7.
+KERNEL_MAX_ROWS_BF16 = 16
+
+
+def kernel_rows(dtype: torch.dtype) -> int:
+    """Rows up to which a layer runs int4_linear (gemm_int4 above): KERNEL_MAX_ROWS_BF16 for bf16 where the kernels
+    multiply bf16 on vdpbf16ps, else KERNEL_MAX_ROWS."""
+    if dtype == torch.bfloat16 and torch.ops.aserve.gemm_bf16_products() == "dpbf16":
+        return KERNEL_MAX_ROWS_BF16
+    return KERNEL_MAX_ROWS
 
 
 def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -108,8 +123,8 @@ class Int4KernelMethod(LinearMethod):
 
 
 class AserveInt4Method(LinearMethod):
-    """A GPTQ or AWQ layer on aserve's int4 kernels (csrc/int8_linear.cpp's int4_linear for up to KERNEL_MAX_ROWS
-    rows, cpu_gemm.cpp's gemm_int4 above): codes tiled in 64-byte blocks of 8 inputs (tile_int4) and, per tile and
+    """A GPTQ or AWQ layer on aserve's int4 kernels (csrc/int8_linear.cpp's int4_linear for up to kernel_rows rows,
+    cpu_gemm.cpp's gemm_int4 above): codes tiled in 64-byte blocks of 8 inputs (tile_int4) and, per tile and
     group, the 16 outputs' scales then scale * zero ([ceil(out/16), groups, 2, 16], in the model's dtype)."""
 
     def __init__(self, name: str):
@@ -155,18 +170,18 @@ class AserveInt4Method(LinearMethod):
 
     def native_projection(self, layer):
         return NativeProjection(INT4, layer.qweight, layer.scales_zeros, layer.bias, layer.perm, layer.int4_group,
-                                layer.out_features, KERNEL_MAX_ROWS,
+                                layer.out_features, kernel_rows(layer.scales_zeros.dtype),
                                 cpu_gemm.SILU_AND_MUL if layer.int4_gated else 0)
 
 
 def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias, out_features: int,
                  activation: int = 0) -> torch.Tensor:
-    """A layer on aserve's int4 kernels, for 2-D rows: int4_linear up to KERNEL_MAX_ROWS, gemm_int4 above.
+    """A layer on aserve's int4 kernels, for 2-D rows: int4_linear up to kernel_rows, gemm_int4 above.
     `activation` cpu_gemm.SILU_AND_MUL (gated tiles): silu(gate) * up, the row kernel's product combined in blocks
     of 16, the GEMM's in its epilogue."""
     if perm is not None:  # act-order: the inputs in group order
         x = x.index_select(1, perm)
-    if x.shape[0] <= KERNEL_MAX_ROWS:
+    if x.shape[0] <= KERNEL_MAX_ROWS or (x.shape[0] <= KERNEL_MAX_ROWS_BF16 and x.shape[0] <= kernel_rows(x.dtype)):
         out = torch.ops.aserve.int4_linear(x.contiguous(), qweight, scales_zeros, group, out_features)
         out = out if bias is None else out + bias
         return torch.ops.aserve.silu_and_mul(out, cpu_gemm.GATE_ROWS) if activation else out
