@@ -760,9 +760,10 @@ def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(bf16_produc
 def test_int4_bf16_rows_on_vdpbf16ps_multiply_x_as_it_is(bf16_products):
     """Where bf16 products run on vdpbf16ps, int4_linear multiplies x as it is by each code made 128 + q: the exact
     product x (q * s - s * z) to bf16's rounding of the output and fp32's of the sums of x (128 + q) s (whose 128s
-    cancel), for 1 to 16 rows, groups of 24, 96 and 128. An input 16 binades below its row's largest, which the
-    vpdpwssd path rounds away, counts. Each row's output is the same bits at any batch (blocks of up to 4 rows, each
-    summed in the same order), and a NaN or an infinity makes its row's outputs NaN and leaves the others alone."""
+    cancel), for 3 to 16 rows (1 and 2 stay on vpdpwssd), groups of 24, 96 and 128. An input 16 binades below its
+    row's largest, which the vpdpwssd path rounds away, counts. A row's output is the same bits at 3 to 16 rows
+    (blocks of up to 4 rows on pairs of tiles, each summed in the same order), and a NaN or an infinity makes its
+    row's outputs NaN and leaves the others alone."""
     from aserve.quantization.int4 import kernel_rows, tile_int4, tile_scales_zeros
 
     bf16_products("dpbf16")
@@ -788,18 +789,17 @@ def test_int4_bf16_rows_on_vdpbf16ps_multiply_x_as_it_is(bf16_products):
         exact = x.double() @ weight.t()
         terms = x.double().abs() @ ((codes + 128) * s[g].t() + (sz_term[g] + 128 * s[g]).abs().t()).t()
         bound = 2.0 ** -8 * exact.abs() + 2.0 ** -18 * terms
-        singles = torch.cat([torch.ops.aserve.int4_linear(x[m:m + 1], tiles, sz, group, out_features)
-                             for m in range(16)])
-        assert ((singles.double() - exact).abs() <= bound).all(), in_features
-        assert (singles[1].double() - exact[1]).abs().max() <= 0.05 * float(exact[1].abs().max()), in_features
-        for rows in (2, 3, 5, 8, 9, 16):
+        batch = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
+        assert ((batch.double() - exact).abs() <= bound).all(), in_features
+        assert (batch[1].double() - exact[1]).abs().max() <= 0.05 * float(exact[1].abs().max()), in_features
+        for rows in (3, 4, 5, 8, 9, 13):
             got = torch.ops.aserve.int4_linear(x[:rows], tiles, sz, group, out_features)
-            assert torch.equal(got, singles[:rows]), (in_features, rows)
+            assert torch.equal(got, batch[:rows]), (in_features, rows)
         for bad in (float("nan"), float("inf")):
             broken = x[:6].clone()
             broken[4, 5] = bad
             again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
-            assert again[4].isnan().all() and torch.equal(again[[0, 1, 2, 3, 5]], singles[[0, 1, 2, 3, 5]])
+            assert again[4].isnan().all() and torch.equal(again[[0, 1, 2, 3, 5]], batch[[0, 1, 2, 3, 5]])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])

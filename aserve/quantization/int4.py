@@ -5,11 +5,12 @@ On the CPU, where aserve's kernels are built and the activations are fp32 (or bf
 aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
 (`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 8 rows
 (`KERNEL_MAX_ROWS`, 16 where bf16 runs on vdpbf16ps: `kernel_rows`) `int4_linear` (csrc/int8_linear.cpp) sums x * q
-per group in registers and folds in s * sum(x q) - s * z * sum(x). bf16 where aserve's GEMMs multiply on vdpbf16ps
-(AMD's cores): each code made the bf16 128 + q, exactly, and multiplied by x as it is, 32 products an instruction,
-in blocks of up to 4 rows (a row's output the same bits at any batch). bf16 elsewhere: x made 16-bit integers sharing
-an exponent per span of up to 64 inputs, exact within 7 binades of the span's largest, and an output's two codes of
-a pair of inputs a mask away from the 16-bit pair vpdpwssd multiplies by. fp32: each code masked where it lies and
+per group in registers and folds in s * sum(x q) - s * z * sum(x). bf16 from 3 rows where aserve's GEMMs multiply on
+vdpbf16ps (AMD's cores): each code made the bf16 128 + q, exactly, and multiplied by x as it is, 32 products an
+instruction, in blocks of up to 4 rows against pairs of tiles (a row's output the same bits at 3 to 16 rows). bf16
+elsewhere, and one or two rows: x made 16-bit integers sharing an exponent per span of up to 64 inputs, exact within
+7 binades of the span's largest, and an output's two codes of a pair of inputs a mask away from the 16-bit pair
+vpdpwssd multiplies by. fp32: each code masked where it lies and
 converted, beside x scaled by powers of two. Above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per
 row block into the dense GEMM's layout, or, where that GEMM multiplies on fp32 FMAs, each tile in registers for
 every 16 rows (from 5 rows there). Any group size that is a multiple of 8 and divides the inputs.
@@ -46,10 +47,11 @@ SHIFTS = tuple(range(0, 32, 4))
 # 7974a57): 2.05 against 6.03 ms at 1 row, 3.43 against 6.75 at 4, 5.67 against 9.16 at 8; fp32 (AMD EPYC Zen 5, at
 # 39c8f62) 3.08 against 8.46 at 4 rows, 5.55 against 9.99 at 8.
 KERNEL_MAX_ROWS = 8
-# Where bf16 rows multiply on vdpbf16ps (int4_linear's bf16 path where the GEMMs use it: AMD's cores), up to 16 rows.
-# One bench-model layer hot in cache, 2 threads, AMD EPYC Zen 5, us a call (rows kernel / gemm_int4 / the dense
-# GEMM on the same shape): gate | up 3072 x 576 at 16 rows 73.9 / 82.5 / 63.7, at 24 rows 111.7 / 110.2 / 90.0;
-# down 576 x 1536 at 16 rows 40.6 / 43.2 / 34.6, at 24 rows 58.5 / 57.6 / 46.7.
+# Where bf16 rows multiply on vdpbf16ps (int4_linear's bf16 path from 3 rows where the GEMMs use it: AMD's cores), up
+# to 16 rows. The bench model's 120 int4 layers from DRAM, alternated in one process (AMD EPYC Zen 5, 2 threads, ms,
+# int4_linear on vdpbf16ps / on vpdpwssd / gemm_int4): 4 rows 2.49 / 2.55 / 5.86, 8 rows 3.81 / 3.98 / 4.90,
+# 12 rows 5.15 / 6.07 / 6.01, 16 rows 6.42 / 7.22 / 7.16. One layer hot in cache at 24 rows the row kernel and
+# gemm_int4 were level (gate | up 111.7 against 110.2 us), so 16.
 KERNEL_MAX_ROWS_BF16 = 16
 
 

@@ -685,11 +685,8 @@ inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K
 // vdpbf16ps a cycle and one vpdpwssd). A code q becomes the bf16 128 + q exactly, the nibble in the low bits of a
 // 16-bit lane or'd into 0x4300 (128.0, whose last mantissa bit is worth 1): one vpternlogd. x stays bf16, so every
 // product is exact and only the fp32 sums round; per group, s * sum(x (128 + q)) - (s z + 128 s) * sum(x) is
-// s * sum(x (q - z)). Rows go in blocks of at most four, each tile against every block in turn (the blocks after
-// the first find it in L1), so each row sums in the same four chains and order whatever the batch: a row's output
-// is the same bits at any number of rows. The bench model's 120 int4 layers, from DRAM (AMD EPYC Zen 5, 2 threads,
-// alternated in one process): 4 rows 2.61-2.68 against 2.92-3.15 ms on vpdpwssd, 8 rows 3.87-3.89 against
-// 4.30-4.60; 16 rows 6.53-6.64, where gemm_int4 took 6.93 (int4.kernel_rows).
+// s * sum(x (q - z)). The bench model's 120 int4 layers from DRAM (AMD EPYC Zen 5, 2 threads, alternated in one
+// process with the vpdpwssd path): see int4.KERNEL_MAX_ROWS_BF16.
 #define ASERVE_BF16_ROWS 1
 
 // Each row's sum of x over each group ([M][groups], fp32), in this thread's scratch.
@@ -711,62 +708,121 @@ inline const float* group_sums_bf16(const at::Tensor& x, int M, int64_t K, int64
   return sums.data();
 }
 
-// Tile t (16 outputs) against M (up to 4) rows of bf16 x (ldx apart) and their group sums: pair row s of a block goes
-// to chain s of its row.
-template <int M>
-inline void int4_tile_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t ldx, const float* xsums, int64_t K,
-                           int64_t group, const c10::BFloat16* sz, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
-  static_assert(M >= 1 && M <= 4, "int4_tile_bf16: a block of 1 to 4 rows");
-  constexpr int CH = 4;
-  const int64_t groups = K / group, pairs = K / 2;
-  const uint8_t* tile = w + t * pairs * kInt8Tile;
-  const uint8_t* next = last ? nullptr : tile + pairs * kInt8Tile;  // the thread's next tile, fetched meanwhile
+// Four bf16 pair rows of the codes (a 64-byte block: pair row s in nibble s of each 16-bit lane) as 128 + q.
+inline void int4_block_bf16(const uint8_t* at, __m512i (&rows)[4]) {
   const __m512i nibble = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
-  __m512 out[M];
+  const __m512i block = _mm512_loadu_si512(at);
+  rows[0] = _mm512_ternarylogic_epi32(block, nibble, bias, 0xEA);  // (A & B) | C
+  rows[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(block, 4), nibble, bias, 0xEA);
+  rows[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(block, 8), nibble, bias, 0xEA);
+  rows[3] = _mm512_or_si512(_mm512_srli_epi16(block, 12), bias);
+}
+
+// Group g's fold into a tile's 16 outputs: out + s * sum(x (128 + q)) - (s z + 128 s) * sum(x).
+inline __m512 int4_fold_bf16(__m512 out, __m512 sums, const c10::BFloat16* sz, int64_t t, int64_t groups, int64_t g,
+                             float xsum) {
+  float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
+  load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+  const __m512 sv = _mm512_loadu_ps(s);
+  const __m512 offset = _mm512_fmadd_ps(sv, _mm512_set1_ps(128.f), _mm512_loadu_ps(s + kInt8Tile));
+  return _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum), _mm512_fmadd_ps(sums, sv, out));
+}
+
+// 16 fp32 outputs to bf16 (to nearest even, as c10::BFloat16 rounds), the tile's real ones.
+inline void store_tile_bf16(c10::BFloat16* o, int64_t N, int64_t t, __m512 out) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(kInt8Tile, N - t * kInt8Tile)) - 1);
+  _mm256_mask_storeu_epi16(o + t * kInt8Tile, lanes, (__m256i)_mm512_cvtneps_pbh(out));
+}
+
+// R (1 or 2) tiles from t against a block of M (up to 4) rows of x, ldx apart: each broadcast pair of x feeds both
+// tiles, pair row s of a block into chain s % 2 of its row and tile (16 chains at 2 tiles x 4 rows), the outputs
+// waiting in L1 between groups (the sums, pair rows and constants fill the registers). `next`: the tiles after,
+// fetched meanwhile. Against one tile at a time in four chains, the bench model's 120 int4 layers at 16 rows (Zen 5,
+// alternated in one process) took 6.19 against 6.52 ms from DRAM, 5.14 against 5.60 with most of them in L3.
+template <int M, int R>
+inline void int4_tiles_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t ldx, const float* xsums, int64_t K,
+                            int64_t group, const c10::BFloat16* sz, c10::BFloat16* o, int64_t N, int64_t t,
+                            const uint8_t* next) {
+  const int64_t groups = K / group, pairs = K / 2;
+  alignas(64) float outs[R][M][kInt8Tile];
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) out[m] = _mm512_setzero_ps();
-  prefetch_scales<1>(sz, t, groups, 0);
-  if (!last) prefetch_tile_scales(sz, t + 1, groups);
+  for (int i = 0; i < R * M; ++i) _mm512_store_ps(outs[i / M][i % M], _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
-    if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
-    __m512 acc[CH][M];
-#pragma GCC unroll 4
-    for (int c = 0; c < CH; ++c)
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {  // a block: pair rows kk..kk+3
-      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
-      const __m512i block = _mm512_loadu_si512(tile + kk * kInt8Tile);
-      const __m512i rows[4] = {  // (A & B) | C: 0xEA
-          _mm512_ternarylogic_epi32(block, nibble, bias, 0xEA),
-          _mm512_ternarylogic_epi32(_mm512_srli_epi16(block, 4), nibble, bias, 0xEA),
-          _mm512_ternarylogic_epi32(_mm512_srli_epi16(block, 8), nibble, bias, 0xEA),
-          _mm512_or_si512(_mm512_srli_epi16(block, 12), bias)};
+    prefetch_scales<R>(sz, t, groups, std::min(g + 1, groups - 1));
+    __m512 acc[R][2][M];
+#pragma GCC unroll 16
+    for (int i = 0; i < R * 2 * M; ++i) acc[i / (2 * M)][(i / M) % 2][i % M] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t kk = g * group / 2; kk < (g + 1) * group / 2; kk += 4) {
+      __m512i rows[R][4];
+#pragma GCC unroll 2
+      for (int i = 0; i < R; ++i) {
+        if (next != nullptr)
+          _mm_prefetch(reinterpret_cast<const char*>(next + (i * pairs + kk) * kInt8Tile), _MM_HINT_T0);
+        int4_block_bf16(w + ((t + i) * pairs + kk) * kInt8Tile, rows[i]);
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int m = 0; m < M; ++m) {
           int32_t pair;  // (x[2(kk + r)], x[2(kk + r) + 1])
           std::memcpy(&pair, x + m * ldx + 2 * (kk + r), sizeof pair);
-          acc[r % CH][m] = _mm512_dpbf16_ps(acc[r % CH][m], (__m512bh)rows[r], (__m512bh)_mm512_set1_epi32(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+          for (int i = 0; i < R; ++i)
+            acc[i][r % 2][m] = _mm512_dpbf16_ps(acc[i][r % 2][m], (__m512bh)rows[i][r], xv);
         }
     }
-    float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
-    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
-    const __m512 sv = _mm512_loadu_ps(s);
-    const __m512 offset = _mm512_fmadd_ps(sv, _mm512_set1_ps(128.f), _mm512_loadu_ps(s + kInt8Tile));
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512 total = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), _mm512_add_ps(acc[2][m], acc[3][m]));
-      out[m] = _mm512_fmadd_ps(total, sv, out[m]);
-      out[m] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsums[m * groups + g]), out[m]);
-    }
+#pragma GCC unroll 2
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m)
+        _mm512_store_ps(outs[i][m], int4_fold_bf16(_mm512_load_ps(outs[i][m]), _mm512_add_ps(acc[i][0][m], acc[i][1][m]),
+                                                   sz, t + i, groups, g, xsums[m * groups + g]));
   }
-  const __mmask16 lanes = static_cast<__mmask16>((1u << std::min<int64_t>(kInt8Tile, N - t * kInt8Tile)) - 1);
-#pragma GCC unroll 8
-  for (int m = 0; m < M; ++m)  // to nearest even, as c10::BFloat16 rounds
-    _mm256_mask_storeu_epi16(o + m * N + t * kInt8Tile, lanes, (__m256i)_mm512_cvtneps_pbh(out[m]));
+#pragma GCC unroll 2
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) store_tile_bf16(o + m * N, N, t + i, _mm512_load_ps(outs[i][m]));
+}
+
+// int4_linear on vdpbf16ps: the rows in even blocks of at most four, each pair of tiles (and a thread's odd last tile
+// alone) against every block in turn, the blocks after the first finding them in L1. A row's output is then the same
+// bits at any number of rows this runs: its sums run the same chains in the same order.
+void int4_linear_bf16(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
+                      at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group;
+  const float* xsums = group_sums_bf16(x, static_cast<int>(M), K, group);
+  const uint8_t* w = tiled.data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const int64_t ldx = x.stride(0), pairs = K / 2, blocks = (M + 3) / 4, block = (M + blocks - 1) / blocks;
+  parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t += 2) {
+      const int64_t count = std::min<int64_t>(2, end - t);
+      for (int64_t m0 = 0; m0 < M; m0 += block) {
+        // the first block fetches the thread's next tiles; the later ones find this pair in L1
+        const uint8_t* next = m0 == 0 && t + count < end ? w + (t + count) * pairs * kInt8Tile : nullptr;
+        const c10::BFloat16* xr = xp + m0 * ldx;
+        const float* sums = xsums + m0 * groups;
+        c10::BFloat16* rows = o + m0 * N;
+        const auto run = [&](auto m) {
+          constexpr int kRows = decltype(m)::value;
+          if (count == 2)
+            int4_tiles_bf16<kRows, 2>(w, xr, ldx, sums, K, group, sz, rows, N, t, next);
+          else
+            int4_tiles_bf16<kRows, 1>(w, xr, ldx, sums, K, group, sz, rows, N, t, next);
+        };
+        switch (std::min(block, M - m0)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, 4>{}); break;
+        }
+      }
+    }
+  });
 }
 #endif
 
@@ -798,42 +854,17 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   });
 }
 
-#if defined(ASERVE_BF16_ROWS)
-// int4_linear on vdpbf16ps: the rows in even blocks of at most four.
-void int4_linear_bf16(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
-                      at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group;
-  const float* xsums = group_sums_bf16(x, static_cast<int>(M), K, group);
-  const uint8_t* w = tiled.data_ptr<uint8_t>();
-  const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = x.stride(0), blocks = (M + 3) / 4, block = (M + blocks - 1) / blocks;
-  parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t m0 = 0; m0 < M; m0 += block) {
-        const bool last = t + 1 == end || m0 > 0;  // a later block: the next tile is already on its way
-        const c10::BFloat16* xr = xp + m0 * ldx;
-        const float* sums = xsums + m0 * groups;
-        c10::BFloat16* rows = o + m0 * N;
-        switch (std::min(block, M - m0)) {
-          case 1: int4_tile_bf16<1>(w, xr, ldx, sums, K, group, sz, rows, N, t, last); break;
-          case 2: int4_tile_bf16<2>(w, xr, ldx, sums, K, group, sz, rows, N, t, last); break;
-          case 3: int4_tile_bf16<3>(w, xr, ldx, sums, K, group, sz, rows, N, t, last); break;
-          default: int4_tile_bf16<4>(w, xr, ldx, sums, K, group, sz, rows, N, t, last); break;
-        }
-      }
-  });
-}
-#endif
-
 constexpr int64_t kInt4MaxRows = 16;  // int4.KERNEL_MAX_ROWS_BF16: where the rows run on vdpbf16ps, layers use all 16
+// From here bf16 rows run on vdpbf16ps where the GEMMs do; one or two rows stay on vpdpwssd, bound by the bytes,
+// which the pairs of tiles read as two streams (120 bench layers from DRAM, Zen 5: 2 rows 2.30 against 2.20 ms).
+constexpr int64_t kInt4Bf16FromRows = 3;
 
 template <typename T>
 void int4_linear_rows(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& sz, int64_t group, at::Tensor& out) {
 #if defined(ASERVE_BF16_ROWS)
   if constexpr (std::is_same_v<T, c10::BFloat16>)
-    if (bf16_products() == Products::kDpbf16) return int4_linear_bf16(x, tiled, sz, group, out);
+    if (bf16_products() == Products::kDpbf16 && x.size(0) >= kInt4Bf16FromRows)
+      return int4_linear_bf16(x, tiled, sz, group, out);
 #endif
   if (x.size(0) > 8) {  // the other paths' kernels take up to 8 rows: blocks of 8
     for (int64_t m0 = 0; m0 < x.size(0); m0 += 8) {
