@@ -711,6 +711,24 @@ def _fixed_point(x: torch.Tensor, group: int, span: int = 64) -> torch.Tensor:
     return out
 
 
+def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, group: int):
+    """A random bf16 int4 layer whose input 0 weighs 8 s - 8 s = 0 exactly (an outlier there leaves the output to the
+    small inputs): (codes, tiles, scales_zeros, s, s * z as stored (fp64), each input's group, the weight (fp64))."""
+    from aserve.quantization.int4 import tile_int4, tile_scales_zeros
+
+    groups = in_features // group
+    codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
+    scales = torch.rand(groups, out_features, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
+    zeros[0] = 8
+    codes[:, 0] = 8
+    tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, torch.bfloat16)
+    s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
+    sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
+    g = torch.arange(in_features) // group
+    return codes, tiles, sz, s, sz_term, g, codes.double() * s[g].t() - sz_term[g].t()
+
+
 def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(bf16_products):
     """int4_linear's bf16 path on vpdpwssd (where bf16 products run on FMAs or AMX tiles) multiplies x made 16-bit
     integers, one exponent per span of 64 inputs: the product of the rounded x to bf16's precision, whatever the
@@ -718,23 +736,12 @@ def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(bf16_produc
     than 7 binades below its span's largest is rounded to half a unit (the outlier row, where the exact product
     differs); zeros and values near fp32's smallest normal are exact; a NaN or an infinity makes its row's outputs
     NaN and leaves the other rows alone."""
-    from aserve.quantization.int4 import tile_int4, tile_scales_zeros
-
     bf16_products("fma")
     gen = torch.Generator().manual_seed(11)
     out_features = 48
     for in_features, group in ((128, 128), (192, 96), (72, 24)):
-        groups = in_features // group
-        codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
-        scales = torch.rand(groups, out_features, generator=gen) * 0.1 + 0.01
-        zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
-        zeros[0] = 8  # input 0, the outlier, weighs 8 s - 8 s = 0 exactly: the output is the small inputs'
-        codes[:, 0] = 8
-        tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, torch.bfloat16)
-        s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
-        sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
-        g = torch.arange(in_features) // group
-        weight = codes.double() * s[g].t() - sz_term[g].t()
+        codes, tiles, sz, s, sz_term, g, weight = _int4_layer_with_a_silent_input(gen, out_features, in_features,
+                                                                                  group)
         x = torch.randn(4, in_features, generator=gen)
         x[1, 1:] *= 2.0 ** -6  # 16 binades below the outlier: rounded in its span, exact in the others
         x[1, 0] = 2.0 ** 10
@@ -764,24 +771,15 @@ def test_int4_bf16_rows_on_vdpbf16ps_multiply_x_as_it_is(bf16_products):
     row's largest, which the vpdpwssd path rounds away, counts. A row's output is the same bits at 3 to 16 rows
     (blocks of up to 4 rows on pairs of tiles, each summed in the same order), and a NaN or an infinity makes its
     row's outputs NaN and leaves the others alone."""
-    from aserve.quantization.int4 import kernel_rows, tile_int4, tile_scales_zeros
+    from aserve.quantization.int4 import kernel_rows
 
     bf16_products("dpbf16")
     assert kernel_rows(torch.bfloat16) == 16 and kernel_rows(torch.float32) == 8
     gen = torch.Generator().manual_seed(13)
     out_features = 40
     for in_features, group in ((192, 24), (192, 96), (256, 128)):
-        groups = in_features // group
-        codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
-        scales = torch.rand(groups, out_features, generator=gen) * 0.1 + 0.01
-        zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
-        zeros[0] = 8  # input 0, the outlier, weighs 8 s - 8 s = 0 exactly: the output is the small inputs'
-        codes[:, 0] = 8
-        tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, torch.bfloat16)
-        s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
-        sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
-        g = torch.arange(in_features) // group
-        weight = codes.double() * s[g].t() - sz_term[g].t()
+        codes, tiles, sz, s, sz_term, g, weight = _int4_layer_with_a_silent_input(gen, out_features, in_features,
+                                                                                  group)
         x = torch.randn(16, in_features, generator=gen)
         x[1, 1:] *= 2.0 ** -16  # beside one large input: 2^-2 of a unit of the vpdpwssd path's span, rounded to 0
         x[1, 0] = 1.0
