@@ -10,10 +10,10 @@ vdpbf16ps (AMD's cores): each code made the bf16 128 + q, exactly, and multiplie
 instruction, in blocks of up to 4 rows against pairs of tiles (a row's output the same bits at 3 to 16 rows). bf16
 elsewhere, and one or two rows: x made 16-bit integers sharing an exponent per span of up to 64 inputs, exact within
 7 binades of the span's largest, and an output's two codes of a pair of inputs a mask away from the 16-bit pair
-vpdpwssd multiplies by. fp32: each code masked where it lies and
-converted, beside x scaled by powers of two. Above, `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per
-row block into the dense GEMM's layout, or, where that GEMM multiplies on fp32 FMAs, each tile in registers for
-every 16 rows (from 5 rows there). Any group size that is a multiple of 8 and divides the inputs.
+vpdpwssd multiplies by. fp32: each code masked where it lies and converted, beside x scaled by powers of two. Above,
+`gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's layout, or, where
+that GEMM multiplies on fp32 FMAs, each tile in registers for every 16 rows (from 5 rows there). Any group size that
+is a multiple of 8 and divides the inputs.
 
 Otherwise they run on torch's int4 kernel `_weight_int4pack_mm_for_cpu` (the layout made by
 `_convert_weight_to_int4pack_for_cpu`). Its dequantization is w = (q - 8) * s + m, so each group's zero point
@@ -183,7 +183,7 @@ def _aserve_int4(x: torch.Tensor, perm, qweight, scales_zeros, group: int, bias,
     of 16, the GEMM's in its epilogue."""
     if perm is not None:  # act-order: the inputs in group order
         x = x.index_select(1, perm)
-    if x.shape[0] <= KERNEL_MAX_ROWS or (x.shape[0] <= KERNEL_MAX_ROWS_BF16 and x.shape[0] <= kernel_rows(x.dtype)):
+    if x.shape[0] <= KERNEL_MAX_ROWS or x.shape[0] <= kernel_rows(x.dtype):  # kernel_rows only past 8 rows
         out = torch.ops.aserve.int4_linear(x.contiguous(), qweight, scales_zeros, group, out_features)
         out = out if bias is None else out + bias
         return torch.ops.aserve.silu_and_mul(out, cpu_gemm.GATE_ROWS) if activation else out
