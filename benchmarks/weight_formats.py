@@ -2,7 +2,8 @@
 """Output tokens a second of each weight format at one batch size, in one process, alternated round by round.
 
 --batch prompts of --input-len tokens, --output-len greedy tokens each (ignore_eos), through an engine per format:
-dense, int8, int8 with its head (--quantize-lm-head), GPTQ int4 and GPTQ with an int8 head. Each round runs every
+dense, int8, int8 with its head (--quantize-lm-head), GPTQ int4, GPTQ with an int8 head, and GPTQ quantized with its
+head (gptq4h: a checkpoint whose lm_head is int4 too, as GPTQModel's lm_head=True writes it). Each round runs every
 format once, in turn, so a VM whose speed drifts slows all of them alike; the last lines are each format's median
 output rate and its ratio to the first format's, and every round's ratios. Every prompt of the run is new to the
 engines' prefix caches (prompt_sets), so each round prefills its prompts as the first one does. A format named with
@@ -13,8 +14,8 @@ loads), to measure what the 2 MiB pages give.
     python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,int8
     python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@4k,gptqh,gptqh@4k
 
-Without --gptq, a round-to-nearest GPTQ copy is written to a temporary folder first (aserve.bench.quantize_rtn, as
-`aserve bench quality` writes it; group size 64 for the bench model).
+Without --gptq (--gptq-head), a round-to-nearest GPTQ copy (with its head) is written to a temporary folder first
+(aserve.bench.quantize_rtn, as `aserve bench quality` writes it; group size 64 for the bench model).
 """
 from __future__ import annotations
 
@@ -25,25 +26,27 @@ import statistics
 import tempfile
 import time
 
-FORMATS = {  # name: (uses the GPTQ copy, engine options)
-    "dense": (False, {}),
-    "int8": (False, {"quantization": "int8"}),
-    "int8h": (False, {"quantization": "int8", "quantize_lm_head": True}),
-    "gptq": (True, {}),
-    "gptqh": (True, {"quantize_lm_head": True}),
+FORMATS = {  # name: (the checkpoint it loads, engine options)
+    "dense": ("model", {}),
+    "int8": ("model", {"quantization": "int8"}),
+    "int8h": ("model", {"quantization": "int8", "quantize_lm_head": True}),
+    "gptq": ("gptq", {}),
+    "gptqh": ("gptq", {"quantize_lm_head": True}),
+    "gptq4h": ("gptq_head", {}),
 }
 
 
-def load(name: str, model: str, gptq: str | None, dtype: str):
-    """The engine of format `name`; with "@4k", its weights left in 4 KiB pages."""
+def load(name: str, checkpoints: dict[str, str], dtype: str):
+    """The engine of format `name` on its checkpoint (model, gptq or gptq_head: a folder); with "@4k", its weights
+    left in 4 KiB pages."""
     from aserve import LLM
 
-    uses_gptq, options = FORMATS[name.removesuffix("@4k")]
+    checkpoint, options = FORMATS[name.removesuffix("@4k")]
     before = os.environ.get("ASERVE_HUGE_PAGE_WEIGHTS")
     if name.endswith("@4k"):
         os.environ["ASERVE_HUGE_PAGE_WEIGHTS"] = "0"
     try:
-        return LLM(gptq if uses_gptq else model, dtype=dtype, disable_log_stats=True, **options)
+        return LLM(checkpoints[checkpoint], dtype=dtype, disable_log_stats=True, **options)
     finally:
         if before is None:
             os.environ.pop("ASERVE_HUGE_PAGE_WEIGHTS", None)
@@ -63,6 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a 16/32-bit checkpoint (the bench model)")
     parser.add_argument("--gptq", help="its GPTQ copy (default: written to a temporary folder)")
+    parser.add_argument("--gptq-head", help="its GPTQ copy with the LM head quantized too (quantize_rtn --lm-head; "
+                                            "default: written to a temporary folder)")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
@@ -80,13 +85,14 @@ def main() -> None:
 
     logging.disable(logging.INFO)
     with tempfile.TemporaryDirectory() as scratch:
-        gptq = args.gptq
-        if gptq is None and any(FORMATS[n.removesuffix("@4k")][0] for n in names):
-            from aserve.bench.quantize_rtn import write_rtn_checkpoint
+        from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
-            gptq = f"{scratch}/gptq"
-            write_rtn_checkpoint(args.model, gptq, "gptq")
-        engines = {n: load(n, args.model, gptq, args.dtype) for n in names}
+        checkpoints = {"model": args.model, "gptq": args.gptq, "gptq_head": args.gptq_head}
+        for name in {FORMATS[n.removesuffix("@4k")][0] for n in names} - {"model"}:
+            if checkpoints[name] is None:
+                checkpoints[name] = f"{scratch}/{name}"
+                write_rtn_checkpoint(args.model, checkpoints[name], "gptq", lm_head=name == "gptq_head")
+        engines = {n: load(n, checkpoints, args.dtype) for n in names}
         first = next(iter(engines.values()))
         print(f"weight_formats: {cpu_info().describe()}, dtype {str(first.engine.dtype).replace('torch.', '')}; "
               f"{args.batch} x {args.input_len}/{args.output_len}, {args.rounds} rounds")

@@ -64,17 +64,24 @@ def pack_cols(values: torch.Tensor, order=range(8)) -> torch.Tensor:
 
 
 def write_quantized(src, dst, method: str, group_size: int, desc_act: bool = False, v2: bool = False, seed: int = 0,
-                    tamper_g_idx: bool = False):
+                    tamper_g_idx: bool = False, head: bool = False):
     """A GPTQ (v1, or with `v2` gptq_v2 without g_idx tensors) or AWQ (GEMM) copy of `src` at `dst`, and beside it
-    at `dst`-reference the same model with the dequantized weights as plain fp32 tensors."""
+    at `dst`-reference the same model with the dequantized weights as plain fp32 tensors. `head`: the LM head is
+    quantized too (GPTQModel's lm_head=True), a tied one from the embedding's values, written as lm_head.*; the
+    reference then holds it untied, as lm_head.weight beside the dense embedding."""
     from safetensors.torch import load_file, save_file
 
     gen = torch.Generator().manual_seed(seed)
     weights = load_file(src / "model.safetensors")
+    tied = "lm_head.weight" not in weights
+    if head and tied:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     quantized, reference = {}, {}
     perms = {}  # act-order: one input order per input (q/k/v share theirs, as their Hessians agree)
     for name, w in weights.items():
         piece = next((p for p in LINEARS if f".{p}.weight" in name), None)
+        if head and name == "lm_head.weight":
+            piece = "lm_head"
         if piece is None:
             quantized[name] = reference[name] = w
             continue
@@ -106,10 +113,12 @@ def write_quantized(src, dst, method: str, group_size: int, desc_act: bool = Fal
         save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors",
                   metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
+    if head and tied:
+        (ref_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     config["quantization_config"] = (
         {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": False,
-         "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq" else {"quant_method": "awq", "bits": 4, "group_size": group_size,
-                                  "zero_point": True, "version": "gemm"})
+         "checkpoint_format": "gptq_v2" if v2 else "gptq", "lm_head": head} if method == "gptq" else
+        {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"})
     (dst / "config.json").write_text(json.dumps(config))
     return dst, ref_dir
 
@@ -243,6 +252,36 @@ def test_int4_greedy_equals_the_dequantized_model(checkpoints, int4_kernels, cas
     ours = LLM(str(quantized_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
     theirs = LLM(str(reference_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-tied", "llama-untied"])
+def test_a_gptq_checkpoints_quantized_head_stays_int4(model_dirs, tmp_path, int4_kernels, family):
+    """A GPTQ checkpoint quantized with its head (GPTQModel's lm_head=True) loads that head as int4, apart from the
+    dense embedding even where config.json ties them (--quantize-lm-head then leaves it as it is): its logits are
+    the dequantized head's, and greedy output is token for token the dequantized model's."""
+    quantized_dir, reference_dir = write_quantized(model_dirs[family], tmp_path / "gptq", "gptq", 32, head=True)
+    reference = load_model(reference_dir, dtype="float32").model
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    for quantize_lm_head in (False, True):
+        model = load_model(quantized_dir, dtype="float32", quantize_lm_head=quantize_lm_head).model
+        assert model.lm_head.method.name == "gptq int4" and model.packed_head is None
+        assert torch.equal(model.embed_tokens.weight, reference.embed_tokens.weight)
+        torch.testing.assert_close(model.compute_logits(hidden), reference.compute_logits(hidden), rtol=1e-5,
+                                   atol=1e-5)
+    expected, bf16 = reference.compute_logits(hidden), load_model(quantized_dir, dtype="bfloat16").model
+    for rows in (1, 3, 5):  # bf16: the row kernels (one row on its own path) and torch's
+        got = bf16.compute_logits(hidden[:rows].bfloat16()).float()
+        assert (got - expected[:rows]).abs().max() <= 0.02 * expected.abs().max(), rows
+    options = dict(dtype="float32", kv_cache_memory="16MiB", device="cpu")
+    ours = LLM(str(quantized_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
+    theirs = LLM(str(reference_dir), **options).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+
+
+def test_a_quantized_head_is_refused_where_the_family_always_ties_it(model_dirs, tmp_path):
+    quantized_dir, _ = write_quantized(model_dirs["gemma2"], tmp_path / "gptq", "gptq", 32, head=True)
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM always ties its head to the embedding"):
+        load_model(quantized_dir, dtype="float32")
 
 
 def test_fused_shards_with_different_input_orders_are_refused(model_dirs, tmp_path):
@@ -447,12 +486,33 @@ def test_round_to_nearest_gptq_and_awq_copies_hold_the_same_weights(model_dirs, 
         assert ((layer.weight.view_as(w) - w).abs() <= step[..., None] * 0.51).all(), name
 
 
+@pytest.mark.parametrize("family", ["llama-gqa-tied", "llama-untied"])
+def test_round_to_nearest_copy_with_its_head(model_dirs, tmp_path, monkeypatch, family):
+    """`--lm-head`: the writer quantizes the head too (a tied one from the embedding, written as lm_head.*) and says
+    so in the config; loaded (dequantized in fp32), the head is within half a step of the original and the embedding
+    is as it was. AWQ, whose quantizers leave the head dense, is refused."""
+    from aserve.bench.quantize_rtn import write_rtn_checkpoint
+
+    monkeypatch.setattr(int4, "aserve_kernel_refusal", lambda *args: "held off in this test")
+    assert write_rtn_checkpoint(model_dirs[family], tmp_path / "gptq", "gptq", lm_head=True) == 64
+    assert json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["lm_head"] is True
+    model = load_model(tmp_path / "gptq", dtype="float32").model
+    original = load_model(model_dirs[family], dtype="float32").model
+    assert torch.equal(model.embed_tokens.weight, original.embed_tokens.weight)
+    w = original.output_weight().view(model.lm_head.out_features, -1, 64)
+    step = (w.amax(-1).clamp(min=0) - w.amin(-1).clamp(max=0)) / 15
+    assert ((model.lm_head.weight.view_as(w) - w).abs() <= step[..., None] * 0.51).all()
+    with pytest.raises(ValueError, match="only GPTQ checkpoints carry a quantized LM head"):
+        write_rtn_checkpoint(model_dirs[family], tmp_path / "awq", "awq", lm_head=True)
+
+
 def test_quality_tool_reports_no_loss_for_the_reference_and_some_for_int4(model_dirs, tmp_path):
     from aserve.bench import quality
     from aserve.cli import build_parser
 
     figures = {}
-    for option in ([], ["--quantization", "gptq", "--dtype", "bfloat16"]):
+    for option in ([], ["--quantization", "gptq", "--dtype", "bfloat16"],
+                   ["--quantization", "gptq", "--dtype", "bfloat16", "--rtn-lm-head"]):
         out = tmp_path / f"{len(option)}.json"
         quality.main(build_parser().parse_args(["bench", "quality", "--model", str(model_dirs[FAMILY]),
                                                 "--num-prompts", "6", "--max-tokens", "8", "--kv-cache-memory",
@@ -463,3 +523,5 @@ def test_quality_tool_reports_no_loss_for_the_reference_and_some_for_int4(model_
     assert same["greedy_identical"] == 1 and same["greedy_tokens_before_difference"] == 8
     assert 0 < int4["mean_kl"] < 0.5 and int4["positions"] == same["positions"] > 1000
     assert "round-to-nearest copy, group size 64" in int4["candidate"]
+    head = figures[5]  # the head in int4 too: a further loss
+    assert "group size 64, LM head included" in head["candidate"] and head["mean_kl"] > int4["mean_kl"]

@@ -3,7 +3,8 @@
 The candidate is the engine the flags describe (`--quantization int8`, `--kv-cache-dtype fp8`, `--dtype bfloat16`,
 ...); the reference is the same model with every option in CANDIDATE_ONLY reset and dtype float32. A lossy option
 added later joins CANDIDATE_ONLY and is measured the same way. For `--quantization gptq|awq` on a 16/32-bit model the
-tool first writes a round-to-nearest 4-bit copy in that format (aserve.bench.quantize_rtn) and loads it.
+tool first writes a round-to-nearest 4-bit copy in that format (aserve.bench.quantize_rtn; `--rtn-lm-head`: its LM
+head too) and loads it.
 
 Three figures, all from the engine's own outputs:
 - perplexity of both on a held-out text (windows of `--window` tokens, every token after the first scored);
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=None,
                         help="gptq/awq on a 16/32-bit model: the group size of the round-to-nearest copy "
                              "(default: the largest of 128, 64, 32 that divides the layers' inputs)")
+    parser.add_argument("--rtn-lm-head", action="store_true",
+                        help="gptq on a 16/32-bit model: the round-to-nearest copy quantizes the LM head to int4 "
+                             "too (as GPTQModel's lm_head=True)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures here")
     add_engine_arguments(parser, defaults={"dtype": "float32", "kv_cache_memory": "256MiB",
                                            "enable_prefix_caching": False})
@@ -121,9 +125,10 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="aserve-rtn-") as scratch:
         method = candidate_options["quantization"]
         if method in ("gptq", "awq") and not read_config(model).get("quantization_config"):
-            group = write_rtn_checkpoint(model, scratch, method, args.group_size)
+            group = write_rtn_checkpoint(model, scratch, method, args.group_size, args.rtn_lm_head)
             candidate_options.update(model=scratch, quantization=None)
-            label += f" (round-to-nearest copy, group size {group})"
+            head = ", LM head included" if args.rtn_lm_head else ""
+            label += f" (round-to-nearest copy, group size {group}{head})"
         reference = LLM(**reference_options)
         candidate = LLM(**candidate_options)
         tokens = reference.get_tokenizer().encode(Path(args.text).read_text())

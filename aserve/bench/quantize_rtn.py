@@ -3,7 +3,9 @@ the int4 loading path can be measured on any model (`aserve bench quality --quan
 `python -m aserve.bench.quantize_rtn SRC DST --method gptq|awq` to keep the copy). A measuring tool, not the
 runtime's: it lives with the bench command that writes these copies, above the loader it reads checkpoints with.
 
-Each linear layer's weight inside the decoder (not the logits projection) is quantized per group of inputs as
+Each linear layer's weight inside the decoder (and, with `lm_head`, the logits projection: the embedding's values
+where they are tied, written as `lm_head.*` beside the dense embedding, with `"lm_head": true` in the config, as
+GPTQModel writes a head it quantized) is quantized per group of inputs as
 GPTQ's own quantizer does it: the range [min(w, 0), max(w, 0)] split into 15 steps, scale = range / 15 (stored in
 fp16, and the codes computed against the stored scale), zero = round(-min / scale), q = clamp(round(w / scale) +
 zero, 0, 15). The files follow the formats' definitions in quantization/gptq.py and awq.py (GPTQ as checkpoint_format
@@ -55,9 +57,12 @@ def pack_awq(codes, zeros, scales, group_size: int) -> dict[str, torch.Tensor]:
             "qzeros": pack_int32(interleave(zeros), dim=1), "scales": scales}
 
 
-def write_rtn_checkpoint(src: str | Path, dst: str | Path, method: str, group_size: int | None = None) -> int:
-    """Write `src` quantized to `method` (gptq or awq) into `dst`; return the group size used (by default the
-    largest of 128, 64, 32 that divides every quantized layer's inputs)."""
+def write_rtn_checkpoint(src: str | Path, dst: str | Path, method: str, group_size: int | None = None,
+                         lm_head: bool = False) -> int:
+    """Write `src` quantized to `method` (gptq or awq; `lm_head`: the head too, gptq only) into `dst`; return the
+    group size used (by default the largest of 128, 64, 32 that divides every quantized layer's inputs)."""
+    if lm_head and method != "gptq":
+        raise ValueError("only GPTQ checkpoints carry a quantized LM head (AutoAWQ leaves it dense)")
     src, dst = Path(src), Path(dst)
     config = read_config(src)
     arch = architecture(config)
@@ -68,6 +73,10 @@ def write_rtn_checkpoint(src: str | Path, dst: str | Path, method: str, group_si
     linears = {name for name, m in model.named_modules() if isinstance(m, Linear) and name != "lm_head"}
     files = checkpoint_files(src)
     tensors = {name: tensor for _, name, tensor in checkpoint_tensors(files)}
+    if lm_head:
+        output = next(name for name, p in model.named_parameters() if p is model.output_weight())
+        source = next(name for name in tensors if (model.checkpoint_name(name) or (None,))[0] == output)
+        head = tensors[source]  # lm_head.weight, or the embedding a tied head reads
 
     def layer_of(name):
         target = model.checkpoint_name(name) if name.endswith(".weight") else None
@@ -75,7 +84,7 @@ def write_rtn_checkpoint(src: str | Path, dst: str | Path, method: str, group_si
         return ours.rsplit(".", 1)[0] if ours and ours.rsplit(".", 1)[0] in linears else None
 
     chosen = [name for name in tensors if layer_of(name) is not None]
-    inputs = {tensors[name].shape[1] for name in chosen}
+    inputs = {tensors[name].shape[1] for name in chosen} | ({head.shape[1]} if lm_head else set())
     if group_size is None:
         group_size = next((g for g in GROUP_SIZES if all(k % g == 0 for k in inputs)), None)
         if group_size is None:
@@ -83,11 +92,12 @@ def write_rtn_checkpoint(src: str | Path, dst: str | Path, method: str, group_si
     pack = pack_gptq if method == "gptq" else pack_awq
     out = {}
     for name, tensor in tensors.items():
-        if name not in chosen:
+        if name not in chosen and name != "lm_head.weight" or name == "lm_head.weight" and not lm_head:
             out[name] = tensor.contiguous()
-            continue
+    for name in chosen + (["lm_head.weight"] if lm_head else []):
         prefix = name[:-len(".weight")]
-        for piece, value in pack(*quantize_groups(tensor, group_size), group_size).items():
+        weight = head if name == "lm_head.weight" else tensors[name]
+        for piece, value in pack(*quantize_groups(weight, group_size), group_size).items():
             out[f"{prefix}.{piece}"] = value.contiguous()
     dst.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
@@ -97,7 +107,7 @@ def write_rtn_checkpoint(src: str | Path, dst: str | Path, method: str, group_si
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = (
         {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": False,
-         "checkpoint_format": "gptq"} if method == "gptq" else
+         "checkpoint_format": "gptq", "lm_head": lm_head} if method == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return group_size
@@ -111,9 +121,12 @@ def main() -> None:
     parser.add_argument("dst")
     parser.add_argument("--method", choices=("gptq", "awq"), default="gptq")
     parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument("--lm-head", action="store_true",
+                        help="quantize the LM head too (gptq; a tied head is written as its own lm_head.*)")
     args = parser.parse_args()
-    group = write_rtn_checkpoint(args.src, args.dst, args.method, args.group_size)
-    print(f"wrote {args.dst}: {args.method} int4, group size {group}, round-to-nearest")
+    group = write_rtn_checkpoint(args.src, args.dst, args.method, args.group_size, args.lm_head)
+    head = ", LM head included" if args.lm_head else ""
+    print(f"wrote {args.dst}: {args.method} int4, group size {group}{head}, round-to-nearest")
 
 
 if __name__ == "__main__":

@@ -134,13 +134,16 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
         loading.check_device(spec, device)
     torch_dtype, reason = resolve_dtype(dtype, config, device)
     files = checkpoint_files(model_dir)
+    names = set(checkpoint_names(files)) if spec is not None else set()
+    if "lm_head.qweight" in names:  # a quantized head (GPTQModel's lm_head=True) stands apart from the embedding
+        config = {**config, "tie_word_embeddings": False}
     with torch.device("meta"), parallel.building(tp, stage):
         model = cls.from_config(config)
         if arch in DECODER_CLASSIFIERS:
             model.add_classifier(num_labels(config))
         model = model.to(torch_dtype)
         if spec is not None:  # before the weights are allocated: a GPTQ/AWQ layer never holds a dense one
-            method = loading.attach(model, spec, torch_dtype, checkpoint_names(files))
+            method = loading.attach(model, spec, torch_dtype, names)
     model = model.to_empty(device=device)
     fill_weights(model, files, lazy=tp.size > 1 or stage.size > 1)
     if spec is not None:

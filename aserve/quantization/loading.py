@@ -5,7 +5,9 @@
 For int8 every linear layer but the logits projection is quantized (that one too with `quantize_lm_head`; when
 it is tied to the embedding, a quantized copy serves as the head and the embedding stays as it is). For GPTQ and
 AWQ the checkpoint says which: the layers whose tensors include a `qweight` (quantizers leave the head, and
-whatever their config excluded, dense); `quantize_lm_head` makes a dense head int8 as above.
+whatever their config excluded, dense); `quantize_lm_head` makes a dense head int8 as above. A GPTQ checkpoint
+quantized with its head (GPTQModel's `lm_head=True`: an `lm_head.qweight`) keeps that head in int4, apart from the
+dense embedding even where config.json ties them (the loader builds such a model untied).
 """
 from __future__ import annotations
 
@@ -58,6 +60,10 @@ def attach(model: nn.Module, spec: QuantSpec, dtype: torch.dtype, checkpoint_nam
     else:
         chosen = prequantized_layers(model, checkpoint_names)
         strangers = sorted(chosen - set(linears))
+        if "lm_head" in strangers:
+            raise ValueError(f"the checkpoint holds a {spec.method} LM head (lm_head.qweight), and "
+                             f"{type(model).__name__} always ties its head to the embedding, so it has no head of "
+                             "its own to load it into")
         if strangers:
             raise ValueError(f"the checkpoint holds {spec.method} tensors for {strangers[0]!r}, which is not a "
                              "linear layer of this model")
