@@ -90,13 +90,12 @@ def write_rtn_checkpoint(src: str | Path, dst: str | Path, method: str, group_si
         if group_size is None:
             raise ValueError(f"no group size of {GROUP_SIZES} divides the layers' inputs {sorted(inputs)}")
     pack = pack_gptq if method == "gptq" else pack_awq
-    out = {}
-    for name, tensor in tensors.items():
-        if name not in chosen and name != "lm_head.weight" or name == "lm_head.weight" and not lm_head:
-            out[name] = tensor.contiguous()
-    for name in chosen + (["lm_head.weight"] if lm_head else []):
+    quantized = {name: tensors[name] for name in chosen}
+    if lm_head:
+        quantized["lm_head.weight"] = head
+    out = {name: tensor.contiguous() for name, tensor in tensors.items() if name not in quantized}
+    for name, weight in quantized.items():
         prefix = name[:-len(".weight")]
-        weight = head if name == "lm_head.weight" else tensors[name]
         for piece, value in pack(*quantize_groups(weight, group_size), group_size).items():
             out[f"{prefix}.{piece}"] = value.contiguous()
     dst.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ checkpoint's config.json, and checked before any weight is read.
 - `gptq`, `awq`: 4-bit checkpoints quantized elsewhere (AutoGPTQ / GPTQModel, AutoAWQ), recognised by the
   `quantization_config` of config.json and repacked at load for aserve's int4 kernels (torch's without them).
   Their quantizers leave the logits projection dense; `quantize_lm_head` makes it int8 at load, as `int8` does.
+  A GPTQ checkpoint quantized with its head too (an `lm_head.qweight`) keeps it int4 (quantization.loading).
 
 This module reads only dictionaries (no torch), so a front end can refuse a wrong flag at once; the formats
 themselves live in base (the seam), int8, gptq, awq and int4 (what GPTQ and AWQ become), and loading applies
