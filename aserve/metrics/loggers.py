@@ -46,6 +46,7 @@ class PrometheusStatLogger:
         self.replica_labels = [{"model_name": model_name, "replica": str(i)} for i in range(num_replicas)]
         self.replica_values = [(model_name, str(i)) for i in range(num_replicas)]
         self._children: dict[tuple, object] = {}  # see _series
+        self._gauges_set: list[dict[int, float]] = [{} for _ in range(num_replicas)]  # see record
         self.priority_classes = priority_classes
         base = ["model_name", "replica"]
         latency_labels = base + (["priority"] if priority_classes else [])
@@ -130,7 +131,8 @@ class PrometheusStatLogger:
                 self.structured.labels(**labels, kind=kind)
             self.compile_time.labels(**labels)
             self.beam_requests.labels(**labels)
-            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.recomputed,
+                      self.prefix_queries, self.prefix_hits):
                 c.labels(**labels)
             for direction in ("in", "out"):
                 self.swapped_blocks.labels(**labels, direction=direction)
@@ -150,10 +152,9 @@ class PrometheusStatLogger:
         return self._series(histogram, replica)
 
     def _advance(self, replica: int, counter, values: tuple, key: str, total: int) -> None:
-        child = self._series(counter, replica, *values)  # the series exists (at 0) once stats have come in
         seen = self._seen[replica]
-        if total > seen[key]:
-            child.inc(total - seen[key])
+        if total > seen[key]:  # the series exists (at 0) from the start
+            self._series(counter, replica, *values).inc(total - seen[key])
             seen[key] = total
 
     def replica_died(self, replica: int) -> None:
@@ -162,16 +163,21 @@ class PrometheusStatLogger:
         self.up.labels(**labels).set(0)
         for g in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_usage):
             g.labels(**labels).set(0)
+        self._gauges_set[replica].clear()
 
     def record(self, stats: IterationStats, replica: int = 0) -> None:
         series = self._series
         s = stats.scheduler
         if s is not None:
-            series(self.running, replica).set(s.num_running)
-            series(self.waiting, replica).set(s.num_waiting)
-            series(self.swapped, replica).set(s.num_swapped)
-            series(self.kv_usage, replica).set(s.kv_cache_usage)
-            series(self.cpu_usage, replica).set(s.host_cache_usage)
+            # A gauge is set when its value changes: in a step after the caches streamed the weights each set()
+            # is several cold reads (the child, its lock, its value), and from one step to the next these stay.
+            last = self._gauges_set[replica]
+            for gauge, value in ((self.running, s.num_running), (self.waiting, s.num_waiting),
+                                 (self.swapped, s.num_swapped), (self.kv_usage, s.kv_cache_usage),
+                                 (self.cpu_usage, s.host_cache_usage)):
+                if last.get(id(gauge)) != value:
+                    series(gauge, replica).set(value)
+                    last[id(gauge)] = value
             for mode in ("recompute", "swap"):
                 self._advance(replica, self.preemptions, (mode,), mode, s.preemptions.get(mode, 0))
             self._advance(replica, self.swapped_blocks, ("out",), "out", s.blocks_swapped_out)
