@@ -102,6 +102,9 @@ class EngineConfig:
     quantize_lm_head: bool = option(False, "the logits projection in int8 too: with --quantization int8, or the "
                                            "dense head of a GPTQ/AWQ checkpoint (a quantized copy when it is tied "
                                            "to the embedding)")
+    num_scheduler_steps: int = option(1, "decode steps run for each scheduling (vLLM's multi-step scheduling): "
+                                         "while every running request decodes and none waits, the engine's "
+                                         "bookkeeping runs once per N tokens, and the tokens come N at a time")
     speculative_config: dict | str | None = option(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": N}", json=True)
@@ -183,6 +186,7 @@ class EngineConfig:
         if self.pp_layer_partition is not None and self.pipeline_parallel_size == 1:
             raise ValueError("pp_layer_partition places layers on pipeline stages: it needs pipeline_parallel_size > 1")
         self._check_lora()
+        self._check_scheduler_steps()
         from aserve.spec_decode.config import SpeculativeConfig  # torch-free
 
         SpeculativeConfig.parse(self.speculative_config)  # a bad one fails here, before any weights load
@@ -194,6 +198,20 @@ class EngineConfig:
     def world_size(self) -> int:
         """Ranks of the model's group: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_scheduler_steps(self) -> None:
+        """Multi-step decoding runs its steps in the one worker that samples: not beside proposals, which a step
+        checks in one forward, nor across ranks that would wait on each inner step's tokens."""
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.num_scheduler_steps == 1:
+            return
+        if self.speculative_config:
+            raise ValueError("num_scheduler_steps > 1 and speculative_config are two ways of making several tokens "
+                             "a step: choose one")
+        if self.world_size > 1:
+            raise ValueError(f"num_scheduler_steps > 1 runs in a single worker: not with tensor_parallel_size x "
+                             f"pipeline_parallel_size = {self.world_size}")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -68,6 +68,9 @@ class SchedulerOutput:
     # With a draft model: the requests it follows this step (catching up on their tokens, proposing for those that
     # sample), set by the engine.
     draft_request_ids: list[str] = field(default_factory=list)
+    # Multi-step decoding: the decode steps the worker runs in a row, each step's tokens the next one's input. Every
+    # request then decodes, and its num_scheduled_tokens count the steps' tokens (their slots are allocated).
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -138,7 +141,7 @@ class StepBatch(dict):
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: Policy, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, max_loras: int | None = None,
-                 pooling_kind: str | None = None, chunk_prompts: bool = True):
+                 pooling_kind: str | None = None, chunk_prompts: bool = True, num_scheduler_steps: int = 1):
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -150,6 +153,7 @@ class Scheduler:
         # False for an encoder model: a prompt is admitted only when all of it fits this step's budget (its
         # tokens attend to the ones after them, so it cannot be split across steps)
         self.chunk_prompts = chunk_prompts
+        self.num_scheduler_steps = num_scheduler_steps  # the most decode steps one batch runs (_decode_steps)
         self.waiting = policy.waiting_queue()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in the order they were swapped out
@@ -234,6 +238,7 @@ class Scheduler:
         scheduled = StepBatch(self.max_loras)
         budget = self.max_num_batched_tokens
         full = batch_requests if batch_requests is not None else float("inf")
+        out.num_steps = steps = self._decode_steps(batch_requests)
 
         in_flight = self.in_flight
         for req in list(self.running):
@@ -242,7 +247,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or not scheduled.fits(req) or req in in_flight:  # a victim
                 continue  # earlier in this loop, or its adapter would be one too many this step (it keeps its
                 # blocks and waits a step), or its last batch is still in the pipeline
-            plan = self._plan(req, budget)
+            plan = self._plan(req, budget) if steps == 1 else [(req, steps)]
             if plan is None:  # beams that cannot all run their last tokens this step
                 continue
             while not self.kv.allocate_all(_entries(plan)):
@@ -305,6 +310,25 @@ class Scheduler:
         self._diff_for_worker(out)
         return out
 
+    def _decode_steps(self, batch_requests: int | None) -> int:
+        """Multi-step decoding: how many decode steps the next batch runs (1: one, as usual). More only while every
+        running request decodes a token of its own and nothing else (no grammar to follow, beams to compare, prompt
+        to pool or proposals to check), none waits to be admitted or swapped in (it would wait out the steps), and
+        the batch fits the token budget that many times; never past a request's max_tokens or max_model_len, so that
+        only a stop token or string can leave a step's tokens unused."""
+        steps = self.num_scheduler_steps
+        running = self.running
+        if (steps == 1 or not running or batch_requests is not None or len(self.waiting) or self.swapped
+                or self.in_flight):
+            return 1
+        steps = min(steps, self.max_num_batched_tokens // len(running))
+        for req in running:
+            if (req.num_tokens - req.num_computed_tokens != 1 or req.beam is not None or req.grammar is not None
+                    or req.pooling is not None or req.spec_token_ids):
+                return 1
+            steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        return max(steps, 1)
+
     def _movable(self) -> list[Request]:
         """The running requests a policy may preempt: not those whose batch is still in the pipeline."""
         return [r for r in self.running if r not in self.in_flight] if self.in_flight else self.running
@@ -340,7 +364,7 @@ class Scheduler:
         for req, num_new in self.scheduled:
             out.num_scheduled_tokens.append((req.request_id, num_new))
             num_spec = _num_spec(req, num_new)
-            if num_spec:
+            if num_spec and out.num_steps == 1:  # (a multi-step batch's further tokens are its own, to come)
                 out.spec_token_ids[req.request_id] = req.spec_token_ids[:num_spec]
             table, sent = req.block_table, req.sent_blocks
             history = None
@@ -404,7 +428,8 @@ class Scheduler:
         """After the last step ran: advance computed tokens, append sampled ones (by request id), and finish
         requests that hit a stop condition, and pooling requests whose prompt is pooled (`pooled`, by id).
         A request that checked proposals brings a list: the proposals the worker accepted, then its own token;
-        the K/V of the accepted ones count as computed, the blocks that hold only rejected ones go back.
+        the K/V of the accepted ones count as computed, the blocks that hold only rejected ones go back. A
+        multi-step batch's request brings its steps' tokens the same way (fewer where a row's logits failed).
         `candidates`: beam-search rows' best next tokens (by id); a search steps once all its beams brought them."""
         finished = []
         self._ended_by_update = set()
@@ -498,7 +523,8 @@ def _entries(plan: Plan, found: list[tuple[list[int], int]] | None = None) -> li
 
 
 def _num_spec(req: Request, num_new: int) -> int:
-    """How many of a request's scheduled tokens are proposals: those past its own tokens (before update)."""
+    """How many of a request's scheduled tokens are proposals, or a multi-step batch's tokens still to be sampled:
+    those past its own tokens (before update)."""
     return max(0, num_new - (req.num_tokens - req.num_computed_tokens))
 
 

@@ -72,7 +72,7 @@ class EngineCore:
                                    max_num_batched_tokens=budget, max_model_len=self.max_model_len,
                                    max_loras=config.max_loras if config.enable_lora else None,
                                    pooling_kind=self.pooling_spec.kind if self.pooling_spec else None,
-                                   chunk_prompts=info.causal)
+                                   chunk_prompts=info.causal, num_scheduler_steps=config.num_scheduler_steps)
         self.lora_facts = (LoRAFacts(info.lora_targets, info.num_layers, config.max_lora_rank)
                            if config.enable_lora else None)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -296,7 +296,7 @@ class EngineCore:
                 continue
             stats.record_token(req)
             try:
-                stop = (self._on_tokens(req, result, before[req], sched.spec_token_ids[req.request_id])
+                stop = (self._on_tokens(req, result, before[req], sched.spec_token_ids.get(req.request_id))
                         if req in before else self.outputs.on_token(req, result))
             except Exception as exc:  # noqa: BLE001 - this request's text is lost, not the engine
                 self._fail(req, f"could not detokenize its output: {type(exc).__name__}: {exc}")
@@ -343,13 +343,15 @@ class EngineCore:
         off = self.speculative.disable_by_batch_size
         return not off or len(self.scheduler.running) < off
 
-    def _on_tokens(self, req: Request, result, before: int, proposed: list[int]) -> str | None:
-        """The tokens a request that checked proposals kept, through the output processor one by one (the
-        scheduler appended them, up to a stop token): at a stop string the rest are cut off."""
+    def _on_tokens(self, req: Request, result, before: int, proposed: list[int] | None) -> str | None:
+        """The tokens a request that checked proposals kept, or a multi-step batch's (`proposed` None), through the
+        output processor one by one (the scheduler appended them, up to a stop token): at a stop string the rest
+        are cut off."""
         appended = req.num_output_tokens - before
         stats = self._stats
         stats.generation_tokens += appended - 1  # record_token counted one
-        stats.record_proposals(len(proposed), len(result.accepted))
+        if proposed is not None:
+            stats.record_proposals(len(proposed), len(result.accepted))
         for i, step in enumerate([*result.accepted, result][:appended]):
             stop = self.outputs.on_token(req, step)
             if stop is not None:

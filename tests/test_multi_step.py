@@ -1,0 +1,220 @@
+"""Multi-step decoding (num_scheduler_steps): a batch of decoding requests runs several steps per scheduling, and its
+outputs are those of one step at a time: token for token when greedy (fp32, and transformers'), under every
+sampling option, with seeds, stop strings and tokens, preemption, a row's failed logits and max_model_len; it
+steps aside for a waiting request; the cache gives back every block."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from aserve import LLM, SamplingParams
+from aserve.config import EngineConfig, add_engine_arguments, engine_options
+from aserve.errors import ConfigError
+from aserve.worker import model_runner
+from conftest import kv_memory_for_blocks, load_reference, random_prompts, reference_greedy
+from test_lora import adapters, lora_llm, request_of  # noqa: F401 - adapters is a fixture
+from test_spec_decode import greedy, looping_prompts, options_hold
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs):
+    """The same model twice: one step at a time, and STEPS a scheduling."""
+    path = str(model_dirs["llama-gqa-tied"])
+    plain = LLM(path, dtype="float32", kv_cache_memory=1 << 24)
+    multi = LLM(path, dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=STEPS)
+    yield plain, multi
+    for llm in (plain, multi):
+        llm.engine.executor.shutdown()
+
+
+def count_steps(llm, monkeypatch) -> list[int]:
+    """The steps of each batch the engine's worker runs from now on (1 for a batch run one step at a time)."""
+    seen = []
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def execute(sched, *rest):
+        if sched.num_scheduled_tokens:
+            seen.append(sched.num_steps)
+        return real(sched, *rest)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    return seen
+
+
+def test_greedy_equals_one_step_at_a_time_and_transformers(pair, model_dirs, monkeypatch):
+    """Prompts of different lengths asking for different numbers of tokens: a batch never runs past the fewest
+    tokens any of its requests still may make, so each ends at exactly its max_tokens."""
+    plain, multi = pair
+    prompts = random_prompts(6, lengths=(3, 40), seed=21)
+    lengths = [9, 40, 23, 40, 31, 17]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    steps = count_steps(multi, monkeypatch)
+    got = [o.outputs[0].token_ids for o in multi.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [len(tokens) for tokens in got] == lengths
+    reference = reference_greedy(load_reference(model_dirs["llama-gqa-tied"]), prompts, 40)
+    assert got == [want[:n] for want, n in zip(reference, lengths)]
+    assert max(steps) == STEPS and steps.count(STEPS) >= 5, steps
+    assert len(steps) <= 40 // 2, "most of the decoding should have run several steps at once"
+    multi.engine.check_idle()
+
+
+def test_logprobs_penalties_min_tokens_logit_bias_and_stop_strings_hold(pair):
+    """Each step samples with the history the steps before it made: penalties, min_tokens, logit_bias and logprobs
+    come out as one step at a time; a stop token or string inside a batch's steps drops the tokens after it."""
+    options_hold(*pair)
+
+
+def test_seeded_sampling_equals_one_step_at_a_time(pair):
+    """A seeded request draws from its own generator, step after step, however the steps are grouped."""
+    plain, multi = pair
+    prompts = random_prompts(5, lengths=(4, 30), seed=23)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=i, max_tokens=30, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in multi.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert [e[t].logprob for e, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
+            [e[t].logprob for e, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
+    multi.engine.check_idle()
+
+
+def test_a_waiting_request_runs_in_the_next_step(pair, monkeypatch):
+    """Steps are grouped only while nothing waits: a request added while others decode is admitted by the next
+    batch, which then runs one step, as its prompt has to be computed."""
+    _, multi = pair
+    engine = multi.engine
+    steps = count_steps(multi, monkeypatch)
+    first, second = random_prompts(2, lengths=(5, 20), seed=25)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request(first, params, request_id="first")
+    engine.step()  # its prompt
+    engine.step()  # decoding, several steps
+    assert steps == [1, STEPS]
+    engine.add_request(second, params, request_id="second")
+    outputs = {o.request_id: o for o in engine.step()}
+    assert steps[-1] == 1 and len(outputs["second"].outputs[0].token_ids) == 1
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] = output
+    want = greedy(pair[0], [first, second], max_tokens=30)
+    assert [outputs[rid].outputs[0].token_ids for rid in ("first", "second")] == [o.token_ids for o in want]
+    engine.check_idle()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap"])
+def test_preemption_and_prefix_hits_change_nothing(pair, model_dirs, policy):
+    """A cache of 24 blocks for 12 prompts, each batch allocating its steps' slots ahead: requests are preempted
+    (recomputed or swapped) while they decode several steps at a time; with recompute, the second round finds its
+    prompts in the prefix cache. No block is left behind."""
+    plain, _ = pair
+    path = model_dirs["llama-gqa-tied"]
+    prompts = looping_prompts(12, seed=9)
+    want = [o.token_ids for o in greedy(plain, prompts, max_tokens=48)]
+    tight = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 24),
+                swap_space=str(kv_memory_for_blocks(path, 96)), num_scheduler_steps=STEPS)
+    try:
+        for _ in range(2):
+            assert [o.token_ids for o in greedy(tight, prompts, max_tokens=48)] == want
+        stats = tight.engine.scheduler.stats()
+        assert stats.preemptions["swap" if policy == "fcfs-swap" else "recompute"] > 0
+        if policy == "fcfs":  # (swapped-out requests keep their blocks: with swaps these prompts find none cached)
+            assert stats.prefix_hits > 0
+        tight.engine.check_idle()
+    finally:
+        tight.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("after_tokens", [1, 6])
+def test_failed_logits_fail_only_their_request_after_its_good_tokens(pair, monkeypatch, after_tokens):
+    """A row whose logits turn NaN partway through a batch's steps: the others keep their tokens, and that request
+    ends with the error and the tokens it had before it, as it would one step at a time."""
+    plain, multi = pair
+    prompts = random_prompts(4, lengths=(5, 30), seed=29)
+    poison = prompts[2][0]
+    real_sample = model_runner.sample
+
+    def poisoned(logits, reqs, *rest):
+        for i, req in enumerate(reqs):
+            if req.prompt_token_ids[0] == poison and req.num_output_tokens >= after_tokens:
+                logits[i] = float("nan")
+        return real_sample(logits, reqs, *rest)
+
+    clean = greedy(plain, prompts, max_tokens=20)
+    monkeypatch.setattr(model_runner, "sample", poisoned)
+    outs = greedy(multi, prompts, max_tokens=20)
+    failed = outs[2]
+    assert failed.finish_reason == "error" and "NaN" in failed.error
+    assert failed.token_ids == clean[2].token_ids[:after_tokens]
+    assert [o.token_ids for i, o in enumerate(outs) if i != 2] == [o.token_ids for i, o in enumerate(clean) if i != 2]
+    multi.engine.check_idle()
+
+
+def test_lora_adapters_apply_in_every_step(model_dirs, adapters, monkeypatch):
+    """Base and adapter requests in one batch: each step maps each row to its adapter, as one step at a time."""
+    prompts = random_prompts(4, lengths=(5, 30), seed=35)
+    loras = [request_of(adapters, name) for name in (None, "attn", "all", "attn")]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = []
+    for steps in (1, STEPS):
+        llm = lora_llm(model_dirs, num_scheduler_steps=steps)
+        try:
+            counted = count_steps(llm, monkeypatch)
+            outputs.append([o.outputs[0].token_ids
+                            for o in llm.generate(prompts, params, use_tqdm=False, lora_request=loras)])
+            assert max(counted) == steps
+            llm.engine.check_idle()
+        finally:
+            llm.engine.executor.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+def test_steps_stop_at_max_model_len(model_dirs):
+    path = str(model_dirs["llama-gqa-tied"])
+    capped = LLM(path, dtype="float32", kv_cache_memory=1 << 24, max_model_len=48, num_scheduler_steps=8)
+    plain = LLM(path, dtype="float32", kv_cache_memory=1 << 24, max_model_len=48)
+    try:
+        prompts = random_prompts(3, lengths=(10, 30), seed=31)
+        got, want = greedy(capped, prompts, max_tokens=None), greedy(plain, prompts, max_tokens=None)
+        assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+        assert all(len(p) + len(o.token_ids) == 48 and o.finish_reason == "length" for p, o in zip(prompts, got))
+        capped.engine.check_idle()
+    finally:
+        for llm in (capped, plain):
+            llm.engine.executor.shutdown()
+
+
+def test_metrics_count_every_token(pair):
+    _, multi = pair
+
+    def generated() -> float:
+        return sum(v for name, _, v in multi.get_metrics() if name == "aserve:generation_tokens_total")
+
+    before = generated()
+    outs = greedy(multi, random_prompts(3, lengths=(5, 20), seed=33), max_tokens=25)
+    assert generated() - before == sum(len(o.token_ids) for o in outs) == 75
+
+
+@pytest.mark.parametrize("options, says", [
+    (dict(num_scheduler_steps=0), "num_scheduler_steps must be >= 1"),
+    (dict(num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "choose one"),
+    (dict(num_scheduler_steps=4, tensor_parallel_size=2), "single worker"),
+    (dict(num_scheduler_steps=4, pipeline_parallel_size=2), "single worker"),
+])
+def test_conflicting_options_are_refused(options, says):
+    with pytest.raises((ConfigError, ValueError), match=says):
+        EngineConfig.from_kwargs(**options)
+
+
+def test_the_flag_reaches_the_scheduler(pair):
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = EngineConfig.from_kwargs(**engine_options(parser.parse_args(["--num-scheduler-steps", "8"])))
+    assert config.num_scheduler_steps == 8
+    plain, multi = pair
+    assert (plain.engine.scheduler.num_scheduler_steps, multi.engine.scheduler.num_scheduler_steps) == (1, STEPS)
