@@ -8,11 +8,13 @@ format once, in turn, so a VM whose speed drifts slows all of them alike; the la
 output rate and its ratio to the first format's, and every round's ratios. Every prompt of the run is new to the
 engines' prefix caches (prompt_sets), so each round prefills its prompts as the first one does. A format named with
 "@4k" (dense@4k) is the same engine with its weights left in 4 KiB pages (ASERVE_HUGE_PAGE_WEIGHTS=0 while it
-loads), to measure what the 2 MiB pages give.
+loads), to measure what the 2 MiB pages give; with "@8steps" (gptq4h@8steps) it decodes 8 steps a scheduling
+(num_scheduler_steps=8). Both may follow one name (dense@4k@8steps).
 
     python benchmarks/weight_formats.py --model /tmp/bench-model [--gptq DIR] [--rounds 5] [--formats dense,gptqh]
     python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,int8
     python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@4k,gptqh,gptqh@4k
+    python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@8steps,gptq4h,gptq4h@8steps
 
 Without --gptq (--gptq-head), a round-to-nearest GPTQ copy (with its head) is written to a temporary folder first
 (aserve.bench.quantize_rtn, as `aserve bench quality` writes it; group size 64 for the bench model).
@@ -36,17 +38,33 @@ FORMATS = {  # name: (the checkpoint it loads, engine options)
 }
 
 
+def parse_format(name: str) -> tuple[str, bool, int] | None:
+    """A format's name as (the FORMATS entry, weights in 4 KiB pages, decode steps a scheduling); None where it is
+    not one."""
+    base, *suffixes = name.split("@")
+    small_pages, steps = False, 1
+    for suffix in suffixes:
+        if suffix == "4k" and not small_pages:
+            small_pages = True
+        elif suffix.endswith("steps") and suffix[:-5].isdigit() and int(suffix[:-5]) >= 1 and steps == 1:
+            steps = int(suffix[:-5])
+        else:
+            return None
+    return (base, small_pages, steps) if base in FORMATS else None
+
+
 def load(name: str, checkpoints: dict[str, str], dtype: str):
     """The engine of format `name` on its checkpoint (model, gptq or gptq_head: a folder); with "@4k", its weights
-    left in 4 KiB pages."""
+    left in 4 KiB pages; with "@Nsteps", N decode steps a scheduling."""
     from aserve import LLM
 
-    checkpoint, options = FORMATS[name.removesuffix("@4k")]
+    base, small_pages, steps = parse_format(name)
+    checkpoint, options = FORMATS[base]
     before = os.environ.get("ASERVE_HUGE_PAGE_WEIGHTS")
-    if name.endswith("@4k"):
+    if small_pages:
         os.environ["ASERVE_HUGE_PAGE_WEIGHTS"] = "0"
     try:
-        return LLM(checkpoints[checkpoint], dtype=dtype, disable_log_stats=True, **options)
+        return LLM(checkpoints[checkpoint], dtype=dtype, disable_log_stats=True, num_scheduler_steps=steps, **options)
     finally:
         if before is None:
             os.environ.pop("ASERVE_HUGE_PAGE_WEIGHTS", None)
@@ -76,9 +94,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     names = args.formats.split(",")
-    unknown = [n for n in names if n.removesuffix("@4k") not in FORMATS]
+    unknown = [n for n in names if parse_format(n) is None]
     if unknown:
-        parser.error(f"unknown format {unknown[0]!r}; choose from {', '.join(FORMATS)} (each also with @4k)")
+        parser.error(f"unknown format {unknown[0]!r}; choose from {', '.join(FORMATS)} (each also with @4k and "
+                     f"@Nsteps)")
 
     from aserve import SamplingParams
     from aserve.hardware import cpu_info
@@ -88,7 +107,7 @@ def main() -> None:
         from aserve.bench.quantize_rtn import write_rtn_checkpoint
 
         checkpoints = {"model": args.model, "gptq": args.gptq, "gptq_head": args.gptq_head}
-        for name in {FORMATS[n.removesuffix("@4k")][0] for n in names} - {"model"}:
+        for name in {FORMATS[parse_format(n)[0]][0] for n in names} - {"model"}:
             if checkpoints[name] is None:
                 checkpoints[name] = f"{scratch}/{name}"
                 write_rtn_checkpoint(args.model, checkpoints[name], "gptq", lm_head=name == "gptq_head")

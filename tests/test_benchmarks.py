@@ -28,11 +28,23 @@ def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(
                      ran.stdout.splitlines()[-1])
     formats = subprocess.run([sys.executable, str(BENCH / "weight_formats.py"), "--model", str(out), "--rounds", "1",
                               "--batch", "2", "--input-len", "8", "--output-len", "4", "--dtype", "float32",
-                              "--formats", "dense,gptqh@4k,gptq4h"], capture_output=True, text=True, timeout=600)
+                              "--formats", "dense,gptqh@4k,gptq4h@3steps"], capture_output=True, text=True, timeout=600)
     assert formats.returncode == 0, formats.stderr
     assert formats.stdout.startswith("weight_formats: CPU capability") and "2 x 8/4, 1 rounds" in formats.stdout
     assert re.search(r"median output tok/s \(ratio to dense\): dense [0-9.]+ \(1.00x\), gptqh@4k [0-9.]+ \([0-9.]+x\), "
-                     r"gptq4h [0-9.]+ \([0-9.]+x\)", formats.stdout)
+                     r"gptq4h@3steps [0-9.]+ \([0-9.]+x\)", formats.stdout)
+
+
+def test_weight_formats_names_take_their_suffixes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("weight_formats", BENCH / "weight_formats.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.parse_format("gptq4h") == ("gptq4h", False, 1)
+    assert module.parse_format("dense@4k@8steps") == module.parse_format("dense@8steps@4k") == ("dense", True, 8)
+    for bad in ("gptq5", "dense@2k", "dense@0steps", "dense@4k@4k", "dense@2steps@3steps", "dense@steps"):
+        assert module.parse_format(bad) is None, bad
 
 
 def test_weight_formats_rounds_find_nothing_in_the_prefix_cache():
