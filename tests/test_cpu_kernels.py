@@ -920,6 +920,35 @@ def test_argmax_rows_is_torch_argmax(dtype):
         torch.ops.aserve.argmax_rows(rows.t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_rows_is_argmax_with_unusable_rows_marked(dtype):
+    """greedy_rows: torch's argmax where a row can be sampled from, -1 where unusable_rows finds it cannot (a NaN
+    or +inf anywhere, every value -inf); -inf entries beside finite ones are usable. The body, the tail, short and
+    strided rows."""
+    from aserve.worker.sampler import unusable_rows
+
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(3)
+    wide = (torch.randn(12, 1100, generator=gen) * 3).to(dtype)
+    rows = wide[:, :1003]
+    rows[0, 40] = rows[0, 990] = 50.0  # a tie: the first
+    rows[1, :] = float("-inf")
+    rows[2, 300] = float("inf")
+    rows[3, 900] = float("nan")
+    rows[4, 1002] = float("nan")  # in the tail
+    rows[5, :500] = float("-inf")  # masked, still usable
+    rows[6, 1001] = float("inf")
+    rows[7, 1:] = float("-inf")  # one value left
+    with torch.inference_mode():
+        for x in (rows, rows.contiguous(), rows[:, :5], rows[:, :16], rows[:, :17], rows[:, :1]):
+            expected = x.argmax(dim=-1)
+            expected[unusable_rows(x)] = -1
+            assert torch.equal(torch.ops.aserve.greedy_rows(x), expected), x.shape
+        assert torch.ops.aserve.greedy_rows(rows)[:8].tolist() == [40, -1, -1, -1, -1, rows[5].argmax().item(), -1, 0]
+    with pytest.raises(RuntimeError, match="unit inner stride"):
+        torch.ops.aserve.greedy_rows(rows.t())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sample_inverse_cdf_reads_16_bit_logits_as_their_fp32_widening(dtype):
     """16-bit logits are drawn from in place: the same tokens as from their exact fp32 copy, masked entries and

@@ -142,6 +142,29 @@ def test_on_the_cpu_the_draw_still_takes_the_cpu_kernel(monkeypatch):
     assert asked == [True, True, True]  # the check, the argmax, one draw for the three random rows, all on the kernels
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_rows_take_one_kernel_and_give_what_the_full_path_gives(monkeypatch, dtype):
+    """A batch whose rows are all plain greedy (no logprobs, penalties, bias or min_tokens) takes greedy_rows alone:
+    the tokens and the unusable rows' errors of the full path, which a row that is not plain sends the batch to."""
+    if not sampler.cpu_kernels.available():
+        pytest.skip("aserve's CPU kernels are not built here")
+    reqs = [RequestState(f"g{i}", [3, 5, i + 20], SamplingParams(temperature=0)) for i in range(4)]
+    logits = (torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    logits[1, 9] = float("nan")
+    logits[3, :] = float("-inf")
+    with torch.inference_mode():
+        plain = RequestState("lp", [3], SamplingParams(temperature=0, logprobs=1))
+        full = sampler.sample(logits.clone(), reqs + [plain])  # (it zeroes unusable fp32 rows in place)
+        asked = []
+        usable = sampler.cpu_kernels.usable
+        monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *t: asked.append(usable(*t)) or asked[-1])
+        fast = sampler.sample(logits[:4].clone(), reqs)
+    assert asked == [True]  # one kernel call for the batch
+    assert [(r.token_id, r.error) for r in fast] == [(0 if r.error else r.token_id, r.error) for r in full[:4]]
+    assert [r.error is not None for r in fast] == [False, True, False, True]
+    assert fast[0].token_id == int(logits[0].float().argmax())
+
+
 def test_the_grammar_bitmask_is_uploaded_to_the_logits(monkeypatch):
     applied = []
 

@@ -42,6 +42,9 @@ class SampleResult:
         return [r.token_id for r in self.accepted or ()] + [self.token_id]
 
 
+UNUSABLE = "the model produced NaN or infinite logits for it"  # a row's error where unusable_rows finds it
+
+
 def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
@@ -129,6 +132,12 @@ def keeping_a_candidate(logits: torch.Tensor, rows: list[int]):
     emptied = ~torch.isfinite(logits[index].amax(dim=-1))
     if emptied.any():
         logits[index[emptied]] = before[emptied]
+
+
+def plain_greedy(r: RequestState) -> bool:
+    """A greedy row whose token is its logits' argmax and nothing more (no logprobs, penalties, bias, min_tokens or
+    beams)."""
+    return r.params.greedy and reads_logits_as_they_are(r)
 
 
 def reads_logits_as_they_are(r: RequestState) -> bool:
@@ -263,6 +272,10 @@ def draw_proposals(logits: torch.Tensor, reqs: list[RequestState]) -> tuple[list
 def sample(logits: torch.Tensor, reqs: list[RequestState],
            beam_normalizers: torch.Tensor | None = None) -> list[SampleResult]:
     """One token per row (or, for a beam-search row, its candidates). `beam_normalizers`: see beam_candidates."""
+    if all(map(plain_greedy, reqs)) and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0 and \
+            cpu_kernels.usable(logits):  # argmax and the check for unusable rows in one pass (greedy_rows)
+        return [SampleResult(t) if t >= 0 else SampleResult(0, error=UNUSABLE)
+                for t in torch.ops.aserve.greedy_rows(logits).tolist()]
     n, device = len(reqs), logits.device
     bad_rows = unusable_rows(logits)
     if logits.dtype != torch.float32 and (bad_rows or not all(map(reads_logits_as_they_are, reqs))):
@@ -313,6 +326,6 @@ def sample(logits: torch.Tensor, reqs: list[RequestState],
                                                                        beam_normalizers)):
             results[i].top_logprobs = candidates
     for i in bad_rows:
-        results[i] = SampleResult(results[i].token_id, error="the model produced NaN or infinite logits for it")
+        results[i] = SampleResult(results[i].token_id, error=UNUSABLE)
     assert len(results) == n
     return results

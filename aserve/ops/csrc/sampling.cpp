@@ -1,5 +1,5 @@
 // Sampling, torch.ops.aserve.sample_inverse_cdf: softmax and inverse-CDF draw in one pass per row; the check
-// before it, count_nonfinite_rows; and greedy rows' argmax_rows.
+// before it, count_nonfinite_rows; greedy rows' argmax_rows; and greedy_rows, both in one pass.
 //
 // token[r] = the first v with sum_{i<=v} exp(x[r,i] - max) > u[r] * sum_i exp(x[r,i] - max): what
 // softmax -> cumsum -> searchsorted computes, without writing the vocabulary-wide probabilities and their
@@ -157,9 +157,10 @@ int64_t count_nonfinite_rows(const at::Tensor& logits) {
 // keeps its largest value and where it first saw it (indices as floats, exact below 2^24), then the best of all
 // lanes, ties to the lower index. torch's argmax over one row of the bench model's 49152 bf16 logits took
 // ~165 us (fp32: ~30). A row with a NaN or an infinity (its x * 0 sum is not 0) is looked at again for
-// torch's rule: the first NaN, if any.
+// torch's rule: the first NaN, if any (argmax_row); argmax_scan leaves that to its caller, and says whether it saw
+// anything not finite.
 template <typename T>
-int64_t argmax_row(const T* x, int64_t n) {
+int64_t argmax_scan(const T* x, int64_t n, bool& all_finite) {
   constexpr int W = fVec::size(), kSets = 4;
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
@@ -203,11 +204,33 @@ int64_t argmax_row(const T* x, int64_t n) {
     finite = finite && v * 0.f == 0.f;
     if (v > best || i == 0) best = v, at = i;
   }
+  all_finite = finite;
+  return at;
+}
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  bool finite;
+  const int64_t at = argmax_scan(x, n, finite);
   if (!finite) {
-    for (i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n; ++i)
       if (std::isnan(static_cast<float>(x[i]))) return i;
   }
   return at;
+}
+
+// The row's argmax, or -1 where nothing can be sampled from it (a NaN or +inf, or every value -inf: the sampler's
+// unusable_rows), in the one pass argmax takes where every value is finite.
+template <typename T>
+int64_t greedy_row(const T* x, int64_t n) {
+  bool finite;
+  const int64_t at = argmax_scan(x, n, finite);
+  if (finite) return at;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v) || v == std::numeric_limits<float>::infinity()) return -1;
+  }
+  return static_cast<float>(x[at]) == -std::numeric_limits<float>::infinity() ? -1 : at;
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
@@ -223,6 +246,26 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
     });
   };
   with_logits(logits, "argmax_rows", scan);
+  return tokens;
+}
+
+// torch.ops.aserve.greedy_rows: each row's argmax, -1 for a row nothing can be sampled from. A batch of greedy rows
+// that read their logits as they are takes this alone, where it took count_nonfinite_rows and then argmax_rows,
+// each a pass over the logits and a call from Python: at batch 1 the two took ~27 us of a GPTQ step of the bench
+// model (AMD EPYC Zen 5), their logits and code cold after the weights streamed through the caches.
+at::Tensor greedy_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "greedy_rows: logits must be [rows, vocab > 0] with unit inner stride");
+  TORCH_CHECK(logits.size(1) < (int64_t{1} << 24), "greedy_rows: rows of at most 2^24 values");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* out = tokens.data_ptr<int64_t>();
+  auto scan = [&](auto* x) {
+    parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) out[r] = greedy_row(x + r * stride, n);
+    });
+  };
+  with_logits(logits, "greedy_rows", scan);
   return tokens;
 }
 
@@ -250,10 +293,12 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("sample_inverse_cdf(Tensor logits, Tensor uniforms) -> Tensor");
   m.def("count_nonfinite_rows(Tensor logits) -> int");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("greedy_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("sample_inverse_cdf", &sample_inverse_cdf);
   m.impl("count_nonfinite_rows", &count_nonfinite_rows);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("greedy_rows", &greedy_rows);
 }
