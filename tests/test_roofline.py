@@ -35,12 +35,14 @@ def test_stream_read_reads_every_word():
         torch.ops.aserve.stream_read(torch.zeros(5, dtype=torch.uint8))
 
 
-def test_work_counted_is_the_work_done(model_dirs):
+@pytest.mark.parametrize("steps", [1, 4])
+def test_work_counted_is_the_work_done(model_dirs, steps):
     """Prompts of 20 tokens, 5 tokens out, prefix caching off: every prompt token and every output token but the
     last goes through the layers once, every output token through the head once; FLOPs and bytes follow from the
-    model's sizes. The profiled run's split covers its wall time."""
+    model's sizes, a forward at a time also where a batch decodes 4 steps a scheduling. The profiled run's split
+    covers its wall time."""
     llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB",
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, num_scheduler_steps=steps)
     runner = llm.engine.runner
     cost = roofline.ModelCost.of(runner.model, runner.kv_cache)
     model = runner.model

@@ -314,7 +314,10 @@ def counting_work(engine, cost: ModelCost, peaks: Peaks | None, probes: Probes |
         ids = {request_id for request_id, _ in sched.num_scheduled_tokens}  # none: a step that only frees requests
         chunks = [(req.num_computed_tokens, n, req.num_computed_tokens + n >= req.num_tokens)
                   for req, n in engine.scheduler.scheduled if req.request_id in ids]
-        if chunks:
+        if chunks and sched.num_steps > 1:  # multi-step decoding: a forward a step, each a token a request
+            for i in range(sched.num_steps):
+                work.add_step([(context + i, 1, True) for context, _, _ in chunks], cost)
+        elif chunks:
             work.add_step(chunks, cost)
         return execute(sched, *args, **kwargs)
 
