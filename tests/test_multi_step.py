@@ -5,10 +5,11 @@ steps aside for a waiting request; the cache gives back every block."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 
-from aserve import LLM, SamplingParams
+from aserve import LLM, AsyncLLM, SamplingParams
 from aserve.config import EngineConfig, add_engine_arguments, engine_options
 from aserve.errors import ConfigError
 from aserve.worker import model_runner
@@ -172,6 +173,31 @@ def test_lora_adapters_apply_in_every_step(model_dirs, adapters, monkeypatch):
         finally:
             llm.engine.executor.shutdown()
     assert outputs[0] == outputs[1]
+
+
+def test_async_llm_streams_what_one_step_at_a_time_gives(pair, model_dirs):
+    """Through AsyncLLM's core process: each request's streamed deltas add up to the text and tokens of one step at
+    a time, several tokens to a delta."""
+    plain, _ = pair
+    prompts = random_prompts(3, lengths=(4, 30), seed=37)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+
+    async def main():
+        async with AsyncLLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB",
+                            num_scheduler_steps=STEPS) as engine:
+            async def stream(prompt):
+                text, tokens, sizes = "", [], []
+                async for out in engine.generate({"prompt_token_ids": prompt}, params):
+                    text += out.outputs[0].text
+                    tokens += out.outputs[0].token_ids
+                    sizes.append(len(out.outputs[0].token_ids))
+                return text, tokens, sizes
+            return await asyncio.gather(*[stream(p) for p in prompts])
+
+    got = asyncio.run(main())
+    assert [(text, tokens) for text, tokens, _ in got] == [(w.text, w.token_ids) for w in want]
+    assert max(max(sizes) for _, _, sizes in got) > 1
 
 
 def test_steps_stop_at_max_model_len(model_dirs):
