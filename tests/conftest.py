@@ -190,6 +190,22 @@ def make_layout(requests, block_size: int, gen: torch.Generator):
     return BatchLayout(positions, slots, tables, starts, counts, num_decode, block_size, null + 1)
 
 
+def poison_sampler(monkeypatch, first_token: int, after_tokens: int = 0, value: float = float("nan")) -> None:
+    """From now on the sampler sees `value` for every logit of a request whose prompt starts with `first_token` once
+    it has `after_tokens` output tokens: what a model fault leaves for that request alone."""
+    from aserve.worker import model_runner
+
+    real_sample = model_runner.sample
+
+    def poisoned(logits, reqs, *rest):
+        for i, req in enumerate(reqs):
+            if req.prompt_token_ids[0] == first_token and req.num_output_tokens >= after_tokens:
+                logits[i] = value
+        return real_sample(logits, reqs, *rest)
+
+    monkeypatch.setattr(model_runner, "sample", poisoned)
+
+
 def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:
     """KV cache bytes for exactly `num_blocks` blocks, from the model's own shape (config names differ by family)."""
     from aserve.models.registry import architecture, model_class, read_config

@@ -9,14 +9,13 @@ import signal
 import pytest
 import torch
 
-import aserve.worker.model_runner as model_runner
 from aserve import AsyncLLM, LLM, SamplingParams
 from aserve.engine.async_llm import RequestFailedError, RequestTimeoutError
 from aserve.engine.engine_core import EngineCore
 from aserve.errors import EngineOverloadedError
 from aserve.engine.output_processor import SequenceText
 from aserve.config import EngineConfig
-from conftest import POISON, engine_idle, is_idle, kv_memory_for_blocks, random_prompts
+from conftest import POISON, engine_idle, is_idle, kv_memory_for_blocks, poison_sampler, random_prompts
 
 PROMPTS = random_prompts(6, lengths=(5, 30), seed=11)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -36,15 +35,7 @@ def run(llm, prompts, params=GREEDY):
 @pytest.mark.parametrize("after_tokens", [0, 5])
 def test_nan_logits_fail_only_their_request(llm, monkeypatch, after_tokens):
     clean = run(llm, PROMPTS)
-    real_sample = model_runner.sample
-
-    def poisoned(logits, reqs, *rest):
-        for i, req in enumerate(reqs):
-            if req.prompt_token_ids[0] == POISON and req.num_output_tokens >= after_tokens:
-                logits[i] = float("nan")
-        return real_sample(logits, reqs, *rest)
-
-    monkeypatch.setattr(model_runner, "sample", poisoned)
+    poison_sampler(monkeypatch, POISON, after_tokens)
     bad = [POISON] + PROMPTS[0][1:]
     outs = run(llm, PROMPTS[:3] + [bad] + PROMPTS[3:])
     failed = outs[3].outputs[0]
@@ -56,15 +47,7 @@ def test_nan_logits_fail_only_their_request(llm, monkeypatch, after_tokens):
 
 
 def test_nan_before_an_n_sample_fork_fails_every_sample(llm, monkeypatch):
-    real_sample = model_runner.sample
-
-    def poisoned(logits, reqs, *rest):
-        for i, req in enumerate(reqs):
-            if req.prompt_token_ids[0] == POISON:
-                logits[i] = float("inf")
-        return real_sample(logits, reqs, *rest)
-
-    monkeypatch.setattr(model_runner, "sample", poisoned)
+    poison_sampler(monkeypatch, POISON, value=float("inf"))
     outs = llm.generate([{"prompt_token_ids": [POISON, 5, 6, 7]}, {"prompt_token_ids": PROMPTS[1]}],
                         SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=6), use_tqdm=False)
     assert [o.finish_reason for o in outs[0].outputs] == ["error"] * 3

@@ -12,10 +12,9 @@ import pytest
 from aserve import LLM, AsyncLLM, SamplingParams
 from aserve.config import EngineConfig, add_engine_arguments, engine_options
 from aserve.errors import ConfigError
-from aserve.worker import model_runner
-from conftest import kv_memory_for_blocks, load_reference, random_prompts, reference_greedy
+from conftest import load_reference, poison_sampler, random_prompts, reference_greedy
 from test_lora import adapters, lora_llm, request_of  # noqa: F401 - adapters is a fixture
-from test_spec_decode import greedy, looping_prompts, options_hold
+from test_spec_decode import greedy, options_hold, tight_cache_rounds
 
 STEPS = 4
 
@@ -113,22 +112,9 @@ def test_preemption_and_prefix_hits_change_nothing(pair, model_dirs, policy):
     """A cache of 24 blocks for 12 prompts, each batch allocating its steps' slots ahead: requests are preempted
     (recomputed or swapped) while they decode several steps at a time; with recompute, the second round finds its
     prompts in the prefix cache. No block is left behind."""
-    plain, _ = pair
-    path = model_dirs["llama-gqa-tied"]
-    prompts = looping_prompts(12, seed=9)
-    want = [o.token_ids for o in greedy(plain, prompts, max_tokens=48)]
-    tight = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 24),
-                swap_space=str(kv_memory_for_blocks(path, 96)), num_scheduler_steps=STEPS)
-    try:
-        for _ in range(2):
-            assert [o.token_ids for o in greedy(tight, prompts, max_tokens=48)] == want
-        stats = tight.engine.scheduler.stats()
-        assert stats.preemptions["swap" if policy == "fcfs-swap" else "recompute"] > 0
+    with tight_cache_rounds(pair[0], model_dirs["llama-gqa-tied"], policy, num_scheduler_steps=STEPS) as (_, stats):
         if policy == "fcfs":  # (swapped-out requests keep their blocks: with swaps these prompts find none cached)
             assert stats.prefix_hits > 0
-        tight.engine.check_idle()
-    finally:
-        tight.engine.executor.shutdown()
 
 
 @pytest.mark.parametrize("after_tokens", [1, 6])
@@ -137,17 +123,8 @@ def test_failed_logits_fail_only_their_request_after_its_good_tokens(pair, monke
     ends with the error and the tokens it had before it, as it would one step at a time."""
     plain, multi = pair
     prompts = random_prompts(4, lengths=(5, 30), seed=29)
-    poison = prompts[2][0]
-    real_sample = model_runner.sample
-
-    def poisoned(logits, reqs, *rest):
-        for i, req in enumerate(reqs):
-            if req.prompt_token_ids[0] == poison and req.num_output_tokens >= after_tokens:
-                logits[i] = float("nan")
-        return real_sample(logits, reqs, *rest)
-
     clean = greedy(plain, prompts, max_tokens=20)
-    monkeypatch.setattr(model_runner, "sample", poisoned)
+    poison_sampler(monkeypatch, prompts[2][0], after_tokens)
     outs = greedy(multi, prompts, max_tokens=20)
     failed = outs[2]
     assert failed.finish_reason == "error" and "NaN" in failed.error

@@ -3,6 +3,8 @@
 cache gives back every block; the metrics count proposals."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -151,26 +153,33 @@ def test_structured_output_holds_and_speculates(pair):
     spec.engine.check_idle()
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap"])
-def test_preemption_and_prefix_hits_change_nothing(pair, model_dirs, policy):
-    """A cache of 24 blocks for 12 looping prompts: requests are preempted (recomputed or swapped) while they
-    speculate; the second round finds its prompts in the prefix cache. No block is left behind."""
-    plain, _ = pair
-    path = model_dirs["llama-gqa-tied"]
+@contextlib.contextmanager
+def tight_cache_rounds(plain, path, policy: str, **options):
+    """12 looping prompts through an engine of `options` with a cache of 24 blocks, twice: each round's greedy
+    outputs are `plain`'s, and requests were preempted as `policy` does it. Yields the engine and its scheduler's
+    stats, and checks after that no block is left behind. (Shared with the multi-step tests.)"""
     prompts = looping_prompts(12, seed=9)
     want = [o.token_ids for o in greedy(plain, prompts, max_tokens=48)]
     tight = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 24),
-                swap_space=str(kv_memory_for_blocks(path, 96)), speculative_config=NGRAM)
+                swap_space=str(kv_memory_for_blocks(path, 96)), **options)
     try:
         for _ in range(2):
             assert [o.token_ids for o in greedy(tight, prompts, max_tokens=48)] == want
         stats = tight.engine.scheduler.stats()
         assert stats.preemptions["swap" if policy == "fcfs-swap" else "recompute"] > 0
-        assert stats.prefix_hits > 0
-        assert counter(tight, "spec_decode_num_accepted_tokens") > 0
+        yield tight, stats
         tight.engine.check_idle()
     finally:
         tight.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap"])
+def test_preemption_and_prefix_hits_change_nothing(pair, model_dirs, policy):
+    """A cache of 24 blocks for 12 looping prompts: requests are preempted (recomputed or swapped) while they
+    speculate; the second round finds its prompts in the prefix cache. No block is left behind."""
+    with tight_cache_rounds(pair[0], model_dirs["llama-gqa-tied"], policy, speculative_config=NGRAM) as (tight, stats):
+        assert stats.prefix_hits > 0
+        assert counter(tight, "spec_decode_num_accepted_tokens") > 0
 
 
 def test_disable_by_batch_size_turns_it_off_for_big_batches(model_dirs):

@@ -233,20 +233,26 @@ int64_t greedy_row(const T* x, int64_t n) {
   return static_cast<float>(x[at]) == -std::numeric_limits<float>::infinity() ? -1 : at;
 }
 
-at::Tensor argmax_rows(const at::Tensor& logits) {
+// One index per row: row(x, n) for each row x of the logits (argmax_row, greedy_row), a few rows to a thread.
+template <class Row>
+at::Tensor index_per_row(const at::Tensor& logits, const char* op, const Row& row) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
-              "argmax_rows: logits must be [rows, vocab > 0] with unit inner stride");
-  TORCH_CHECK(logits.size(1) < (int64_t{1} << 24), "argmax_rows: rows of at most 2^24 values");
+              op, ": logits must be [rows, vocab > 0] with unit inner stride");
+  TORCH_CHECK(logits.size(1) < (int64_t{1} << 24), op, ": rows of at most 2^24 values");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
   at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   auto scan = [&](auto* x) {
     parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {  // a few rows on one thread, no fork
-      for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(x + r * stride, n);
+      for (int64_t r = begin; r < end; ++r) out[r] = row(x + r * stride, n);
     });
   };
-  with_logits(logits, "argmax_rows", scan);
+  with_logits(logits, op, scan);
   return tokens;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  return index_per_row(logits, "argmax_rows", [](const auto* x, int64_t n) { return argmax_row(x, n); });
 }
 
 // torch.ops.aserve.greedy_rows: each row's argmax, -1 for a row nothing can be sampled from. A batch of greedy rows
@@ -254,19 +260,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // each a pass over the logits and a call from Python: at batch 1 the two took ~27 us of a GPTQ step of the bench
 // model (AMD EPYC Zen 5), their logits and code cold after the weights streamed through the caches.
 at::Tensor greedy_rows(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
-              "greedy_rows: logits must be [rows, vocab > 0] with unit inner stride");
-  TORCH_CHECK(logits.size(1) < (int64_t{1} << 24), "greedy_rows: rows of at most 2^24 values");
-  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
-  int64_t* out = tokens.data_ptr<int64_t>();
-  auto scan = [&](auto* x) {
-    parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) out[r] = greedy_row(x + r * stride, n);
-    });
-  };
-  with_logits(logits, "greedy_rows", scan);
-  return tokens;
+  return index_per_row(logits, "greedy_rows", [](const auto* x, int64_t n) { return greedy_row(x, n); });
 }
 
 at::Tensor sample_inverse_cdf(const at::Tensor& logits, const at::Tensor& uniforms) {
