@@ -33,7 +33,7 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None  # this row's logits were unusable: the engine ends the request with an error
     # Speculative decoding: the results of the proposals accepted before this token (each sampled as this one was,
-    # so each carries its own logprobs); None without proposals.
+    # so each carries its own logprobs); multi-step decoding: the earlier steps' results. None without either.
     accepted: list["SampleResult"] | None = None
 
     @property
