@@ -60,7 +60,7 @@ def test_a_detokenizer_error_fails_only_its_request(llm, monkeypatch):
     real_append = SequenceText.append
 
     def failing(self, token_id, tokenizer):
-        if self.req.prompt_token_ids[0] == POISON and self.req.num_output_tokens == 3:
+        if self.req.prompt_token_ids[0] == POISON and self.num_tokens == 2:  # its third token's text
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return real_append(self, token_id, tokenizer)
 

@@ -43,15 +43,17 @@ def assert_plain(value, where="SchedulerOutput"):
         assert isinstance(value, PLAIN), f"{where} holds a {type(value).__name__}"
 
 
+@pytest.mark.parametrize("steps", [1, 4])
 @pytest.mark.parametrize("policy", ["fcfs", "fcfs-swap"])
-def test_the_worker_rebuilds_the_schedulers_view_from_plain_diffs(model_dirs, policy):
+def test_the_worker_rebuilds_the_schedulers_view_from_plain_diffs(model_dirs, policy, steps):
     """Under preemption (recompute or swap), n > 1 forks (copy-on-write) and prefix-cache hits, the worker's
-    block tables and progress equal the scheduler's after every step, and it forgets finished requests."""
+    block tables and progress equal the scheduler's after every step, one at a time or several a batch
+    (num_scheduler_steps), and it forgets finished requests."""
     path = model_dirs["llama-gqa-tied"]
     llm = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 9),
-              swap_space=str(kv_memory_for_blocks(path, 40)), max_num_batched_tokens=24)
+              swap_space=str(kv_memory_for_blocks(path, 40)), max_num_batched_tokens=24, num_scheduler_steps=steps)
     engine = llm.engine
-    real_execute, seen = engine.executor.execute, {"new": 0, "diff": 0, "replaced": 0, "finished": 0}
+    real_execute, seen = engine.executor.execute, {"new": 0, "diff": 0, "replaced": 0, "finished": 0, "steps": 1}
 
     def execute(sched):
         assert_plain(sched)
@@ -59,13 +61,14 @@ def test_the_worker_rebuilds_the_schedulers_view_from_plain_diffs(model_dirs, po
         seen["diff"] += len(sched.cached_requests)
         seen["replaced"] += sum(d.replace_blocks for d in sched.cached_requests)
         seen["finished"] += len(sched.finished_ids)
+        seen["steps"] = max(seen["steps"], sched.num_steps)
         out = real_execute(sched)
         states = engine.runner.requests
         ran = {request_id for request_id, _ in sched.num_scheduled_tokens}
         for req in (r for r, _ in engine.scheduler.scheduled if r.request_id in ran):
             state = states[req.request_id]
             assert state.block_table == req.block_table and state.num_computed_tokens == req.num_computed_tokens
-            assert state.all_token_ids == req.all_token_ids + ([out.sampled[req.request_id].token_id]
+            assert state.all_token_ids == req.all_token_ids + (out.sampled[req.request_id].token_ids
                                                                 if req.request_id in out.sampled else [])
         return out
 
@@ -76,6 +79,7 @@ def test_the_worker_rebuilds_the_schedulers_view_from_plain_diffs(model_dirs, po
     assert all(len(o.outputs) == 2 for o in outs)
     assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
     assert seen["new"] == 12 and seen["diff"] > 0 and seen["replaced"] > 0 and seen["finished"] == 12
+    assert seen["steps"] == steps
     engine.check_idle()  # includes: the worker holds no request states
 
 

@@ -271,8 +271,7 @@ class ModelRunner:
             rows = sample(logits, reqs)
             failed = False
             for req, sampled, earlier in zip(reqs, rows, steps):
-                if sampled.error is None:
-                    req.num_computed_tokens += 1
+                if sampled.error is None:  # (its num_computed_tokens comes with the next step, as after one step)
                     req.append_token(sampled.token_id)
                     earlier.append(sampled)
                 else:
