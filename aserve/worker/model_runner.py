@@ -292,10 +292,9 @@ class ModelRunner:
         shares is made once: the block tables (the scheduler allocated all the steps' slots) and the positions and
         slots of all the steps, as rows of one tensor each (at batch 1, flat_batch's tensors, made each step, took
         ~30 us of a ~2 ms GPTQ step's Python)."""
-        bs, null = self.block_size, self.null_block
+        bs = self.block_size
         block_tables = [req.block_table for req in reqs]
-        width = max(map(len, block_tables))
-        tables = torch.tensor([table + [null] * (width - len(table)) for table in block_tables], dtype=torch.long)
+        tables = self.padded_tables(block_tables)
         starts = [req.num_computed_tokens for req in reqs]
         positions = torch.tensor([[start + i for start in starts] for i in range(num_steps)])
         slots = torch.tensor([[table[(start + i) // bs] * bs + (start + i) % bs
@@ -403,13 +402,17 @@ class ModelRunner:
         rows = None if every_row else torch.tensor(sample_rows, dtype=torch.long)
         return torch.tensor(token_ids), positions, meta, rows, sample_reqs
 
+    def padded_tables(self, block_tables: list[list[int]]) -> torch.Tensor:
+        """The block tables as one [rows, widest] tensor, the shorter ones padded with the null block."""
+        width = max(map(len, block_tables))
+        null = [self.null_block]
+        return torch.tensor([table + null * (width - len(table)) for table in block_tables], dtype=torch.long)
+
     def flat_batch(self, block_tables: list[list[int]], starts: list[int], counts: list[int]):
         """Positions and attention metadata of a flat batch: row i runs counts[i] tokens from position starts[i]
         through block_tables[i]; rows of one token (decodes) come first."""
         bs = self.block_size
-        width = max(map(len, block_tables))
-        null = [self.null_block]
-        tables = torch.tensor([table + null * (width - len(table)) for table in block_tables], dtype=torch.long)
+        tables = self.padded_tables(block_tables)
         num_decode = sum(1 for n in counts if n == 1)
         if num_decode == len(counts):  # decode rows only: a token each, at its start (a tenth of a batch-1 step's
             positions = torch.tensor(starts)  # Python went to the general index arithmetic below)
