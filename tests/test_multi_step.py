@@ -8,10 +8,12 @@ import argparse
 import asyncio
 
 import pytest
+import torch
 
 from aserve import LLM, AsyncLLM, SamplingParams
 from aserve.config import EngineConfig, add_engine_arguments, engine_options
 from aserve.errors import ConfigError
+from aserve.ops import cpu_kernels
 from conftest import load_reference, poison_sampler, random_prompts, reference_greedy
 from test_lora import adapters, lora_llm, request_of  # noqa: F401 - adapters is a fixture
 from test_spec_decode import greedy, options_hold, tight_cache_rounds
@@ -45,19 +47,39 @@ def count_steps(llm, monkeypatch) -> list[int]:
     return seen
 
 
+def one_call_steps(llm, monkeypatch) -> list[int | None]:
+    """From now on, each call of the model's greedy_steps (the C++ stack's steps in one call): the steps it ran
+    whole, None where it could not run them."""
+    ran = []
+    model = llm.engine.runner.model
+    real = model.greedy_steps
+
+    def counted(*args):
+        tokens = real(*args)
+        ran.append(None if tokens is None else int((tokens >= 0).all(dim=1).sum()))
+        return tokens
+
+    monkeypatch.setattr(model, "greedy_steps", counted)
+    return ran
+
+
 def test_greedy_equals_one_step_at_a_time_and_transformers(pair, model_dirs, monkeypatch):
     """Prompts of different lengths asking for different numbers of tokens: a batch never runs past the fewest
-    tokens any of its requests still may make, so each ends at exactly its max_tokens."""
+    tokens any of its requests still may make, so each ends at exactly its max_tokens. The steps run in one call
+    of the C++ stack where the kernels are built."""
     plain, multi = pair
     prompts = random_prompts(6, lengths=(3, 40), seed=21)
     lengths = [9, 40, 23, 40, 31, 17]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     steps = count_steps(multi, monkeypatch)
+    one_call = one_call_steps(multi, monkeypatch)
     got = [o.outputs[0].token_ids for o in multi.generate(prompts, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert [len(tokens) for tokens in got] == lengths
     reference = reference_greedy(load_reference(model_dirs["llama-gqa-tied"]), prompts, 40)
     assert got == [want[:n] for want, n in zip(reference, lengths)]
+    if cpu_kernels.available():
+        assert one_call and all(ran is not None and ran > 1 for ran in one_call)
     assert max(steps) == STEPS and steps.count(STEPS) >= 5, steps
     assert len(steps) <= 40 // 2, "most of the decoding should have run several steps at once"
     multi.engine.check_idle()
@@ -125,12 +147,90 @@ def test_failed_logits_fail_only_their_request_after_its_good_tokens(pair, monke
     prompts = random_prompts(4, lengths=(5, 30), seed=29)
     clean = greedy(plain, prompts, max_tokens=20)
     poison_sampler(monkeypatch, prompts[2][0], after_tokens)
+    monkeypatch.setattr(multi.engine.runner, "_greedy_steps", lambda *args: [])  # the poison is the sampler's
     outs = greedy(multi, prompts, max_tokens=20)
     failed = outs[2]
     assert failed.finish_reason == "error" and "NaN" in failed.error
     assert failed.token_ids == clean[2].token_ids[:after_tokens]
     assert [o.token_ids for i, o in enumerate(outs) if i != 2] == [o.token_ids for i, o in enumerate(clean) if i != 2]
     multi.engine.check_idle()
+
+
+def test_a_fault_inside_the_one_call_steps_fails_its_request_as_one_step_at_a_time(model_dirs, monkeypatch):
+    """A token whose embedding is NaN: the request that feeds it back gets NaN logits at that step. The C++ stack's
+    steps end there, the step runs again through the sampler, and that request fails with the tokens it had while
+    the others keep theirs, as one step at a time."""
+    path = str(model_dirs["llama-untied"])  # (its own head: a NaN embedding row is no logit of every row)
+    engines = [LLM(path, dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=s) for s in (1, STEPS)]
+    try:
+        prompts = random_prompts(4, lengths=(5, 30), seed=29)
+        clean = greedy(engines[0], prompts, max_tokens=20)
+        others = {t for i, (p, o) in enumerate(zip(prompts, clean)) if i != 2 for t in p + o.token_ids}
+        made = clean[2].token_ids
+        at = next(i for i in range(5, len(made)) if made[i] not in others | set(prompts[2]) | set(made[:i]))
+        with torch.no_grad():
+            for llm in engines:
+                llm.engine.runner.model.embed_tokens.weight[made[at]] = float("nan")
+        one_call = one_call_steps(engines[1], monkeypatch)
+        got = [greedy(llm, prompts, max_tokens=20) for llm in engines]
+        failed = got[1][2]
+        assert failed.finish_reason == "error" and "NaN" in failed.error and failed.token_ids == made[:at + 1]
+        assert [(o.token_ids, o.finish_reason) for o in got[1]] == [(o.token_ids, o.finish_reason) for o in got[0]]
+        assert [o.token_ids for i, o in enumerate(got[1]) if i != 2] == [o.token_ids for i, o in enumerate(clean)
+                                                                         if i != 2]
+        if cpu_kernels.available():
+            assert max(one_call) > 1 and any(ran < STEPS for ran in one_call)
+        engines[1].engine.check_idle()
+    finally:
+        for llm in engines:
+            llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("weights", ["float32", "float32-untied", "onednn", "bfloat16", "int8", "gptq"])
+def test_one_call_greedy_steps_give_the_tokens_of_step_by_step(model_dirs, monkeypatch, pick_gemm, tmp_path,
+                                                               weights):
+    """The C++ stack's greedy steps (embedding, layers, last norm, head and argmax in one call) against the same
+    steps one at a time through the model and the sampler, in one engine each: a tied head's packed copy and an
+    untied head, oneDNN's packed weights (no team of threads), bf16, an int8 head and a GPTQ int4 one."""
+    from aserve.bench.quantize_rtn import write_rtn_checkpoint
+    from aserve.ops import cpu_gemm
+
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernels are not built here")
+    path, options = model_dirs["llama-untied" if weights == "float32-untied" else "llama-gqa-tied"], {}
+    dtype = "bfloat16" if torch.ops.aserve.gemm_packs_bf16() else "float32"  # where the quantized kernels take bf16
+    if weights == "int8":
+        options = dict(quantization="int8", quantize_lm_head=True)
+    elif weights == "gptq":
+        write_rtn_checkpoint(path, tmp_path / "gptq", "gptq", lm_head=True)
+        path = tmp_path / "gptq"
+    elif weights == "bfloat16" and not torch.ops.aserve.gemm_packs_bf16():
+        pytest.skip("no bf16 GEMM here (AVX512-BF16)")
+    elif weights != "bfloat16":
+        dtype = "float32"
+    if weights == "onednn":
+        pick_gemm("onednn")
+    prompts = random_prompts(5, lengths=(3, 30), seed=39)
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    outputs = []
+    for one_call in (True, False):
+        llm = LLM(str(path), dtype=dtype, kv_cache_memory=1 << 24, num_scheduler_steps=STEPS, **options)
+        try:
+            if not one_call:
+                monkeypatch.setattr(llm.engine.runner, "_greedy_steps", lambda *args: [])
+            ran = one_call_steps(llm, monkeypatch)
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert (max(ran, default=None) == STEPS) == one_call
+            model = llm.engine.runner.model
+            head = model.packed_head if model.packed_head is not None else model.lm_head
+            if weights in ("int8", "gptq"):
+                assert head.method.name.startswith(weights)
+            if weights == "onednn":
+                assert not head.packed.aserve
+            llm.engine.check_idle()
+        finally:
+            llm.engine.executor.shutdown()
+    assert outputs[0] == outputs[1]
 
 
 def test_lora_adapters_apply_in_every_step(model_dirs, adapters, monkeypatch):

@@ -35,7 +35,8 @@ from aserve.attention import Attention, kv_quant
 from aserve.attention.torch_backend import TorchAttentionBackend
 from aserve.models.layers import RMSNorm
 from aserve.ops import cpu_kernels
-from aserve.quantization.base import LinearMethod, NativeProjection
+from aserve.ops.cpu_gemm import PackedLinear
+from aserve.quantization.base import DENSE, ONEDNN, LinearMethod, NativeProjection
 
 UNBUILT = object()  # a model's `flat` before its first step
 
@@ -49,7 +50,11 @@ def projection(linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
 
 
 def native_projection(linear) -> NativeProjection | None:
-    """The same projection as the C++ loop's arguments (LinearMethod.native_projection); None where it has none."""
+    """The same projection as the C++ loop's arguments (LinearMethod.native_projection, or a PackedLinear's: a tied
+    head's packed copy); None where it has none."""
+    if isinstance(linear, PackedLinear):
+        return NativeProjection(DENSE if linear.packed.aserve else ONEDNN, linear.packed.data, None, linear.bias, None,
+                                0, linear.out_features, 0)
     method = getattr(linear, "method", None)
     return method.native_projection(linear) if isinstance(method, LinearMethod) else None
 
@@ -111,6 +116,11 @@ class FlatForward:
         self.stack = native_stack(layers, model.rope)  # the same loop in C++, where it runs every projection
         self.stack_caches = None  # the kv_caches list whose tensors the stack holds
         self.stack_kv_format = 0  # the cache format the stack was told of (an FP8 format's code; 0: the model's dtype)
+        head = None if self.stack is None or self.embed is None or self.norm is None else model.native_head()
+        if head is not None:  # what greedy_steps runs after the layers: the last norm, the logits, their argmax
+            self.stack.set_head(self.embed.contiguous(), self.norm.weight, self.norm.eps,
+                                self.stack.add_projection(*head))
+        self.has_head = head is not None
 
     @classmethod
     def build(cls, model: nn.Module) -> "FlatForward | None":
@@ -147,6 +157,28 @@ class FlatForward:
         self.stack_kv_format = code
         return True
 
+    def greedy_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     tables: torch.Tensor, contexts: torch.Tensor, kv_caches, backend) -> torch.Tensor | None:
+        """Multi-step greedy decoding of decode rows in one call of the C++ stack (DecoderStack.greedy_steps):
+        [steps, rows] tokens, -1 from the first step with a row nothing could be sampled from; positions, slots and
+        context lengths [steps, rows], `tables` [rows, width] holding every step's blocks. The tokens are those of
+        the steps through this forward, the model's compute_logits and the sampler's greedy path. None where the
+        stack cannot run them: no stack or head, another attention backend, FP8 scales still to estimate, or LoRA
+        adapters in the step."""
+        fmt = backend.kv_format if isinstance(backend, TorchAttentionBackend) else None
+        loras = self.layers[0].loras
+        if (not self.has_head or not isinstance(backend, TorchAttentionBackend) or torch.is_grad_enabled()
+                or (loras is not None and loras[0].step.token_slot is not None) or not self.stack_takes(fmt)):
+            return None
+        self.use_caches(kv_caches)
+        return self.stack.greedy_steps(token_ids, positions, slots, tables, contexts)
+
+    def use_caches(self, kv_caches) -> None:
+        """The stack's layers read and write these caches (told once a list)."""
+        if kv_caches is not self.stack_caches:
+            self.stack.set_caches([cache for pair in kv_caches for cache in pair])
+            self.stack_caches = kv_caches
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta, intermediate=None):
         """As the model's forward: `intermediate` from the pipeline stage before, and a stage before the last
         returns its own (the last layer's output, the running sum) instead of normed hidden states."""
@@ -160,9 +192,7 @@ class FlatForward:
         code = 0 if fmt is None else fmt.code
         if (self.stack is not None and (loras is None or loras[0].step.token_slot is None)
                 and self.stack_takes(fmt)):
-            if kv_caches is not self.stack_caches:
-                self.stack.set_caches([cache for pair in kv_caches for cache in pair])
-                self.stack_caches = kv_caches
+            self.use_caches(kv_caches)
             x, residual = self.stack.forward(x, residual, positions, slots, nd, meta.decode_tables if nd else None,
                                              meta.decode_context if nd else None, *(prefill or (None, None, None)))
             return self.finish(x, residual)

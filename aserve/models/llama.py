@@ -16,9 +16,10 @@ from torch import nn
 
 from aserve.attention import Attention
 from aserve.models import parallel
-from aserve.models.flat_forward import UNBUILT, FlatForward, FlatLayer
+from aserve.models.flat_forward import UNBUILT, FlatForward, FlatLayer, native_projection
 from aserve.models.interface import ModelShape, fill_from_checkpoint, need
 from aserve.models.layers import Linear, RMSNorm, RotaryEmbedding, activation, rope_parameters
+from aserve.quantization.base import NativeProjection
 
 
 LAYER_NAME = re.compile(r"layers\.(\d+)\.")
@@ -209,6 +210,22 @@ class LlamaForCausalLM(nn.Module):
         if not self.stage.last:
             return x, residual
         return self.norm(x, residual)[0]
+
+    def greedy_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                     contexts: torch.Tensor, kv_caches, backend) -> torch.Tensor | None:
+        """Greedy decode steps of decode rows in one call (FlatForward.greedy_steps): [steps, rows] tokens, or None
+        where the flat forward's C++ stack cannot run them."""
+        if self.flat is UNBUILT or self.flat is None:
+            return None
+        return self.flat.greedy_steps(token_ids, positions, slots, tables, contexts, kv_caches, backend)
+
+    def native_head(self) -> NativeProjection | None:
+        """compute_logits as the C++ stack's projection; None where it is not one of its kernels, or where a
+        subclass's logits are more than the projection (Gemma 2 soft-caps them)."""
+        if type(self).compute_logits is not LlamaForCausalLM.compute_logits or self.tp.size != 1:
+            return None
+        head = self.packed_head if self.packed_head is not None else self.lm_head
+        return None if head is None else native_projection(head)
 
     def flat_layers(self, dtype: torch.dtype) -> list[FlatLayer] | None:
         """Every layer as the flat forward runs it; None unless all are this Llama block and it can run each."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +21,7 @@ from aserve.models.interface import CausalLM
 from aserve.structured_output.bitmask import apply_grammar_bitmask
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
 from aserve.worker.request_state import ProposalRow, RequestState
-from aserve.worker.sampler import SampleResult, beam_log_normalizers, sample
+from aserve.worker.sampler import SampleResult, beam_log_normalizers, plain_greedy, sample
 
 log = logging.getLogger("aserve")
 
@@ -262,12 +263,21 @@ class ModelRunner:
         scheduler. A request's SampleResult is its last step's, the earlier steps' in `accepted` (as a request's
         accepted proposals are). A row whose logits fail ends the steps there: the others keep that step's tokens,
         and that request its error at the first step, else the tokens before it (the next step runs its position
-        again, and a fault that stays fails it there, as it would have without the steps)."""
+        again, and a fault that stays fails it there, as it would have without the steps). Plain greedy rows run
+        their steps in one call of the model where it can (`_greedy_steps`), up to a step with such a row, which
+        then runs again here."""
         batch = [(req, 1) for req in reqs]
         steps: list[list[SampleResult]] = [[] for _ in reqs]
         token_ids = [req.all_token_ids[req.num_computed_tokens] for req in reqs]
-        for positions, meta in self._step_inputs(reqs, num_steps):
-            logits = self.model.compute_logits(self._forward(batch, torch.tensor(token_ids), positions, meta))
+        inputs = self._step_inputs(reqs, num_steps)
+        for row in self._greedy_steps(reqs, token_ids, inputs):
+            for req, token_id, earlier in zip(reqs, row, steps):
+                req.append_token(token_id)
+                earlier.append(SampleResult(token_id))
+            token_ids = row
+        for i in range(len(steps[0]), num_steps):
+            logits = self.model.compute_logits(self._forward(batch, torch.tensor(token_ids), inputs.positions[i],
+                                                             self._step_metadata(inputs, i)))
             rows = sample(logits, reqs)
             failed = False
             for req, sampled, earlier in zip(reqs, rows, steps):
@@ -287,23 +297,42 @@ class ModelRunner:
                 last.accepted = earlier
             result.sampled[req.request_id] = last
 
-    def _step_inputs(self, reqs: list[RequestState], num_steps: int):
-        """Each step's positions and attention metadata for a multi-step batch, a step at a time. What every step
-        shares is made once: the block tables (the scheduler allocated all the steps' slots) and the positions and
-        slots of all the steps, as rows of one tensor each (at batch 1, flat_batch's tensors, made each step, took
-        ~30 us of a ~2 ms GPTQ step's Python)."""
+    def _greedy_steps(self, reqs: list[RequestState], token_ids: list[int], inputs: StepInputs) -> list[list[int]]:
+        """The tokens of a multi-step batch of plain greedy rows (sampler.plain_greedy: the argmax and nothing else),
+        a list a step, from one call of the model (LlamaForCausalLM.greedy_steps: the C++ stack runs the steps,
+        their logits and argmax, each step's tokens the next one's input), up to the first step with a row that
+        has no token (its logits NaN or unusable), which the caller runs again. Empty where the model cannot:
+        other rows, adapters, another device or model. Why: see DecoderStack::greedy_steps."""
+        greedy = getattr(self.model, "greedy_steps", None)
+        if (greedy is None or self.device.type != "cpu" or not all(map(plain_greedy, reqs))
+                or any(req.lora is not None for req in reqs)):
+            return []
+        tokens = greedy(torch.tensor(token_ids), inputs.positions, inputs.slots, inputs.tables, inputs.positions + 1,
+                        self.layer_caches, self.backend)
+        if tokens is None:
+            return []
+        rows = tokens.tolist()
+        ran = next((i for i, row in enumerate(rows) if min(row) < 0), len(rows))
+        return rows[:ran]
+
+    def _step_inputs(self, reqs: list[RequestState], num_steps: int) -> StepInputs:
+        """What the steps of a multi-step batch share, made once (the scheduler allocated all the steps' slots):
+        the block tables, and the positions and slots of all the steps as rows of one tensor each (at batch 1,
+        flat_batch's tensors, made each step, took ~30 us of a ~2 ms GPTQ step's Python)."""
         bs = self.block_size
         block_tables = [req.block_table for req in reqs]
-        tables = self.padded_tables(block_tables)
         starts = [req.num_computed_tokens for req in reqs]
         positions = torch.tensor([[start + i for start in starts] for i in range(num_steps)])
         slots = torch.tensor([[table[(start + i) // bs] * bs + (start + i) % bs
                                for table, start in zip(block_tables, starts)] for i in range(num_steps)])
-        counts = [1] * len(reqs)
-        for i in range(num_steps):
-            layout = BatchLayout(positions[i], slots[i], tables, [start + i for start in starts], counts, len(reqs),
-                                 bs, self.num_physical_blocks)
-            yield positions[i], self.backend.build_metadata(layout, self.num_kv_heads)
+        return StepInputs(self.padded_tables(block_tables), starts, positions, slots)
+
+    def _step_metadata(self, inputs: StepInputs, i: int):
+        """Step i's attention metadata."""
+        starts = [start + i for start in inputs.starts]
+        layout = BatchLayout(inputs.positions[i], inputs.slots[i], inputs.tables, starts, [1] * len(starts),
+                             len(starts), self.block_size, self.num_physical_blocks)
+        return self.backend.build_metadata(layout, self.num_kv_heads)
 
     def _map_adapters(self, batch: list[tuple[RequestState, int]]) -> None:
         """Slots for the step's adapters (loading them as needed) and the step's token -> slot grouping."""
@@ -459,3 +488,11 @@ def accept_proposals(results: list[SampleResult], spec: list[int]) -> SampleResu
 
 def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([a for a, _ in pairs]), torch.tensor([b for _, b in pairs])
+
+
+class StepInputs(NamedTuple):
+    """What the steps of a multi-step batch share (ModelRunner._step_inputs)."""
+    tables: torch.Tensor  # [rows, widest] block tables, padded with the null block
+    starts: list[int]  # each row's first position
+    positions: torch.Tensor  # [steps, rows]: step i's in row i
+    slots: torch.Tensor  # [steps, rows]

@@ -16,6 +16,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -79,6 +80,7 @@ struct Kernels {
   c10::TypedOperatorHandle<GemmInt8> gemm_int8 = handle<GemmInt8>("aserve::gemm_int8");
   c10::TypedOperatorHandle<Int4Linear> int4_linear = handle<Int4Linear>("aserve::int4_linear");
   c10::TypedOperatorHandle<GemmInt4> gemm_int4 = handle<GemmInt4>("aserve::gemm_int4");
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> greedy_rows = handle<Tensor(const Tensor&)>("aserve::greedy_rows");
   OneDnnLinear onednn_linear;
 };
 
@@ -201,62 +203,127 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(caches.size() == 2 * layers.size(), "DecoderStack: set_caches first");
     TORCH_CHECK(num_decode == 0 || (decode_tables.has_value() && decode_context.has_value()),
                 "DecoderStack: decode rows need their block tables and context lengths");
+    Tensor residual = residual_in.value_or(Tensor());
+    const auto run = [&] {
+      run_layers(x, residual, positions, slots, num_decode, decode_tables, decode_context, prefill_tables,
+                 prefill_starts, prefill_contexts);
+    };
+    if (x.size(0) <= team_rows && !uses_onednn)
+      team_steps += aserve_kernels::StepTeam::run(run);
+    else
+      run();
+    return {x, residual};
+  }
+
+  // The model's last norm and its logits projection (an index of the stack's projections), and the token
+  // embedding: what greedy_steps needs beyond the layers.
+  void set_head(Tensor embed, Tensor norm, double eps, int64_t projection) {
+    TORCH_CHECK(projection >= 0 && projection < static_cast<int64_t>(projections.size()) &&
+                    projections[projection].activation == 0,
+                "DecoderStack: no plain projection ", projection, " for the head");
+    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(),
+                "DecoderStack: the embedding must be contiguous [vocab, hidden]");
+    head_embed = std::move(embed), head_norm = std::move(norm), head_eps = eps, head = projection;
+  }
+
+  // Multi-step greedy decoding of a batch of decode rows, every step in this one call: the tokens [rows] embedded,
+  // the layers, the last norm, the logits and their argmax (sampling.cpp's greedy_rows, -1 for a row nothing can be
+  // sampled from), that argmax the next step's input. positions, slots and context lengths are [steps, rows]
+  // (step i's in row i), the block tables [rows, width] hold every step's blocks. The kernels are the ones a step
+  // through FlatForward, the model's compute_logits and the sampler's greedy_rows calls, on the same tensors, so the
+  // tokens are theirs. Returns [steps, rows]: the steps run, then -1s. The steps end after the first one with a -1
+  // in it (the caller runs that step again the usual way, whose sampler reports the row's error).
+  //
+  // Why: at batch 1 with 8 steps a scheduling, each step's Python around the layers (the stack's call, the last
+  // norm, the head's call, the sampler, the metadata) was ~0.25 ms of a ~2.1 ms GPTQ token (AMD EPYC Zen 5), and
+  // the head ran outside the step team, its threads woken from OpenMP's pool every step.
+  Tensor greedy_steps(Tensor tokens, Tensor positions, Tensor slots, Tensor tables, Tensor contexts) {
+    TORCH_CHECK(caches.size() == 2 * layers.size(), "DecoderStack: set_caches first");
+    TORCH_CHECK(head >= 0, "DecoderStack: set_head first");
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "DecoderStack: tokens must be int64 [rows]");
+    const int64_t rows = tokens.size(0), steps = positions.size(0);
+    for (const Tensor* t : {&positions, &slots, &contexts})
+      TORCH_CHECK(t->dim() == 2 && t->size(0) == steps && t->size(1) == rows && t->scalar_type() == at::kLong,
+                  "DecoderStack: positions, slots and context lengths must be int64 [steps, rows]");
+    Tensor out = at::full({steps, rows}, -1, tokens.options());
+    int64_t ran = 0;
+    const auto run = [&] {
+      Tensor input = tokens;
+      for (int64_t i = 0; i < steps; ++i, ++ran) {
+        Tensor x = head_embed.index_select(0, input), residual;
+        const OptTensor context = contexts[i];
+        run_layers(x, residual, positions[i], slots[i], rows, tables, context, {}, {}, {});
+        const Tensor normed = kernels.add_rms_norm.call(x, residual, head_norm, head_eps);
+        const Tensor next = kernels.greedy_rows.call(projections[head](kernels, normed));
+        out[i].copy_(next);
+        const int64_t* picked = next.data_ptr<int64_t>();
+        if (std::any_of(picked, picked + rows, [](int64_t t) { return t < 0; })) break;
+        input = next;
+      }
+    };
+    if (rows > team_rows || uses_onednn)
+      run();
+    else if (aserve_kernels::StepTeam::run(run))
+      team_steps += ran;
+    return out;
+  }
+
+ private:
+  Tensor head_embed, head_norm;
+  double head_eps = 0;
+  int64_t head = -1;
+
+  void run_layers(Tensor& x, Tensor& residual, const Tensor& positions, const Tensor& slots, int64_t num_decode,
+                  const OptTensor& decode_tables, const OptTensor& decode_context, const OptTensor& prefill_tables,
+                  const OptTensor& prefill_starts, const OptTensor& prefill_contexts) {
     const bool prefill = prefill_tables.has_value() && prefill_starts.has_value() && prefill_contexts.has_value();
     const Kernels& k = kernels;
     const int64_t T = x.size(0);
-    Tensor residual = residual_in.value_or(Tensor());
     // Attention's output, made once and written by every layer of its shape: only that layer's o projection reads it.
     Tensor attended;
-    auto run_layers = [&] {
-      for (size_t i = 0; i < layers.size(); ++i) {
-        const Layer& L = layers[i];
-        const Tensor &k_cache = caches[2 * i], &v_cache = caches[2 * i + 1];
-        if (!residual.defined()) {
-          residual = x;
-          x = k.rms_norm.call(x, L.norm_in, L.eps_in);
-        } else {
-          x = k.add_rms_norm.call(x, residual, L.norm_in, L.eps_in);
-        }
-        const Tensor qkv = projections[L.qkv](k, x);
-        // q, k and v as views of qkv's row parts: three tensors made where a split and its views made six, ~0.9 us
-        // a layer against ~2.1 at batch 1 (Intel Xeon, avx512_bf16, no AMX; TSC timers in the loop, since removed)
-        TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "DecoderStack: a qkv projection gave no [rows, out] rows");
-        const int64_t row = qkv.stride(0), at = qkv.storage_offset();
-        Tensor q = qkv.as_strided({T, L.heads, L.head_dim}, {row, L.head_dim, 1}, at);
-        Tensor key = qkv.as_strided({T, L.kv_heads, L.head_dim}, {row, L.head_dim, 1}, at + L.q_size);
-        const Tensor value =
-            qkv.as_strided({T, L.kv_heads, L.head_dim}, {row, L.head_dim, 1}, at + L.q_size + L.kv_size);
-        if (L.q_norm.defined()) {
-          q = k.rms_norm.call(q.reshape({-1, L.head_dim}), L.q_norm, L.q_eps).view({T, L.heads, L.head_dim});
-          key = k.rms_norm.call(key.reshape({-1, L.head_dim}), L.k_norm, L.k_eps).view({T, L.kv_heads, L.head_dim});
-        }
-        k.rotary.call(positions, q, key, cos, sin, rotary_dim);
-        k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, kv_format, true);  // paired keys
-        if (!attended.defined() || attended.size(1) != L.heads || attended.size(2) != L.head_dim)
-          attended = at::empty({T, L.heads, L.head_dim}, x.options());
-        Tensor out = attended;
-        if (num_decode == T)  // a decode-only step: the whole tensors, not slices of them
-          k.decode.call(out, q, k_cache, v_cache, *decode_tables, *decode_context, L.scale, L.window, 0.0, L.k_scale,
-                        L.v_scale, kv_format);
-        else if (num_decode > 0)
-          k.decode.call(out.slice(0, 0, num_decode), q.slice(0, 0, num_decode), k_cache, v_cache, *decode_tables,
-                        *decode_context, L.scale, L.window, 0.0, L.k_scale, L.v_scale, kv_format);
-        if (prefill)
-          k.prefill.call(out.slice(0, num_decode), q.slice(0, num_decode), k_cache, v_cache, *prefill_tables,
-                         *prefill_starts, *prefill_contexts, L.scale, L.window, 0.0, L.k_scale, L.v_scale,
-                         kv_format);
-        out = out.view({T, L.heads * L.head_dim});
-        x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
-        const Projection& gate_up = projections[L.gate_up];  // silu(gate) * up in its GEMM's epilogue, or after it
-        const Tensor act = gate_up.activation == kSiluMul ? gate_up(k, x) : k.silu_and_mul.call(gate_up(k, x), 0);
-        x = projections[L.down](k, act);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& L = layers[i];
+      const Tensor &k_cache = caches[2 * i], &v_cache = caches[2 * i + 1];
+      if (!residual.defined()) {
+        residual = x;
+        x = k.rms_norm.call(x, L.norm_in, L.eps_in);
+      } else {
+        x = k.add_rms_norm.call(x, residual, L.norm_in, L.eps_in);
       }
-    };
-    if (T <= team_rows && !uses_onednn)
-      team_steps += aserve_kernels::StepTeam::run(run_layers);
-    else
-      run_layers();
-    return {x, residual};
+      const Tensor qkv = projections[L.qkv](k, x);
+      // q, k and v as views of qkv's row parts: three tensors made where a split and its views made six, ~0.9 us
+      // a layer against ~2.1 at batch 1 (Intel Xeon, avx512_bf16, no AMX; TSC timers in the loop, since removed)
+      TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "DecoderStack: a qkv projection gave no [rows, out] rows");
+      const int64_t row = qkv.stride(0), at = qkv.storage_offset();
+      Tensor q = qkv.as_strided({T, L.heads, L.head_dim}, {row, L.head_dim, 1}, at);
+      Tensor key = qkv.as_strided({T, L.kv_heads, L.head_dim}, {row, L.head_dim, 1}, at + L.q_size);
+      const Tensor value =
+          qkv.as_strided({T, L.kv_heads, L.head_dim}, {row, L.head_dim, 1}, at + L.q_size + L.kv_size);
+      if (L.q_norm.defined()) {
+        q = k.rms_norm.call(q.reshape({-1, L.head_dim}), L.q_norm, L.q_eps).view({T, L.heads, L.head_dim});
+        key = k.rms_norm.call(key.reshape({-1, L.head_dim}), L.k_norm, L.k_eps).view({T, L.kv_heads, L.head_dim});
+      }
+      k.rotary.call(positions, q, key, cos, sin, rotary_dim);
+      k.write_kv.call(key, value, k_cache, v_cache, slots, L.k_scale, L.v_scale, kv_format, true);  // paired keys
+      if (!attended.defined() || attended.size(1) != L.heads || attended.size(2) != L.head_dim)
+        attended = at::empty({T, L.heads, L.head_dim}, x.options());
+      Tensor out = attended;
+      if (num_decode == T)  // a decode-only step: the whole tensors, not slices of them
+        k.decode.call(out, q, k_cache, v_cache, *decode_tables, *decode_context, L.scale, L.window, 0.0, L.k_scale,
+                      L.v_scale, kv_format);
+      else if (num_decode > 0)
+        k.decode.call(out.slice(0, 0, num_decode), q.slice(0, 0, num_decode), k_cache, v_cache, *decode_tables,
+                      *decode_context, L.scale, L.window, 0.0, L.k_scale, L.v_scale, kv_format);
+      if (prefill)
+        k.prefill.call(out.slice(0, num_decode), q.slice(0, num_decode), k_cache, v_cache, *prefill_tables,
+                       *prefill_starts, *prefill_contexts, L.scale, L.window, 0.0, L.k_scale, L.v_scale,
+                       kv_format);
+      out = out.view({T, L.heads * L.head_dim});
+      x = k.add_rms_norm.call(projections[L.o](k, out), residual, L.norm_post, L.eps_post);
+      const Projection& gate_up = projections[L.gate_up];  // silu(gate) * up in its GEMM's epilogue, or after it
+      const Tensor act = gate_up.activation == kSiluMul ? gate_up(k, x) : k.silu_and_mul.call(gate_up(k, x), 0);
+      x = projections[L.down](k, act);
+    }
   }
 };
 
@@ -272,5 +339,7 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
       .def("set_team_rows", &DecoderStack::set_team_rows)
       .def("team_rows", &DecoderStack::get_team_rows)
       .def("team_steps", &DecoderStack::get_team_steps)
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward)
+      .def("set_head", &DecoderStack::set_head)
+      .def("greedy_steps", &DecoderStack::greedy_steps);
 }
