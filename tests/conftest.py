@@ -192,7 +192,9 @@ def make_layout(requests, block_size: int, gen: torch.Generator):
 
 def poison_sampler(monkeypatch, first_token: int, after_tokens: int = 0, value: float = float("nan")) -> None:
     """From now on the sampler sees `value` for every logit of a request whose prompt starts with `first_token` once
-    it has `after_tokens` output tokens: what a model fault leaves for that request alone."""
+    it has `after_tokens` output tokens: what a model fault leaves for that request alone. Every step then samples
+    through the sampler: greedy decode rows do not take the model's one-call greedy steps (whose faults
+    test_multi_step's NaN embedding row makes inside the model)."""
     from aserve.worker import model_runner
 
     real_sample = model_runner.sample
@@ -204,6 +206,7 @@ def poison_sampler(monkeypatch, first_token: int, after_tokens: int = 0, value: 
         return real_sample(logits, reqs, *rest)
 
     monkeypatch.setattr(model_runner, "sample", poisoned)
+    monkeypatch.setattr(model_runner.ModelRunner, "_takes_greedy_steps", lambda self, reqs: False)
 
 
 def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:

@@ -79,7 +79,7 @@ def test_greedy_equals_one_step_at_a_time_and_transformers(pair, model_dirs, mon
     reference = reference_greedy(load_reference(model_dirs["llama-gqa-tied"]), prompts, 40)
     assert got == [want[:n] for want, n in zip(reference, lengths)]
     if cpu_kernels.available():
-        assert one_call and all(ran is not None and ran > 1 for ran in one_call)
+        assert all(ran is not None and ran >= 1 for ran in one_call) and max(one_call) == STEPS
     assert max(steps) == STEPS and steps.count(STEPS) >= 5, steps
     assert len(steps) <= 40 // 2, "most of the decoding should have run several steps at once"
     multi.engine.check_idle()
@@ -147,7 +147,6 @@ def test_failed_logits_fail_only_their_request_after_its_good_tokens(pair, monke
     prompts = random_prompts(4, lengths=(5, 30), seed=29)
     clean = greedy(plain, prompts, max_tokens=20)
     poison_sampler(monkeypatch, prompts[2][0], after_tokens)
-    monkeypatch.setattr(multi.engine.runner, "_greedy_steps", lambda *args: [])  # the poison is the sampler's
     outs = greedy(multi, prompts, max_tokens=20)
     failed = outs[2]
     assert failed.finish_reason == "error" and "NaN" in failed.error
@@ -156,12 +155,13 @@ def test_failed_logits_fail_only_their_request_after_its_good_tokens(pair, monke
     multi.engine.check_idle()
 
 
-def test_a_fault_inside_the_one_call_steps_fails_its_request_as_one_step_at_a_time(model_dirs, monkeypatch):
+def test_a_fault_inside_the_one_call_steps_fails_its_request_as_the_sampler_does(model_dirs, monkeypatch):
     """A token whose embedding is NaN: the request that feeds it back gets NaN logits at that step. The C++ stack's
     steps end there, the step runs again through the sampler, and that request fails with the tokens it had while
-    the others keep theirs, as one step at a time."""
+    the others keep theirs: as through the sampler every step, with one step a scheduling and with several."""
     path = str(model_dirs["llama-untied"])  # (its own head: a NaN embedding row is no logit of every row)
-    engines = [LLM(path, dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=s) for s in (1, STEPS)]
+    engines = [LLM(path, dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=s) for s in (1, 1, STEPS)]
+    monkeypatch.setattr(engines[0].engine.runner, "_takes_greedy_steps", lambda reqs: False)  # the sampler's way
     try:
         prompts = random_prompts(4, lengths=(5, 30), seed=29)
         clean = greedy(engines[0], prompts, max_tokens=20)
@@ -171,27 +171,33 @@ def test_a_fault_inside_the_one_call_steps_fails_its_request_as_one_step_at_a_ti
         with torch.no_grad():
             for llm in engines:
                 llm.engine.runner.model.embed_tokens.weight[made[at]] = float("nan")
-        one_call = one_call_steps(engines[1], monkeypatch)
+        one_call = [one_call_steps(llm, monkeypatch) for llm in engines[1:]]
         got = [greedy(llm, prompts, max_tokens=20) for llm in engines]
-        failed = got[1][2]
+        failed = got[0][2]
         assert failed.finish_reason == "error" and "NaN" in failed.error and failed.token_ids == made[:at + 1]
-        assert [(o.token_ids, o.finish_reason) for o in got[1]] == [(o.token_ids, o.finish_reason) for o in got[0]]
-        assert [o.token_ids for i, o in enumerate(got[1]) if i != 2] == [o.token_ids for i, o in enumerate(clean)
+        assert [o.token_ids for i, o in enumerate(got[0]) if i != 2] == [o.token_ids for i, o in enumerate(clean)
                                                                          if i != 2]
+        for outs in got[1:]:
+            assert [(o.token_ids, o.finish_reason, o.error) for o in outs] == [(o.token_ids, o.finish_reason, o.error)
+                                                                               for o in got[0]]
         if cpu_kernels.available():
-            assert max(one_call) > 1 and any(ran < STEPS for ran in one_call)
-        engines[1].engine.check_idle()
+            assert max(one_call[0]) == 1 and 0 in one_call[0]  # a step of one: the faulty one ran no step whole
+            assert max(one_call[1]) > 1 and any(ran < STEPS for ran in one_call[1])
+        for llm in engines:
+            llm.engine.check_idle()
     finally:
         for llm in engines:
             llm.engine.executor.shutdown()
 
 
+@pytest.mark.parametrize("steps", [1, STEPS])
 @pytest.mark.parametrize("weights", ["float32", "float32-untied", "onednn", "bfloat16", "int8", "gptq"])
 def test_one_call_greedy_steps_give_the_tokens_of_step_by_step(model_dirs, monkeypatch, pick_gemm, tmp_path,
-                                                               weights):
+                                                               weights, steps):
     """The C++ stack's greedy steps (embedding, layers, last norm, head and argmax in one call) against the same
     steps one at a time through the model and the sampler, in one engine each: a tied head's packed copy and an
-    untied head, oneDNN's packed weights (no team of threads), bf16, an int8 head and a GPTQ int4 one."""
+    untied head, oneDNN's packed weights (no team of threads), bf16, an int8 head and a GPTQ int4 one; with
+    several steps a scheduling, and with one (every decode step of plain greedy rows takes the call)."""
     from aserve.bench.quantize_rtn import write_rtn_checkpoint
     from aserve.ops import cpu_gemm
 
@@ -214,13 +220,13 @@ def test_one_call_greedy_steps_give_the_tokens_of_step_by_step(model_dirs, monke
     params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
     outputs = []
     for one_call in (True, False):
-        llm = LLM(str(path), dtype=dtype, kv_cache_memory=1 << 24, num_scheduler_steps=STEPS, **options)
+        llm = LLM(str(path), dtype=dtype, kv_cache_memory=1 << 24, num_scheduler_steps=steps, **options)
         try:
             if not one_call:
                 monkeypatch.setattr(llm.engine.runner, "_greedy_steps", lambda *args: [])
             ran = one_call_steps(llm, monkeypatch)
             outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-            assert (max(ran, default=None) == STEPS) == one_call
+            assert (max(ran, default=None) == steps) == one_call
             model = llm.engine.runner.model
             head = model.packed_head if model.packed_head is not None else model.lm_head
             if weights in ("int8", "gptq"):

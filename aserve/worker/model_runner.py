@@ -211,6 +211,8 @@ class ModelRunner:
         if sched.num_steps > 1:
             self._run_steps(sched.num_steps, [self.requests[rid] for rid, _ in sched.num_scheduled_tokens], result)
             return result
+        if intermediate is None and self._one_call_step(sched, result):
+            return result
         scheduled = [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens]
         batch = sorted(scheduled, key=lambda x: batch_order(x[1], x[0].num_computed_tokens))
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch, sched.spec_token_ids)
@@ -270,7 +272,7 @@ class ModelRunner:
         steps: list[list[SampleResult]] = [[] for _ in reqs]
         token_ids = [req.all_token_ids[req.num_computed_tokens] for req in reqs]
         inputs = self._step_inputs(reqs, num_steps)
-        for row in self._greedy_steps(reqs, token_ids, inputs):
+        for row in self._greedy_steps(reqs, token_ids, inputs) if self._takes_greedy_steps(reqs) else []:
             for req, token_id, earlier in zip(reqs, row, steps):
                 req.append_token(token_id)
                 earlier.append(SampleResult(token_id))
@@ -297,18 +299,44 @@ class ModelRunner:
                 last.accepted = earlier
             result.sampled[req.request_id] = last
 
+    def _one_call_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> bool:
+        """A step of decode rows alone, each plain greedy and checking no proposals, with nothing else to do (no
+        grammar, draft model or pooling): through the model's one-call greedy steps (`_greedy_steps`) as a batch
+        of one step. Whether it ran; where it did not (another batch, a model that cannot, a row with no token),
+        the step runs the usual way."""
+        if sched.spec_token_ids or sched.structured_request_ids or self.drafter is not None or self.pools:
+            return False
+        reqs = []
+        for request_id, n in sched.num_scheduled_tokens:
+            req = self.requests[request_id]
+            own = req.num_prompt_tokens <= req.num_computed_tokens == req.num_tokens - 1  # (not a prompt's last token)
+            if n != 1 or not own:
+                return False
+            reqs.append(req)
+        if not self._takes_greedy_steps(reqs):
+            return False
+        rows = self._greedy_steps(reqs, [req.all_token_ids[-1] for req in reqs], self._step_inputs(reqs, 1))
+        if not rows:
+            return False
+        for req, token_id in zip(reqs, rows[0]):
+            req.append_token(token_id)
+            result.sampled[req.request_id] = SampleResult(token_id)
+        return True
+
+    def _takes_greedy_steps(self, reqs: list[RequestState]) -> bool:
+        """Whether `_greedy_steps` may run these rows: plain greedy (sampler.plain_greedy: the argmax and nothing
+        else), no adapters, on the CPU, a model with greedy_steps."""
+        return (self.device.type == "cpu" and hasattr(self.model, "greedy_steps") and all(map(plain_greedy, reqs))
+                and all(req.lora is None for req in reqs))
+
     def _greedy_steps(self, reqs: list[RequestState], token_ids: list[int], inputs: StepInputs) -> list[list[int]]:
-        """The tokens of a multi-step batch of plain greedy rows (sampler.plain_greedy: the argmax and nothing else),
-        a list a step, from one call of the model (LlamaForCausalLM.greedy_steps: the C++ stack runs the steps,
-        their logits and argmax, each step's tokens the next one's input), up to the first step with a row that
-        has no token (its logits NaN or unusable), which the caller runs again. Empty where the model cannot:
-        other rows, adapters, another device or model. Why: see DecoderStack::greedy_steps."""
-        greedy = getattr(self.model, "greedy_steps", None)
-        if (greedy is None or self.device.type != "cpu" or not all(map(plain_greedy, reqs))
-                or any(req.lora is not None for req in reqs)):
-            return []
-        tokens = greedy(torch.tensor(token_ids), inputs.positions, inputs.slots, inputs.tables, inputs.positions + 1,
-                        self.layer_caches, self.backend)
+        """The tokens of a batch of plain greedy decode rows (`_takes_greedy_steps`), a list a step, from one call
+        of the model (LlamaForCausalLM.greedy_steps: the C++ stack runs the steps, their logits and argmax, each
+        step's tokens the next one's input), up to the first step with a row that has no token (its logits NaN or
+        unusable), which the caller runs again. Empty where the model cannot run them. Why: see
+        DecoderStack::greedy_steps."""
+        tokens = self.model.greedy_steps(torch.tensor(token_ids), inputs.positions, inputs.slots, inputs.tables,
+                                         inputs.positions + 1, self.layer_caches, self.backend)
         if tokens is None:
             return []
         rows = tokens.tolist()
