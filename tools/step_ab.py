@@ -119,7 +119,8 @@ def main() -> None:
     temperature = 0.0 if args.compare == "greedy" else 1.0
     if args.phase == "decode":
         params = SamplingParams(temperature=temperature, ignore_eos=True,
-                                max_tokens=(args.steps + 1000) * args.num_scheduler_steps)
+                                max_tokens=args.steps + 1000 if args.num_scheduler_steps == 1
+                                else (args.steps + 2) * args.num_scheduler_steps)
         for i in range(args.requests):
             engine.add_request(prompt(), params, request_id=f"r{i}")
         while any(s.num_computed_tokens < args.prompt_len for s in engine.runner.requests.values()) or \
