@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from aserve.config import EngineConfig
+from aserve.core.beam_search import length_normalized
 from aserve.engine.engine_core import EngineCore
 from aserve.errors import ConfigError
 from aserve.inputs import admit_prompts, parse_prompts
@@ -100,7 +101,7 @@ class LLM:
         return [BeamSearchOutput([BeamSearchSequence(
                     out.prompt_token_ids + o.token_ids, o.logprobs, o.cumulative_logprob, self._beam_text(out, o, params),
                     o.finish_reason, o.stop_reason,
-                    o.cumulative_logprob / max(1, len(o.token_ids)) ** params.length_penalty)
+                    length_normalized(o.cumulative_logprob, max(1, len(o.token_ids)), params.length_penalty))
                     for o in out.outputs])
                 for out in self._run(ids_in_order, use_tqdm)]
 

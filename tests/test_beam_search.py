@@ -2,6 +2,8 @@
 same scores, across models, widths, length penalties and stopping rules, and through preemption."""
 from __future__ import annotations
 
+import math
+
 import re
 from collections import Counter
 
@@ -96,6 +98,19 @@ def test_early_stopping_matches_transformers(engines, early_stopping):
     stop = [stop_token(llm, 4)]
     for length_penalty in (0.0, 2.0):
         check_against_reference(llm, reference, 4, length_penalty, stop, early_stopping=early_stopping)
+
+
+@pytest.mark.parametrize("length_penalty", [1e5, -1e5])
+def test_extreme_length_penalties_leave_the_engine_running(engines, length_penalty):
+    """A penalty the API allows but whose power leaves the floats' range: every score saturates (-0.0 or -inf, as
+    floats do) instead of raising in the engine's loop (a fuzzed request's OverflowError once ended it)."""
+    llm, _ = engines["llama-gqa-tied"]
+    outs = llm.beam_search(PROMPTS[:2], BeamSearchParams(2, MAX_TOKENS, length_penalty=length_penalty))
+    scores = [seq.score for out in outs for seq in out.sequences]
+    assert len(scores) == 4 and all(score == (-0.0 if length_penalty > 0 else -math.inf) for score in scores)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3),
+                                                         use_tqdm=False)][0]
+    llm.engine.check_idle()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -15,11 +15,23 @@ decides; it holds no blocks and imports no torch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 from aserve.request import Request
 from aserve.sampling_params import BeamSearchParams
+
+
+def length_normalized(cum_logprob: float, length: int, penalty: float) -> float:
+    """cum_logprob / length ** penalty, as a float does it where the power leaves the floats' range (a penalty of
+    1e5 or -1e5 is allowed): the score goes to -0.0 or -inf, where Python's power raised OverflowError and its
+    division ZeroDivisionError (a request's, which ended the engine core's loop)."""
+    try:
+        factor = float(length) ** -penalty
+    except OverflowError:
+        factor = math.inf
+    return 0.0 if cum_logprob == 0 else cum_logprob * factor
 
 
 @dataclass
@@ -129,7 +141,8 @@ class BeamSearch:
         stopped = token in params.stop_ids or cut is not None or (grammar is not None and grammar.terminated)
         stop_reason = cut[0] if cut is not None else token if token in params.stop_token_ids else None
         return Hypothesis(self.beams[i].output_token_ids + [token], self.token_logprobs[i] + [logprob], cum_logprob,
-                          cum_logprob / length ** self.params.length_penalty, "stop" if stopped else "length",
+                          length_normalized(cum_logprob, length, self.params.length_penalty),
+                          "stop" if stopped else "length",
                           stop_reason, cut[1] if cut is not None else None)
 
     def _within_grammars(self, scored: list, stops: list[bool]) -> tuple[list, list[bool], list]:
@@ -165,7 +178,7 @@ class BeamSearch:
             return False
         penalty = self.params.length_penalty
         best_length = self.first.max_tokens if self.params.early_stopping == "never" and penalty > 0 else length
-        return best_running / best_length ** penalty > self.hypotheses[-1].score
+        return length_normalized(best_running, best_length, penalty) > self.hypotheses[-1].score
 
     def drop_beams(self, count: int) -> list[Request]:
         """The beams past the first `count` (fewer survived this step): removed from the search, returned."""
