@@ -47,19 +47,36 @@ def count_steps(llm, monkeypatch) -> list[int]:
     return seen
 
 
+SAMPLINGS = {  # each request's options: greedy; drawn at temperature 1; drawn over temperatures; with seeds
+    "greedy": [dict(temperature=0)] * 4,
+    "draw": [dict(temperature=1.0)] * 4,
+    "temperatures": [dict(temperature=0.7), dict(temperature=1.3), dict(temperature=1.0), dict(temperature=0.001)],
+    "seeds": [dict(temperature=1.0, seed=5), dict(temperature=0.8), dict(temperature=1.0, seed=6), dict()],
+}
+
+
+def sampled(llm, prompts, sampling: str, max_tokens: int):
+    """Each prompt's completion with its row of SAMPLINGS[sampling] (cycled), torch's generator seeded first."""
+    options = SAMPLINGS[sampling]
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **options[i % len(options)])
+              for i in range(len(prompts))]
+    torch.manual_seed(1234)
+    return [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def one_call_steps(llm, monkeypatch) -> list[int | None]:
-    """From now on, each call of the model's greedy_steps (the C++ stack's steps in one call): the steps it ran
+    """From now on, each call of the model's decode_steps (the C++ stack's steps in one call): the steps it ran
     whole, None where it could not run them."""
     ran = []
     model = llm.engine.runner.model
-    real = model.greedy_steps
+    real = model.decode_steps
 
     def counted(*args):
         tokens = real(*args)
         ran.append(None if tokens is None else int((tokens >= 0).all(dim=1).sum()))
         return tokens
 
-    monkeypatch.setattr(model, "greedy_steps", counted)
+    monkeypatch.setattr(model, "decode_steps", counted)
     return ran
 
 
@@ -155,31 +172,38 @@ def test_failed_logits_fail_only_their_request_after_its_good_tokens(pair, monke
     multi.engine.check_idle()
 
 
-def test_a_fault_inside_the_one_call_steps_fails_its_request_as_the_sampler_does(model_dirs, monkeypatch):
+@pytest.mark.parametrize("sampling", ["greedy", "seeds"])
+def test_a_fault_inside_the_one_call_steps_fails_its_request_as_the_sampler_does(model_dirs, monkeypatch, sampling):
     """A token whose embedding is NaN: the request that feeds it back gets NaN logits at that step. The C++ stack's
     steps end there, the step runs again through the sampler, and that request fails with the tokens it had while
-    the others keep theirs: as through the sampler every step, with one step a scheduling and with several."""
+    the others keep theirs: as through the sampler every step, with one step a scheduling and with several. Drawn
+    rows draw after the fault what they would have (the draws made for the steps that did not run are taken
+    back)."""
     path = str(model_dirs["llama-untied"])  # (its own head: a NaN embedding row is no logit of every row)
-    engines = [LLM(path, dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=s) for s in (1, 1, STEPS)]
-    monkeypatch.setattr(engines[0].engine.runner, "_takes_greedy_steps", lambda reqs: False)  # the sampler's way
+    # the sampler's way and the one call, with one step a scheduling and with several (where a fault after a
+    # batch's first step draws that step twice: the first time ends the batch, the second fails the request)
+    engines = [LLM(path, dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=s) for s in (1, 1, STEPS, STEPS)]
+    for llm in engines[::2]:
+        monkeypatch.setattr(llm.engine.runner, "_one_call", lambda reqs: None)
     try:
         prompts = random_prompts(4, lengths=(5, 30), seed=29)
-        clean = greedy(engines[0], prompts, max_tokens=20)
+        clean = sampled(engines[0], prompts, sampling, max_tokens=20)
         others = {t for i, (p, o) in enumerate(zip(prompts, clean)) if i != 2 for t in p + o.token_ids}
         made = clean[2].token_ids
         at = next(i for i in range(5, len(made)) if made[i] not in others | set(prompts[2]) | set(made[:i]))
         with torch.no_grad():
             for llm in engines:
                 llm.engine.runner.model.embed_tokens.weight[made[at]] = float("nan")
-        one_call = [one_call_steps(llm, monkeypatch) for llm in engines[1:]]
-        got = [greedy(llm, prompts, max_tokens=20) for llm in engines]
-        failed = got[0][2]
-        assert failed.finish_reason == "error" and "NaN" in failed.error and failed.token_ids == made[:at + 1]
-        assert [o.token_ids for i, o in enumerate(got[0]) if i != 2] == [o.token_ids for i, o in enumerate(clean)
-                                                                         if i != 2]
-        for outs in got[1:]:
-            assert [(o.token_ids, o.finish_reason, o.error) for o in outs] == [(o.token_ids, o.finish_reason, o.error)
-                                                                               for o in got[0]]
+        one_call = [one_call_steps(llm, monkeypatch) for llm in engines[1::2]]
+        got = [[(o.token_ids, o.finish_reason, o.error) for o in sampled(llm, prompts, sampling, max_tokens=20)]
+               for llm in engines]
+        for outs in got:
+            tokens, reason, error = outs[2]
+            assert reason == "error" and "NaN" in error and tokens == made[:at + 1]
+        if sampling == "greedy":  # (drawn, the others' draws after the fault are not those of a run without it)
+            assert all([o[0] for i, o in enumerate(outs) if i != 2] == [o.token_ids for i, o in enumerate(clean)
+                                                                         if i != 2] for outs in got)
+        assert got[1] == got[0] and got[3] == got[2]
         if cpu_kernels.available():
             assert max(one_call[0]) == 1 and 0 in one_call[0]  # a step of one: the faulty one ran no step whole
             assert max(one_call[1]) > 1 and any(ran < STEPS for ran in one_call[1])
@@ -191,13 +215,17 @@ def test_a_fault_inside_the_one_call_steps_fails_its_request_as_the_sampler_does
 
 
 @pytest.mark.parametrize("steps", [1, STEPS])
-@pytest.mark.parametrize("weights", ["float32", "float32-untied", "onednn", "bfloat16", "int8", "gptq"])
-def test_one_call_greedy_steps_give_the_tokens_of_step_by_step(model_dirs, monkeypatch, pick_gemm, tmp_path,
-                                                               weights, steps):
-    """The C++ stack's greedy steps (embedding, layers, last norm, head and argmax in one call) against the same
+@pytest.mark.parametrize("weights, sampling", [
+    *((weights, "greedy") for weights in ("float32", "float32-untied", "onednn", "bfloat16", "int8", "gptq")),
+    *((weights, sampling) for weights in ("float32", "gptq") for sampling in SAMPLINGS if sampling != "greedy"),
+])
+def test_one_call_steps_give_the_tokens_of_step_by_step(model_dirs, monkeypatch, pick_gemm, tmp_path, weights, steps,
+                                                        sampling):
+    """The C++ stack's decode steps (embedding, layers, last norm, head and tokens in one call) against the same
     steps one at a time through the model and the sampler, in one engine each: a tied head's packed copy and an
     untied head, oneDNN's packed weights (no team of threads), bf16, an int8 head and a GPTQ int4 one; with
-    several steps a scheduling, and with one (every decode step of plain greedy rows takes the call)."""
+    several steps a scheduling, and with one (every decode step of such rows takes the call); greedy, and drawn
+    (over temperatures, with seeds and torch's generator)."""
     from aserve.bench.quantize_rtn import write_rtn_checkpoint
     from aserve.ops import cpu_gemm
 
@@ -217,15 +245,14 @@ def test_one_call_greedy_steps_give_the_tokens_of_step_by_step(model_dirs, monke
     if weights == "onednn":
         pick_gemm("onednn")
     prompts = random_prompts(5, lengths=(3, 30), seed=39)
-    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
     outputs = []
     for one_call in (True, False):
         llm = LLM(str(path), dtype=dtype, kv_cache_memory=1 << 24, num_scheduler_steps=steps, **options)
         try:
             if not one_call:
-                monkeypatch.setattr(llm.engine.runner, "_greedy_steps", lambda *args: [])
+                monkeypatch.setattr(llm.engine.runner, "_decode_steps", lambda *args: [])
             ran = one_call_steps(llm, monkeypatch)
-            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            outputs.append([o.token_ids for o in sampled(llm, prompts, sampling, max_tokens=17)])
             assert (max(ran, default=None) == steps) == one_call
             model = llm.engine.runner.model
             head = model.packed_head if model.packed_head is not None else model.lm_head

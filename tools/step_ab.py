@@ -4,14 +4,15 @@ median and mean step time.
 
     python tools/step_ab.py --model /tmp/bench-model --dtype bfloat16 --compare flat
     python tools/step_ab.py --model /tmp/bench-model --dtype float32 --compare gemm --phase prefill
-    python tools/step_ab.py --model /tmp/bench-gptq4 --compare greedy --requests 1 --num-scheduler-steps 8
+    python tools/step_ab.py --model /tmp/bench-gptq4 --compare one-call --requests 1 --num-scheduler-steps 8
 
 --compare flat: the flat forward (aserve/models/flat_forward.py) against the modules' forward.
 --compare native: the flat forward's C++ layer loop (csrc/decoder_stack.cpp) against its Python one.
 --compare team: the C++ loop's small steps as one team of threads (csrc/step_team.h) against an OpenMP region a kernel.
 --compare gemm: aserve's GEMM (csrc/cpu_gemm.cpp; fp32, or bf16 with AVX512-BF16) against oneDNN's, every linear layer packed for both.
---compare greedy: greedy decode steps in one call of the C++ stack (DecoderStack::greedy_steps: layers, head and
-argmax) against the step-by-step path (the forward, compute_logits and the sampler from Python); greedy requests.
+--compare one-call: decode steps in one call of the C++ stack (DecoderStack::decode_steps: layers, head and the
+tokens) against the step-by-step path (the forward, compute_logits and the sampler from Python).
+--temperature: the requests' (1.0; 0 is greedy).
 --phase decode: N requests prefilled, then decode steps in alternate pairs. --phase prefill: every step prefills
 fresh prompts (one output token each) up to the engine's step budget.
 """
@@ -58,13 +59,13 @@ def team_sides(model):
     return ("team", "regions"), use
 
 
-def greedy_sides(runner):
+def one_call_sides(runner):
     if getattr(getattr(runner.model, "flat", None), "has_head", False) is not True:
-        raise SystemExit("--compare greedy needs a model whose C++ loop runs its head too (DecoderStack.set_head)")
-    takes = runner._takes_greedy_steps
+        raise SystemExit("--compare one-call needs a model whose C++ loop runs its head too (DecoderStack.set_head)")
+    takes = runner._one_call
 
     def use(side: str) -> None:
-        runner._takes_greedy_steps = takes if side == "one-call" else (lambda reqs: False)
+        runner._one_call = takes if side == "one-call" else (lambda reqs: None)
     return ("one-call", "step-by-step"), use
 
 
@@ -103,12 +104,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=("int8", "gptq", "awq"), default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or an FP8 format (fp8, fp8_e4m3, fp8_e5m2)")
-    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "greedy"), default="flat")
+    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "one-call"), default="flat")
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps a scheduling (multi-step)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the requests' temperature (0: greedy)")
     args = parser.parse_args()
     engine = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                  num_scheduler_steps=args.num_scheduler_steps, disable_log_stats=True).engine
@@ -116,7 +118,7 @@ def main() -> None:
     rng = random.Random(0)
     prompt = lambda: [rng.randrange(1000, engine.vocab_size) for _ in range(args.prompt_len)]  # noqa: E731
 
-    temperature = 0.0 if args.compare == "greedy" else 1.0
+    temperature = args.temperature
     if args.phase == "decode":
         params = SamplingParams(temperature=temperature, ignore_eos=True,
                                 max_tokens=args.steps + 1000 if args.num_scheduler_steps == 1
@@ -139,7 +141,7 @@ def main() -> None:
         engine.step()
 
     sides = {"flat": flat_sides, "native": native_sides, "team": team_sides, "gemm": gemm_sides,
-             "greedy": lambda model: greedy_sides(engine.runner)}
+             "one-call": lambda model: one_call_sides(engine.runner)}
     names, use = sides[args.compare](model)
     print(f"{args.compare}, {args.phase}: {names[0]} against {names[1]}")
     times: dict[str, list[float]] = {name: [] for name in names}

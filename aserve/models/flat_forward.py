@@ -117,7 +117,7 @@ class FlatForward:
         self.stack_caches = None  # the kv_caches list whose tensors the stack holds
         self.stack_kv_format = 0  # the cache format the stack was told of (an FP8 format's code; 0: the model's dtype)
         head = None if self.stack is None or self.embed is None or self.norm is None else model.native_head()
-        if head is not None:  # what greedy_steps runs after the layers: the last norm, the logits, their argmax
+        if head is not None:  # what decode_steps runs after the layers: the last norm, the logits, the tokens
             self.stack.set_head(self.embed.contiguous(), self.norm.weight, self.norm.eps,
                                 self.stack.add_projection(*head))
         self.has_head = head is not None
@@ -157,21 +157,23 @@ class FlatForward:
         self.stack_kv_format = code
         return True
 
-    def greedy_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     tables: torch.Tensor, contexts: torch.Tensor, kv_caches, backend) -> torch.Tensor | None:
-        """Multi-step greedy decoding of decode rows in one call of the C++ stack (DecoderStack.greedy_steps):
-        [steps, rows] tokens, -1 from the first step with a row nothing could be sampled from; positions, slots and
-        context lengths [steps, rows], `tables` [rows, width] holding every step's blocks. The tokens are those of
-        the steps through this forward, the model's compute_logits and the sampler's greedy path. None where the
-        stack cannot run them: no stack or head, another attention backend, FP8 scales still to estimate, or LoRA
-        adapters in the step."""
+    def decode_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     tables: torch.Tensor, contexts: torch.Tensor, kv_caches, backend,
+                     uniforms: torch.Tensor | None = None, temperatures: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
+        """Decode steps of decode rows in one call of the C++ stack (DecoderStack.decode_steps): [steps, rows]
+        tokens, -1 from the first step with a row nothing could be sampled from; positions, slots and context
+        lengths [steps, rows], `tables` [rows, width] holding every step's blocks; greedy, or drawn with `uniforms`
+        [steps, rows] over `temperatures` (sampler.step_draws). The tokens are those of the steps through this
+        forward, the model's compute_logits and the sampler. None where the stack cannot run them: no stack or
+        head, another attention backend, FP8 scales still to estimate, or LoRA adapters in the step."""
         fmt = backend.kv_format if isinstance(backend, TorchAttentionBackend) else None
         loras = self.layers[0].loras
         if (not self.has_head or not isinstance(backend, TorchAttentionBackend) or torch.is_grad_enabled()
                 or (loras is not None and loras[0].step.token_slot is not None) or not self.stack_takes(fmt)):
             return None
         self.use_caches(kv_caches)
-        return self.stack.greedy_steps(token_ids, positions, slots, tables, contexts)
+        return self.stack.decode_steps(token_ids, positions, slots, tables, contexts, uniforms, temperatures)
 
     def use_caches(self, kv_caches) -> None:
         """The stack's layers read and write these caches (told once a list)."""

@@ -211,13 +211,15 @@ class LlamaForCausalLM(nn.Module):
             return x, residual
         return self.norm(x, residual)[0]
 
-    def greedy_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                     contexts: torch.Tensor, kv_caches, backend) -> torch.Tensor | None:
-        """Greedy decode steps of decode rows in one call (FlatForward.greedy_steps): [steps, rows] tokens, or None
-        where the flat forward's C++ stack cannot run them."""
+    def decode_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                     contexts: torch.Tensor, kv_caches, backend, uniforms: torch.Tensor | None = None,
+                     temperatures: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Decode steps of decode rows in one call (FlatForward.decode_steps): [steps, rows] tokens, or None where
+        the flat forward's C++ stack cannot run them."""
         if self.flat is UNBUILT or self.flat is None:
             return None
-        return self.flat.greedy_steps(token_ids, positions, slots, tables, contexts, kv_caches, backend)
+        return self.flat.decode_steps(token_ids, positions, slots, tables, contexts, kv_caches, backend, uniforms,
+                                      temperatures)
 
     def native_head(self) -> NativeProjection | None:
         """compute_logits as the C++ stack's projection; None where it is not one of its kernels, or where a

@@ -21,7 +21,8 @@ from aserve.models.interface import CausalLM
 from aserve.structured_output.bitmask import apply_grammar_bitmask
 from aserve.worker.host_memory import keep_large_allocations_in_heap, lazy_zeros
 from aserve.worker.request_state import ProposalRow, RequestState
-from aserve.worker.sampler import SampleResult, beam_log_normalizers, plain_greedy, sample
+from aserve.worker.sampler import (SampleResult, beam_log_normalizers, plain_draw, plain_greedy, sample,
+                                   step_draws)
 
 log = logging.getLogger("aserve")
 
@@ -266,13 +267,13 @@ class ModelRunner:
         accepted proposals are). A row whose logits fail ends the steps there: the others keep that step's tokens,
         and that request its error at the first step, else the tokens before it (the next step runs its position
         again, and a fault that stays fails it there, as it would have without the steps). Plain greedy rows run
-        their steps in one call of the model where it can (`_greedy_steps`), up to a step with such a row, which
-        then runs again here."""
+        their steps, and plainly drawn ones theirs, in one call of the model where it can (`_decode_steps`), up to a
+        step with such a row, which then runs again here."""
         batch = [(req, 1) for req in reqs]
         steps: list[list[SampleResult]] = [[] for _ in reqs]
         token_ids = [req.all_token_ids[req.num_computed_tokens] for req in reqs]
         inputs = self._step_inputs(reqs, num_steps)
-        for row in self._greedy_steps(reqs, token_ids, inputs) if self._takes_greedy_steps(reqs) else []:
+        for row in self._decode_steps(reqs, token_ids, inputs):
             for req, token_id, earlier in zip(reqs, row, steps):
                 req.append_token(token_id)
                 earlier.append(SampleResult(token_id))
@@ -300,10 +301,9 @@ class ModelRunner:
             result.sampled[req.request_id] = last
 
     def _one_call_step(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> bool:
-        """A step of decode rows alone, each plain greedy and checking no proposals, with nothing else to do (no
-        grammar, draft model or pooling): through the model's one-call greedy steps (`_greedy_steps`) as a batch
-        of one step. Whether it ran; where it did not (another batch, a model that cannot, a row with no token),
-        the step runs the usual way."""
+        """A step of decode rows alone, checking no proposals, with nothing else to do (no grammar, draft model or
+        pooling): through the model's one-call decode steps (`_decode_steps`) as a batch of one step. Whether it
+        ran; where it did not (other rows, a model that cannot, a row with no token), the step runs the usual way."""
         if sched.spec_token_ids or sched.structured_request_ids or self.drafter is not None or self.pools:
             return False
         reqs = []
@@ -313,9 +313,9 @@ class ModelRunner:
             if n != 1 or not own:
                 return False
             reqs.append(req)
-        if not self._takes_greedy_steps(reqs):
+        if self._one_call(reqs) is None:
             return False
-        rows = self._greedy_steps(reqs, [req.all_token_ids[-1] for req in reqs], self._step_inputs(reqs, 1))
+        rows = self._decode_steps(reqs, [req.all_token_ids[-1] for req in reqs], self._step_inputs(reqs, 1))
         if not rows:
             return False
         for req, token_id in zip(reqs, rows[0]):
@@ -323,24 +323,34 @@ class ModelRunner:
             result.sampled[req.request_id] = SampleResult(token_id)
         return True
 
-    def _takes_greedy_steps(self, reqs: list[RequestState]) -> bool:
-        """Whether `_greedy_steps` may run these rows: plain greedy (sampler.plain_greedy: the argmax and nothing
-        else), no adapters, on the CPU, a model with greedy_steps."""
-        return (self.device.type == "cpu" and hasattr(self.model, "greedy_steps") and all(map(plain_greedy, reqs))
-                and all(req.lora is None for req in reqs))
+    def _one_call(self, reqs: list[RequestState]) -> str | None:
+        """How `_decode_steps` may run these rows: "greedy" where each is plain greedy (sampler.plain_greedy: the
+        argmax and nothing else), "draw" where each is a plain draw (sampler.plain_draw: over its temperature and
+        nothing else); None for anything else, adapters, another device, or a model with no decode_steps."""
+        if (self.device.type != "cpu" or not hasattr(self.model, "decode_steps")
+                or any(r.lora is not None for r in reqs)):
+            return None
+        if all(map(plain_greedy, reqs)):
+            return "greedy"
+        return "draw" if all(map(plain_draw, reqs)) else None
 
-    def _greedy_steps(self, reqs: list[RequestState], token_ids: list[int], inputs: StepInputs) -> list[list[int]]:
-        """The tokens of a batch of plain greedy decode rows (`_takes_greedy_steps`), a list a step, from one call
-        of the model (LlamaForCausalLM.greedy_steps: the C++ stack runs the steps, their logits and argmax, each
-        step's tokens the next one's input), up to the first step with a row that has no token (its logits NaN or
-        unusable), which the caller runs again. Empty where the model cannot run them. Why: see
-        DecoderStack::greedy_steps."""
-        tokens = self.model.greedy_steps(torch.tensor(token_ids), inputs.positions, inputs.slots, inputs.tables,
-                                         inputs.positions + 1, self.layer_caches, self.backend)
-        if tokens is None:
+    def _decode_steps(self, reqs: list[RequestState], token_ids: list[int], inputs: StepInputs) -> list[list[int]]:
+        """The tokens of a batch of decode rows that take one call (`_one_call`), a list a step, from one call of
+        the model (LlamaForCausalLM.decode_steps: the C++ stack runs the steps, their logits and their tokens, each
+        step's the next one's input), up to the first step with a row that has no token (its logits NaN or
+        unusable), which the caller runs again. Drawn rows' uniforms are drawn for every step first, and the
+        generators left as if only the steps that ran had drawn. Empty where the rows or the model cannot. Why:
+        see DecoderStack::decode_steps."""
+        mode = self._one_call(reqs)
+        if mode is None:
             return []
-        rows = tokens.tolist()
+        draws, keep = step_draws(reqs, len(inputs.positions)) if mode == "draw" else ((None, None), None)
+        tokens = self.model.decode_steps(torch.tensor(token_ids), inputs.positions, inputs.slots, inputs.tables,
+                                         inputs.positions + 1, self.layer_caches, self.backend, *draws)
+        rows = [] if tokens is None else tokens.tolist()
         ran = next((i for i, row in enumerate(rows) if min(row) < 0), len(rows))
+        if keep is not None:
+            keep(ran)
         return rows[:ran]
 
     def _step_inputs(self, reqs: list[RequestState], num_steps: int) -> StepInputs:

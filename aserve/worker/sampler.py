@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -138,6 +139,41 @@ def plain_greedy(r: RequestState) -> bool:
     """A greedy row whose token is its logits' argmax and nothing more (no logprobs, penalties, bias, min_tokens or
     beams)."""
     return r.params.greedy and reads_logits_as_they_are(r)
+
+
+def plain_draw(r: RequestState) -> bool:
+    """A sampled row whose token is the inverse-CDF draw from its logits over its temperature and nothing more (no
+    top-k, top-p or min-p, logprobs, penalties, bias, min_tokens still to reach, beams, or a draft to check)."""
+    p = r.params
+    return (not p.greedy and p.logprobs is None and p.beam is None and r.num_output_tokens >= p.min_tokens
+            and not p.needs_penalties and not p.logit_bias and not p.top_k and p.top_p >= 1 and p.min_p <= 0
+            and r.draft_q is None)
+
+
+class StepDraws(NamedTuple):
+    """What `sample` would draw plain-draw rows' tokens with over several steps (step_draws)."""
+    uniforms: torch.Tensor  # [steps, rows]: each step's uniforms(rows), in the order the steps would draw them
+    temperatures: torch.Tensor | None  # [rows], clamped as `scale` clamps them; None where all are 1 (the logits
+    # are then drawn from as they are, else widened to fp32 and divided)
+
+
+def step_draws(reqs: list[RequestState], steps: int) -> tuple[StepDraws, Callable[[int], None]]:
+    """The draws of `steps` steps of plain-draw rows (plain_draw), made now, and `keep(n)`: leave the generators
+    (torch's and the seeded requests' own) as if only the first n steps had drawn, for steps that did not run."""
+    saved = torch.get_rng_state(), [r.generator.get_state() if r.generator is not None else None for r in reqs]
+    draws = torch.stack([uniforms(reqs) for _ in range(steps)])
+    temps = [r.params.temperature for r in reqs]
+    scaled = torch.tensor(temps).clamp_(MIN_TEMPERATURE, FP32_MAX) if any(t != 1.0 for t in temps) else None
+
+    def keep(n: int) -> None:
+        if n < steps:
+            torch.set_rng_state(saved[0])
+            for r, state in zip(reqs, saved[1]):
+                if state is not None:
+                    r.generator.set_state(state)
+            for _ in range(n):
+                uniforms(reqs)
+    return StepDraws(draws, scaled), keep
 
 
 def reads_logits_as_they_are(r: RequestState) -> bool:

@@ -82,6 +82,10 @@ struct Kernels {
   c10::TypedOperatorHandle<Int4Linear> int4_linear = handle<Int4Linear>("aserve::int4_linear");
   c10::TypedOperatorHandle<GemmInt4> gemm_int4 = handle<GemmInt4>("aserve::gemm_int4");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> greedy_rows = handle<Tensor(const Tensor&)>("aserve::greedy_rows");
+  c10::TypedOperatorHandle<int64_t(const Tensor&)> count_nonfinite_rows =
+      handle<int64_t(const Tensor&)>("aserve::count_nonfinite_rows");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> sample_inverse_cdf =
+      handle<Tensor(const Tensor&, const Tensor&)>("aserve::sample_inverse_cdf");
   OneDnnLinear onednn_linear;
 };
 
@@ -217,7 +221,7 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   // The model's last norm and its logits projection (an index of the stack's projections), and the token
-  // embedding: what greedy_steps needs beyond the layers.
+  // embedding: what decode_steps needs beyond the layers.
   void set_head(Tensor embed, Tensor norm, double eps, int64_t projection) {
     TORCH_CHECK(projection >= 0 && projection < static_cast<int64_t>(projections.size()) &&
                     projections[projection].activation == 0,
@@ -227,18 +231,22 @@ struct DecoderStack : torch::CustomClassHolder {
     head_embed = std::move(embed), head_norm = std::move(norm), head_eps = eps, head = projection;
   }
 
-  // Multi-step greedy decoding of a batch of decode rows, every step in this one call: the tokens [rows] embedded,
-  // the layers, the last norm, the logits and their argmax (sampling.cpp's greedy_rows, -1 for a row nothing can be
-  // sampled from), that argmax the next step's input. positions, slots and context lengths are [steps, rows]
-  // (step i's in row i), the block tables [rows, width] hold every step's blocks. The kernels are the ones a step
-  // through FlatForward, the model's compute_logits and the sampler's greedy_rows calls, on the same tensors, so the
-  // tokens are theirs. Returns [steps, rows]: the steps run, then -1s. The steps end after the first one with a -1
-  // in it (the caller runs that step again the usual way, whose sampler reports the row's error).
+  // Decode steps of a batch of decode rows, all of them in this one call: the tokens [rows] embedded, the layers,
+  // the last norm, the logits and the next tokens, each step's the next one's input. Greedy (no `uniforms`): the
+  // argmax, sampling.cpp's greedy_rows. Drawn: `uniforms` [steps, rows] (the sampler's draws for each step, in
+  // its order), the logits divided by `temperatures` [rows] where given (widened to fp32 first, as the sampler
+  // does where a temperature is not 1), then sample_inverse_cdf. positions, slots and context lengths are
+  // [steps, rows] (step i's in row i), the block tables [rows, width] hold every step's blocks. The kernels are
+  // the ones a step through FlatForward, the model's compute_logits and the sampler call, on the same tensors, so
+  // the tokens are theirs. Returns [steps, rows]: the steps run, then -1s. The steps end at the first one with a
+  // row the sampler would find unusable (greedy: its -1; drawn: any logit not finite, and that step is all -1s);
+  // the caller runs that step again the usual way, whose sampler then reports the row's error.
   //
   // Why: at batch 1 with 8 steps a scheduling, each step's Python around the layers (the stack's call, the last
-  // norm, the head's call, the sampler, the metadata) was ~0.25 ms of a ~2.1 ms GPTQ token (AMD EPYC Zen 5), and
+  // norm, the head's call, the sampler, the metadata) was ~0.2 ms of a ~2.1 ms GPTQ token (AMD EPYC Zen 5), and
   // the head ran outside the step team, its threads woken from OpenMP's pool every step.
-  Tensor greedy_steps(Tensor tokens, Tensor positions, Tensor slots, Tensor tables, Tensor contexts) {
+  Tensor decode_steps(Tensor tokens, Tensor positions, Tensor slots, Tensor tables, Tensor contexts,
+                      OptTensor uniforms, OptTensor temperatures) {
     TORCH_CHECK(caches.size() == 2 * layers.size(), "DecoderStack: set_caches first");
     TORCH_CHECK(head >= 0, "DecoderStack: set_head first");
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "DecoderStack: tokens must be int64 [rows]");
@@ -246,6 +254,12 @@ struct DecoderStack : torch::CustomClassHolder {
     for (const Tensor* t : {&positions, &slots, &contexts})
       TORCH_CHECK(t->dim() == 2 && t->size(0) == steps && t->size(1) == rows && t->scalar_type() == at::kLong,
                   "DecoderStack: positions, slots and context lengths must be int64 [steps, rows]");
+    TORCH_CHECK(!uniforms.has_value() || (uniforms->dim() == 2 && uniforms->size(0) == steps &&
+                                          uniforms->size(1) == rows && uniforms->scalar_type() == at::kFloat),
+                "DecoderStack: uniforms must be float32 [steps, rows]");
+    TORCH_CHECK(!temperatures.has_value() || (uniforms.has_value() && temperatures->dim() == 1 &&
+                                              temperatures->size(0) == rows),
+                "DecoderStack: temperatures [rows] go with uniforms");
     Tensor out = at::full({steps, rows}, -1, tokens.options());
     int64_t ran = 0;
     const auto run = [&] {
@@ -255,7 +269,16 @@ struct DecoderStack : torch::CustomClassHolder {
         const OptTensor context = contexts[i];
         run_layers(x, residual, positions[i], slots[i], rows, tables, context, {}, {}, {});
         const Tensor normed = kernels.add_rms_norm.call(x, residual, head_norm, head_eps);
-        const Tensor next = kernels.greedy_rows.call(projections[head](kernels, normed));
+        const Tensor logits = projections[head](kernels, normed);
+        Tensor next;
+        if (!uniforms.has_value()) {
+          next = kernels.greedy_rows.call(logits);
+        } else {
+          if (kernels.count_nonfinite_rows.call(logits) > 0) break;
+          next = kernels.sample_inverse_cdf.call(
+              temperatures.has_value() ? logits.to(at::kFloat).div(temperatures->unsqueeze(1)) : logits,
+              (*uniforms)[i]);
+        }
         std::copy_n(next.data_ptr<int64_t>(), rows, out.data_ptr<int64_t>() + i * rows);
         const int64_t* picked = next.data_ptr<int64_t>();
         if (std::any_of(picked, picked + rows, [](int64_t t) { return t < 0; })) break;
@@ -358,5 +381,5 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
       .def("team_steps", &DecoderStack::get_team_steps)
       .def("forward", &DecoderStack::forward)
       .def("set_head", &DecoderStack::set_head)
-      .def("greedy_steps", &DecoderStack::greedy_steps);
+      .def("decode_steps", &DecoderStack::decode_steps);
 }
