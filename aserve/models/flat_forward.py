@@ -17,6 +17,9 @@ layer from Python; the Python loop below runs the steps that carry LoRA adapters
 Bench model, batch 1, `tools/step_ab.py --compare native --requests 1 --steps 200` (AMD EPYC Zen 5, avx2 avx512f
 avx512_bf16, 2 threads, bf16, commit 3ae7c96): 7.21 against 8.16 ms a step dense, 4.88 against 5.77 int8, 4.61 against 5.53 GPTQ;
 batch 64 31.65 against 33.29. `ASERVE_NATIVE_LOOP=0` keeps the Python loop.
+With the model's head one of those kernels too (`native_head`), whole decode steps of rows that take their tokens
+from the logits and nothing else (greedy, or a draw over a temperature) run in one call, embedding to tokens, several
+steps at once with multi-step decoding (`decode_steps`, called by the model runner).
 
 Bench model (30 layers), 2 threads on an AMD EPYC (avx512_bf16), commit 1958b65, a decode step with the flat path
 on and off in alternate pairs of steps of one engine (tools/step_ab.py --compare flat): batch 64 bf16 81.8 against

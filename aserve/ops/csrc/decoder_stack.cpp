@@ -17,8 +17,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -150,7 +150,8 @@ struct DecoderStack : torch::CustomClassHolder {
   // regions would run on one thread inside the team's.
   int64_t team_rows = 8;
   bool uses_onednn = false;
-  int64_t team_steps = 0;  // steps run as a team (fewer than asked where there is one thread, or threads than CPUs)
+  int64_t team_steps = 0;  // steps run as a team (fewer than asked where there is one thread, or threads than CPUs;
+                           // decode_steps counts each of its steps)
 
   DecoderStack(Tensor cos, Tensor sin, int64_t rotary_dim)
       : cos(std::move(cos)), sin(std::move(sin)), rotary_dim(rotary_dim) {}
@@ -297,8 +298,9 @@ struct DecoderStack : torch::CustomClassHolder {
   double head_eps = 0;
   int64_t head = -1;
 
-  // The embedding's rows of `tokens`, as nn.functional.embedding gives them: at::index_select, and out[i].copy_
-  // below, took ~11 and ~8 us a step inside the team, against ~4 and ~0.6 like this (TSC timers, since removed).
+  // The embedding's rows of `tokens`, as nn.functional.embedding gives them. at::index_select took ~11 us a step
+  // inside the team against ~4 like this, and out[i].copy_ of a step's tokens ~8 us against ~0.6 for decode_steps'
+  // std::copy_n (TSC timers, GPTQ batch 1, AMD EPYC Zen 5; since removed).
   Tensor embed_rows(const Tensor& tokens) const {
     const int64_t rows = tokens.size(0), vocab = head_embed.size(0);
     const int64_t width = head_embed.size(1) * head_embed.element_size();
