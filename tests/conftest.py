@@ -206,7 +206,7 @@ def poison_sampler(monkeypatch, first_token: int, after_tokens: int = 0, value: 
         return real_sample(logits, reqs, *rest)
 
     monkeypatch.setattr(model_runner, "sample", poisoned)
-    monkeypatch.setattr(model_runner.ModelRunner, "_one_call", lambda self, reqs: None)
+    monkeypatch.setattr(model_runner.ModelRunner, "_one_call", lambda self, reqs: False)
 
 
 def kv_memory_for_blocks(path: Path, num_blocks: int, block_size: int = 16, dtype_bytes: int = 4) -> int:

@@ -41,7 +41,7 @@ def run(path, dtype, flat: bool, team_rows: int | None = None, **options):
     llm = LLM(str(path), dtype=dtype, device="cpu", kv_cache_memory="16MiB", **options)
     # every step through the model's forward, whose hidden states these tests compare (the decode steps that run
     # in one call of the C++ stack, head and argmax included, are test_multi_step's)
-    llm.engine.runner._one_call = lambda reqs: None
+    llm.engine.runner._one_call = lambda reqs: False
     model = llm.engine.runner.model
     cpu_gemm.prepack_linears(model, model.embed_tokens.weight.dtype)  # bf16 too, native or not
     if not flat:

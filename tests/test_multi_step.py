@@ -47,11 +47,12 @@ def count_steps(llm, monkeypatch) -> list[int]:
     return seen
 
 
-SAMPLINGS = {  # each request's options: greedy; drawn at temperature 1; drawn over temperatures; with seeds
+SAMPLINGS = {  # each request's options: greedy; drawn at temperature 1; over temperatures; with seeds; both kinds
     "greedy": [dict(temperature=0)] * 4,
     "draw": [dict(temperature=1.0)] * 4,
     "temperatures": [dict(temperature=0.7), dict(temperature=1.3), dict(temperature=1.0), dict(temperature=0.001)],
     "seeds": [dict(temperature=1.0, seed=5), dict(temperature=0.8), dict(temperature=1.0, seed=6), dict()],
+    "mixed": [dict(temperature=0), dict(temperature=1.0, seed=7), dict(temperature=0.6), dict(temperature=0)],
 }
 
 
@@ -172,7 +173,7 @@ def test_failed_logits_fail_only_their_request_after_its_good_tokens(pair, monke
     multi.engine.check_idle()
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeds"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeds", "mixed"])
 def test_a_fault_inside_the_one_call_steps_fails_its_request_as_the_sampler_does(model_dirs, monkeypatch, sampling):
     """A token whose embedding is NaN: the request that feeds it back gets NaN logits at that step. The C++ stack's
     steps end there, the step runs again through the sampler, and that request fails with the tokens it had while
@@ -184,7 +185,7 @@ def test_a_fault_inside_the_one_call_steps_fails_its_request_as_the_sampler_does
     # batch's first step draws that step twice: the first time ends the batch, the second fails the request)
     engines = [LLM(path, dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=s) for s in (1, 1, STEPS, STEPS)]
     for llm in engines[::2]:
-        monkeypatch.setattr(llm.engine.runner, "_one_call", lambda reqs: None)
+        monkeypatch.setattr(llm.engine.runner, "_one_call", lambda reqs: False)
     try:
         prompts = random_prompts(4, lengths=(5, 30), seed=29)
         clean = sampled(engines[0], prompts, sampling, max_tokens=20)
@@ -224,8 +225,8 @@ def test_one_call_steps_give_the_tokens_of_step_by_step(model_dirs, monkeypatch,
     """The C++ stack's decode steps (embedding, layers, last norm, head and tokens in one call) against the same
     steps one at a time through the model and the sampler, in one engine each: a tied head's packed copy and an
     untied head, oneDNN's packed weights (no team of threads), bf16, an int8 head and a GPTQ int4 one; with
-    several steps a scheduling, and with one (every decode step of such rows takes the call); greedy, and drawn
-    (over temperatures, with seeds and torch's generator)."""
+    several steps a scheduling, and with one (every decode step of such rows takes the call); greedy, drawn (over
+    temperatures, with seeds and torch's generator), and both in one batch."""
     from aserve.bench.quantize_rtn import write_rtn_checkpoint
     from aserve.ops import cpu_gemm
 

@@ -65,7 +65,7 @@ def one_call_sides(runner):
     takes = runner._one_call
 
     def use(side: str) -> None:
-        runner._one_call = takes if side == "one-call" else (lambda reqs: None)
+        runner._one_call = takes if side == "one-call" else (lambda reqs: False)
     return ("one-call", "step-by-step"), use
 
 

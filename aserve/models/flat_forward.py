@@ -162,12 +162,13 @@ class FlatForward:
 
     def decode_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      tables: torch.Tensor, contexts: torch.Tensor, kv_caches, backend,
-                     uniforms: torch.Tensor | None = None, temperatures: torch.Tensor | None = None
-                     ) -> torch.Tensor | None:
+                     uniforms: torch.Tensor | None = None, temperatures: torch.Tensor | None = None,
+                     drawn: torch.Tensor | None = None) -> torch.Tensor | None:
         """Decode steps of decode rows in one call of the C++ stack (DecoderStack.decode_steps): [steps, rows]
         tokens, -1 from the first step with a row nothing could be sampled from; positions, slots and context
-        lengths [steps, rows], `tables` [rows, width] holding every step's blocks; greedy, or drawn with `uniforms`
-        [steps, rows] over `temperatures` (sampler.step_draws). The tokens are those of the steps through this
+        lengths [steps, rows], `tables` [rows, width] holding every step's blocks; greedy, or the rows `drawn` (all
+        where None) drawn with `uniforms` [steps, drawn] over `temperatures` (sampler.step_draws), the others
+        greedy. The tokens are those of the steps through this
         forward, the model's compute_logits and the sampler. None where the stack cannot run them: no stack or
         head, another attention backend, FP8 scales still to estimate, or LoRA adapters in the step."""
         fmt = backend.kv_format if isinstance(backend, TorchAttentionBackend) else None
@@ -176,7 +177,7 @@ class FlatForward:
                 or (loras is not None and loras[0].step.token_slot is not None) or not self.stack_takes(fmt)):
             return None
         self.use_caches(kv_caches)
-        return self.stack.decode_steps(token_ids, positions, slots, tables, contexts, uniforms, temperatures)
+        return self.stack.decode_steps(token_ids, positions, slots, tables, contexts, uniforms, temperatures, drawn)
 
     def use_caches(self, kv_caches) -> None:
         """The stack's layers read and write these caches (told once a list)."""

@@ -213,13 +213,14 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_steps(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                      contexts: torch.Tensor, kv_caches, backend, uniforms: torch.Tensor | None = None,
-                     temperatures: torch.Tensor | None = None) -> torch.Tensor | None:
+                     temperatures: torch.Tensor | None = None, drawn: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
         """Decode steps of decode rows in one call (FlatForward.decode_steps): [steps, rows] tokens, or None where
         the flat forward's C++ stack cannot run them."""
         if self.flat is UNBUILT or self.flat is None:
             return None
         return self.flat.decode_steps(token_ids, positions, slots, tables, contexts, kv_caches, backend, uniforms,
-                                      temperatures)
+                                      temperatures, drawn)
 
     def native_head(self) -> NativeProjection | None:
         """compute_logits as the C++ stack's projection; None where it is not one of its kernels, or where a

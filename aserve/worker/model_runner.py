@@ -313,7 +313,7 @@ class ModelRunner:
             if n != 1 or not own:
                 return False
             reqs.append(req)
-        if self._one_call(reqs) is None:
+        if not self._one_call(reqs):
             return False
         rows = self._decode_steps(reqs, [req.all_token_ids[-1] for req in reqs], self._step_inputs(reqs, 1))
         if not rows:
@@ -323,16 +323,12 @@ class ModelRunner:
             result.sampled[req.request_id] = SampleResult(token_id)
         return True
 
-    def _one_call(self, reqs: list[RequestState]) -> str | None:
-        """How `_decode_steps` may run these rows: "greedy" where each is plain greedy (sampler.plain_greedy: the
-        argmax and nothing else), "draw" where each is a plain draw (sampler.plain_draw: over its temperature and
-        nothing else); None for anything else, adapters, another device, or a model with no decode_steps."""
-        if (self.device.type != "cpu" or not hasattr(self.model, "decode_steps")
-                or any(r.lora is not None for r in reqs)):
-            return None
-        if all(map(plain_greedy, reqs)):
-            return "greedy"
-        return "draw" if all(map(plain_draw, reqs)) else None
+    def _one_call(self, reqs: list[RequestState]) -> bool:
+        """Whether `_decode_steps` may run these rows: each plain greedy (sampler.plain_greedy: the argmax and
+        nothing else) or a plain draw (sampler.plain_draw: over its temperature and nothing else), no adapters, on
+        the CPU, a model with decode_steps."""
+        return (self.device.type == "cpu" and hasattr(self.model, "decode_steps")
+                and all(r.lora is None and (plain_greedy(r) or plain_draw(r)) for r in reqs))
 
     def _decode_steps(self, reqs: list[RequestState], token_ids: list[int], inputs: StepInputs) -> list[list[int]]:
         """The tokens of a batch of decode rows that take one call (`_one_call`), a list a step, from one call of
@@ -341,12 +337,15 @@ class ModelRunner:
         unusable), which the caller runs again. Drawn rows' uniforms are drawn for every step first, and the
         generators left as if only the steps that ran had drawn. Empty where the rows or the model cannot. Why:
         see DecoderStack::decode_steps."""
-        mode = self._one_call(reqs)
-        if mode is None:
+        if not self._one_call(reqs):
             return []
-        draws, keep = step_draws(reqs, len(inputs.positions)) if mode == "draw" else ((None, None), None)
+        drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        keep, extra = None, ()
+        if drawn:
+            draws, keep = step_draws([reqs[i] for i in drawn], len(inputs.positions))
+            extra = (*draws, torch.tensor(drawn) if len(drawn) < len(reqs) else None)
         tokens = self.model.decode_steps(torch.tensor(token_ids), inputs.positions, inputs.slots, inputs.tables,
-                                         inputs.positions + 1, self.layer_caches, self.backend, *draws)
+                                         inputs.positions + 1, self.layer_caches, self.backend, *extra)
         rows = [] if tokens is None else tokens.tolist()
         ran = next((i for i, row in enumerate(rows) if min(row) < 0), len(rows))
         if keep is not None:

@@ -82,6 +82,7 @@ struct Kernels {
   c10::TypedOperatorHandle<Int4Linear> int4_linear = handle<Int4Linear>("aserve::int4_linear");
   c10::TypedOperatorHandle<GemmInt4> gemm_int4 = handle<GemmInt4>("aserve::gemm_int4");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> greedy_rows = handle<Tensor(const Tensor&)>("aserve::greedy_rows");
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> argmax_rows = handle<Tensor(const Tensor&)>("aserve::argmax_rows");
   c10::TypedOperatorHandle<int64_t(const Tensor&)> count_nonfinite_rows =
       handle<int64_t(const Tensor&)>("aserve::count_nonfinite_rows");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> sample_inverse_cdf =
@@ -234,20 +235,21 @@ struct DecoderStack : torch::CustomClassHolder {
 
   // Decode steps of a batch of decode rows, all of them in this one call: the tokens [rows] embedded, the layers,
   // the last norm, the logits and the next tokens, each step's the next one's input. Greedy (no `uniforms`): the
-  // argmax, sampling.cpp's greedy_rows. Drawn: `uniforms` [steps, rows] (the sampler's draws for each step, in
-  // its order), the logits divided by `temperatures` [rows] where given (widened to fp32 first, as the sampler
-  // does where a temperature is not 1), then sample_inverse_cdf. positions, slots and context lengths are
-  // [steps, rows] (step i's in row i), the block tables [rows, width] hold every step's blocks. The kernels are
-  // the ones a step through FlatForward, the model's compute_logits and the sampler call, on the same tensors, so
-  // the tokens are theirs. Returns [steps, rows]: the steps run, then -1s. The steps end at the first one with a
-  // row the sampler would find unusable (greedy: its -1; drawn: any logit not finite, and that step is all -1s);
-  // the caller runs that step again the usual way, whose sampler then reports the row's error.
+  // argmax, sampling.cpp's greedy_rows. Drawn: `uniforms` [steps, drawn rows] (the sampler's draws for each step,
+  // in its order), the drawn rows' logits divided by `temperatures` [drawn rows] where given (widened to fp32
+  // first, as the sampler does where a temperature is not 1), then sample_inverse_cdf; `drawn` [drawn rows]: the
+  // rows drawn where some are greedy (their argmax, argmax_rows), every row where undefined. positions, slots and
+  // context lengths are [steps, rows] (step i's in row i), the block tables [rows, width] hold every step's blocks.
+  // The kernels are the ones a step through FlatForward, the model's compute_logits and the sampler call, on the
+  // same tensors, so the tokens are theirs. Returns [steps, rows]: the steps run, then -1s. The steps end at the
+  // first one with a row the sampler would find unusable (greedy: its -1; drawn: any logit not finite, and that
+  // step is all -1s); the caller runs that step again the usual way, whose sampler then reports the row's error.
   //
   // Why: at batch 1 with 8 steps a scheduling, each step's Python around the layers (the stack's call, the last
   // norm, the head's call, the sampler, the metadata) was ~0.2 ms of a ~2.1 ms GPTQ token (AMD EPYC Zen 5), and
   // the head ran outside the step team, its threads woken from OpenMP's pool every step.
   Tensor decode_steps(Tensor tokens, Tensor positions, Tensor slots, Tensor tables, Tensor contexts,
-                      OptTensor uniforms, OptTensor temperatures) {
+                      OptTensor uniforms, OptTensor temperatures, OptTensor drawn) {
     TORCH_CHECK(caches.size() == 2 * layers.size(), "DecoderStack: set_caches first");
     TORCH_CHECK(head >= 0, "DecoderStack: set_head first");
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "DecoderStack: tokens must be int64 [rows]");
@@ -255,12 +257,16 @@ struct DecoderStack : torch::CustomClassHolder {
     for (const Tensor* t : {&positions, &slots, &contexts})
       TORCH_CHECK(t->dim() == 2 && t->size(0) == steps && t->size(1) == rows && t->scalar_type() == at::kLong,
                   "DecoderStack: positions, slots and context lengths must be int64 [steps, rows]");
+    const int64_t draws = drawn.has_value() ? drawn->size(0) : rows;
+    TORCH_CHECK(!drawn.has_value() ||
+                    (uniforms.has_value() && drawn->dim() == 1 && drawn->scalar_type() == at::kLong),
+                "DecoderStack: the drawn rows are int64 [drawn rows], with uniforms");
     TORCH_CHECK(!uniforms.has_value() || (uniforms->dim() == 2 && uniforms->size(0) == steps &&
-                                          uniforms->size(1) == rows && uniforms->scalar_type() == at::kFloat),
-                "DecoderStack: uniforms must be float32 [steps, rows]");
+                                          uniforms->size(1) == draws && uniforms->scalar_type() == at::kFloat),
+                "DecoderStack: uniforms must be float32 [steps, drawn rows]");
     TORCH_CHECK(!temperatures.has_value() || (uniforms.has_value() && temperatures->dim() == 1 &&
-                                              temperatures->size(0) == rows),
-                "DecoderStack: temperatures [rows] go with uniforms");
+                                              temperatures->size(0) == draws),
+                "DecoderStack: temperatures [drawn rows] go with uniforms");
     Tensor out = at::full({steps, rows}, -1, tokens.options());
     int64_t ran = 0;
     const auto run = [&] {
@@ -276,9 +282,15 @@ struct DecoderStack : torch::CustomClassHolder {
           next = kernels.greedy_rows.call(logits);
         } else {
           if (kernels.count_nonfinite_rows.call(logits) > 0) break;
-          next = kernels.sample_inverse_cdf.call(
-              temperatures.has_value() ? logits.to(at::kFloat).div(temperatures->unsqueeze(1)) : logits,
-              (*uniforms)[i]);
+          const Tensor sub = drawn.has_value() ? logits.index_select(0, *drawn) : logits;
+          const Tensor sampled = kernels.sample_inverse_cdf.call(
+              temperatures.has_value() ? sub.to(at::kFloat).div(temperatures->unsqueeze(1)) : sub, (*uniforms)[i]);
+          if (drawn.has_value()) {
+            next = kernels.argmax_rows.call(logits);
+            next.index_copy_(0, *drawn, sampled);
+          } else {
+            next = sampled;
+          }
         }
         std::copy_n(next.data_ptr<int64_t>(), rows, out.data_ptr<int64_t>() + i * rows);
         const int64_t* picked = next.data_ptr<int64_t>();
