@@ -267,6 +267,34 @@ def test_one_call_steps_give_the_tokens_of_step_by_step(model_dirs, monkeypatch,
     assert outputs[0] == outputs[1]
 
 
+def test_wide_batches_keep_the_step_by_step_path(model_dirs, monkeypatch):
+    """Past ONE_CALL_MAX_ROWS rows a step runs the usual way (where the call measured no faster): 40 requests
+    decode step by step until fewer than that are left, and then in one call."""
+    from aserve.worker.model_runner import ONE_CALL_MAX_ROWS
+
+    if not cpu_kernels.available():
+        pytest.skip("the C++ kernels are not built here")
+    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory=1 << 24, num_scheduler_steps=STEPS)
+    try:
+        rows = []
+        model = llm.engine.runner.model
+        real = model.decode_steps
+
+        def counted(token_ids, *args):
+            rows.append(len(token_ids))
+            return real(token_ids, *args)
+        monkeypatch.setattr(model, "decode_steps", counted)
+        lengths = [4 + (i % 3) * 8 for i in range(ONE_CALL_MAX_ROWS + 8)]  # some end early
+        outs = llm.generate(random_prompts(len(lengths), lengths=(3, 20), seed=41),
+                            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+                            use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == lengths
+        assert rows and max(rows) <= ONE_CALL_MAX_ROWS
+        llm.engine.check_idle()
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_lora_adapters_apply_in_every_step(model_dirs, adapters, monkeypatch):
     """Base and adapter requests in one batch: each step maps each row to its adapter, as one step at a time."""
     prompts = random_prompts(4, lengths=(5, 30), seed=35)
