@@ -278,7 +278,7 @@ class ModelRunner:
         steps: list[list[SampleResult]] = [[] for _ in reqs]
         token_ids = [req.all_token_ids[req.num_computed_tokens] for req in reqs]
         inputs = self._step_inputs(reqs, num_steps)
-        for row in self._decode_steps(reqs, token_ids, inputs):
+        for row in self._decode_steps(reqs, token_ids, inputs) if self._one_call(reqs) else ():
             for req, token_id, earlier in zip(reqs, row, steps):
                 req.append_token(token_id)
                 earlier.append(SampleResult(token_id))
@@ -340,10 +340,8 @@ class ModelRunner:
         the model (LlamaForCausalLM.decode_steps: the C++ stack runs the steps, their logits and their tokens, each
         step's the next one's input), up to the first step with a row that has no token (its logits NaN or
         unusable), which the caller runs again. Drawn rows' uniforms are drawn for every step first, and the
-        generators left as if only the steps that ran had drawn. Empty where the rows or the model cannot. Why:
-        see DecoderStack::decode_steps."""
-        if not self._one_call(reqs):
-            return []
+        generators left as if only the steps that ran had drawn. Empty where the model cannot. The caller checks
+        `_one_call` first (once a step). Why: see DecoderStack::decode_steps."""
         drawn = [i for i, r in enumerate(reqs) if not r.params.greedy]
         keep, extra = None, ()
         if drawn:

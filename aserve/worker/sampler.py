@@ -145,9 +145,7 @@ def plain_draw(r: RequestState) -> bool:
     """A sampled row whose token is the inverse-CDF draw from its logits over its temperature and nothing more (no
     top-k, top-p or min-p, logprobs, penalties, bias, min_tokens still to reach, beams, or a draft to check)."""
     p = r.params
-    return (not p.greedy and p.logprobs is None and p.beam is None and r.num_output_tokens >= p.min_tokens
-            and not p.needs_penalties and not p.logit_bias and not p.top_k and p.top_p >= 1 and p.min_p <= 0
-            and r.draft_q is None)
+    return not p.greedy and _unsteered(r) and _unfiltered(p) and r.draft_q is None
 
 
 class StepDraws(NamedTuple):
@@ -180,9 +178,20 @@ def reads_logits_as_they_are(r: RequestState) -> bool:
     """True where this row's token comes from the model's logits untouched (greedy, or a plain draw at
     temperature 1): argmax and the draw then read 16-bit logits directly, as exact as from an fp32 copy."""
     p = r.params
+    return _unsteered(r) and (p.greedy or (p.temperature == 1.0 and _unfiltered(p)))
+
+
+def _unsteered(r: RequestState) -> bool:
+    """No logprobs to report, beams, min_tokens still to reach, penalties or bias: nothing changes the logits or
+    reads them besides the token's choice."""
+    p = r.params
     return (p.logprobs is None and p.beam is None and r.num_output_tokens >= p.min_tokens and not p.needs_penalties
-            and not p.logit_bias
-            and (p.greedy or (p.temperature == 1.0 and not p.top_k and p.top_p >= 1 and p.min_p <= 0)))
+            and not p.logit_bias)
+
+
+def _unfiltered(p) -> bool:
+    """No top-k, top-p or min-p."""
+    return not p.top_k and p.top_p >= 1 and p.min_p <= 0
 
 
 def _beam_logits(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> torch.Tensor:
