@@ -13,7 +13,7 @@ from aserve import LLM, SamplingParams
 from aserve.errors import InvalidRequestError
 from aserve.request import RequestStatus
 from aserve.worker.request_state import RequestState
-from aserve.worker.sampler import apply_penalties
+from aserve.worker.sampler import apply_penalties, scale
 from conftest import kv_memory_for_blocks, load_reference, random_prompts
 
 PROMPTS = random_prompts(12, lengths=(5, 50), seed=7)
@@ -142,6 +142,20 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
     assert batch[-1].outputs[0].token_ids == alone
     again = llm.generate(token_prompts([PROMPTS[0]]), params, use_tqdm=False)[0].outputs[0].token_ids
     assert again == alone
+
+
+def test_filters_leave_the_rows_that_ask_for_none_as_they_are():
+    """top-k, top-p and min-p run on the rows that ask for them. Run over every row, a row with none lost the tail
+    its fp32 running sum pushed past top_p = 1, and a seeded request sampled differently beside a filtered one
+    (found by a randomized engine run: token 15 of a seeded request came out 316 in a batch, 317 alone)."""
+    logits = torch.randn(4, 4096, generator=torch.Generator().manual_seed(0)) * 4
+    rows = [RequestState(f"r{i}", [1], SamplingParams(temperature=0.9, seed=i, **options)) for i, options in
+            enumerate([{}, {"top_k": 20}, {"min_p": 0.05}, {"top_p": 0.9}])]
+    batch = scale(logits, rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(batch[i], scale(logits[i:i + 1], [row])[0])
+    assert torch.equal(batch[0], logits[0] / 0.9)  # no filter: the row as it came
+    assert int(torch.isfinite(batch[1]).sum()) == 20  # top-k alone (top_p 1) keeps all k
 
 
 def test_n_samples_share_prompt_blocks(llm):

@@ -73,7 +73,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[i
 
 
 def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
-    """top-k, top-p and min-p on temperature-scaled logits [R, V], all rows at once."""
+    """top-k, top-p and min-p on temperature-scaled logits [R, V], all rows at once, each where its row asks for it:
+    a running sum in fp32 can reach top_p = 1 before a row's last token, and that row would lose its tail."""
     vocab, device = logits.shape[-1], logits.device
     top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs], device=device).unsqueeze(1)
     top_p = torch.tensor([r.params.top_p for r in reqs], device=device).unsqueeze(1)
@@ -83,7 +84,7 @@ def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
     drop = ranks >= top_k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p  # keep the smallest prefix whose mass reaches top_p
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1)  # the smallest prefix whose mass reaches top_p
     drop |= probs < min_p * probs[:, :1]
     drop[:, 0] = False
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
@@ -256,12 +257,17 @@ def steer(logits: torch.Tensor, reqs: list[RequestState]) -> None:
 
 
 def scale(x: torch.Tensor, sub: list[RequestState]) -> torch.Tensor:
-    """Sampled rows' logits divided by their temperature, then top-k, top-p and min-p."""
+    """Sampled rows' logits divided by their temperature, then top-k, top-p and min-p on the rows that ask for them.
+    The other rows stay as they are, so that a seeded request draws the same tokens whatever else is in the batch."""
     temperatures = [r.params.temperature for r in sub]
     if any(t != 1.0 for t in temperatures):
         x = x / torch.tensor(temperatures, device=x.device).clamp_(MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
-    if any(r.params.top_k or r.params.top_p < 1 or r.params.min_p > 0 for r in sub):
+    filtered = [j for j, r in enumerate(sub) if not _unfiltered(r.params)]
+    if len(filtered) == len(sub):
         x = _filter(x, sub)
+    elif filtered:
+        rows = torch.tensor(filtered, device=x.device)
+        x = x.index_copy(0, rows, _filter(x[rows], [sub[j] for j in filtered]))
     return x
 
 
