@@ -115,11 +115,16 @@ def validate_request(facts: EngineFacts, prompt_token_ids: list[int], params: "S
                                   f"max_model_len ({facts.max_model_len}); lower max_tokens or shorten the prompt",
                                   "max_tokens")
     blocks = -(-(num_prompt + max_tokens) // facts.block_size)
+    beams = ""
     if width > 1:  # beams share the prompt's full blocks; each may need the rest for itself, and a copy on write
         shared = num_prompt // facts.block_size
-        blocks = shared + width * (blocks - shared + 1)
+        together = shared + width * (blocks - shared + 1)
+        if facts.num_host_blocks >= together:  # preempted, the search is swapped out and back, still shared
+            blocks, beams = together, f" in each of {width} beams"
+        else:  # or recomputed, each beam with its own copy of the prompt (Scheduler._recompute_fits)
+            blocks, beams = width * blocks, f" in each of {width} beams, each with its own copy of the prompt " \
+                                            f"(no host swap pool to keep them shared through a preemption)"
     if blocks > facts.num_blocks:
-        beams = f" in each of {width} beams" if width > 1 else ""
         raise InvalidRequestError(f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}){beams} needs "
                                   f"{blocks} KV blocks, but the whole cache has {facts.num_blocks}; raise "
                                   f"kv_cache_memory", "max_tokens")

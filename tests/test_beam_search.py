@@ -154,6 +154,57 @@ def test_beams_survive_preemption_and_a_tiny_cache(model_dirs, engines, policy):
         tight.engine.executor.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_search_too_wide_to_recompute_is_swapped(model_dirs, engines, policy):
+    """Two width-2 searches over long prompts in a cache that holds one of them only while its beams share the
+    prompt's blocks. Recomputed, each beam takes its own copy, so the preempted search needed more than the whole
+    cache and waited forever with every block free (found by a randomized server run). It is swapped instead,
+    whatever the policy asks, and both searches come out as with room to spare."""
+    path = model_dirs["llama-gqa-tied"]
+    roomy, _ = engines["llama-gqa-tied"]
+    prompts = random_prompts(1, lengths=(80, 80), seed=5) + random_prompts(1, lengths=(140, 140), seed=6)
+    params = BeamSearchParams(2, MAX_TOKENS, ignore_eos=True)
+    expected = roomy.beam_search(prompts, params)
+    tight = LLM(str(path), dtype="float32", policy=policy, kv_cache_memory=kv_memory_for_blocks(path, 16),
+                swap_space=str(kv_memory_for_blocks(path, 64)))
+    engine = tight.engine
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=f"s{i}")
+        done = {}
+        for _ in range(500):
+            done |= {out.request_id: out for out in engine.step() if out.finished}
+            if not engine.has_unfinished():
+                break
+        assert set(done) == {"s0", "s1"}, f"{engine.scheduler.stats()}"
+        for request_id, ids, want in zip(("s0", "s1"), prompts, expected):
+            assert [ids + o.token_ids for o in done[request_id].outputs] == [seq.tokens for seq in want.sequences]
+        assert engine.scheduler.stats().preemptions["swap"] > 0
+        engine.check_idle()
+    finally:
+        engine.executor.shutdown()
+
+
+def test_without_a_swap_pool_a_search_must_fit_recomputed(model_dirs):
+    """With no host pool to swap to, a preempted search is recomputed, each beam with its own copy of the prompt:
+    admission counts that, and refuses a search that would fit only while its beams share (the case above)."""
+    from aserve.errors import InvalidRequestError
+
+    path = model_dirs["llama-gqa-tied"]
+    prompt = random_prompts(1, lengths=(140, 140), seed=6)[0]
+    with_pool = LLM(str(path), dtype="float32", kv_cache_memory=kv_memory_for_blocks(path, 16),
+                    swap_space=str(kv_memory_for_blocks(path, 64)))
+    without = LLM(str(path), dtype="float32", kv_cache_memory=kv_memory_for_blocks(path, 16), swap_space=0)
+    try:
+        assert len(with_pool.beam_search([prompt], BeamSearchParams(2, MAX_TOKENS))[0].sequences) == 2
+        with pytest.raises(InvalidRequestError, match="each with its own copy of the prompt"):
+            without.beam_search([prompt], BeamSearchParams(2, MAX_TOKENS))
+        assert len(without.beam_search([prompt[:100]], BeamSearchParams(2, MAX_TOKENS))[0].sequences) == 2
+    finally:
+        with_pool.engine.executor.shutdown()
+        without.engine.executor.shutdown()
+
+
 def test_beams_beside_ordinary_requests(engines):
     """Beam searches and sampled requests share steps; neither changes the other's output."""
     llm, _ = engines["qwen3"]

@@ -400,8 +400,12 @@ class Scheduler:
         self.policy.on_event(req, event)
 
     def _preempt(self, victim: Request, out: SchedulerOutput, preempted: list[Request]) -> None:
-        """Swap the victim out if the policy asks and the host pool has room; else drop its K/V to recompute."""
+        """Swap the victim out if the policy asks and the host pool has room; else drop its K/V to recompute. A
+        beam search whose beams could not come back by recompute is swapped whatever the policy asks: see
+        _recompute_fits."""
         mode = self.policy.preemption_mode(victim, self.kv_view())
+        if not self._recompute_fits(victim):
+            mode = PreemptionMode.SWAP
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.spec_token_ids = []
@@ -422,6 +426,15 @@ class Scheduler:
         self.waiting.prepend(victim)
         self.preemptions[PreemptionMode.RECOMPUTE.value] += 1
         self.policy.on_event(victim, "preempted")
+
+    def _recompute_fits(self, req: Request) -> bool:
+        """Whether the request, recomputed, fits the whole cache up to its last token. A beam search's beams share
+        their prompt's blocks while they run; recomputed, each takes its own unless the prefix cache still holds
+        them, and a search that needs more than the cache has would wait forever with every block free (and hold
+        up everyone behind it)."""
+        seqs = req.sequences
+        return len(seqs) == 1 or (sum(self.kv.blocks_needed(seq.num_prompt_tokens + seq.max_tokens) for seq in seqs)
+                                  <= self.kv.num_blocks)
 
     def update(self, sampled: dict[str, int | list[int]], pooled: frozenset[str] = frozenset(),
                candidates: dict[str, list[tuple[int, float]]] | None = None) -> list[Request]:
