@@ -4,9 +4,11 @@ cases at random (reproducible from --seed).
   python tools/soak.py engine --seed 7 --rounds 40
       Random engine configurations (KV cache of 1-64 MiB, block size, multi-step, token budget, prefix caching,
       policy, swap pool, n-gram speculation) run random batches of greedy and seeded requests (n, top-k/p, min-p,
-      penalties, logit bias, logprobs, stop tokens, shared prefixes) on the embedded default model in fp32. Every
-      request must give the tokens it gives alone in a roomy engine (the same speculation for seeded ones), and its
-      logprobs within 1e-3 (they are not bit-exact across batches: which GEMM path a batch takes depends on its size).
+      penalties, logit bias, logprobs, stop tokens, shared prefixes) on the embedded default model in fp32 (--family:
+      one of the test suite's tiny models of another family). Every request must give the tokens it gives alone in a
+      roomy engine, and its logprobs within 1e-3 (not bit-exact across batches: which GEMM path a batch takes depends
+      on its size). Seeded requests under speculation are not compared: their draws follow the proposals a step
+      checks, which a tight cache or a preemption cuts (docs/speculative-decoding.md).
   python tools/soak.py server --seed 3 --policy priority --num-scheduler-steps 8 [-- --swap-space 0 ...]
       A local server (127.0.0.1, a free port, a 2 MiB cache) gets waves of concurrent completions, chats, /generate
       streams and beam searches, some cancelled mid-stream. No request may get a 5xx or hang, and once the waves end
@@ -30,22 +32,22 @@ EXTRA_OPTIONS = [{}, {}, {"logprobs": 2}, {"presence_penalty": 0.5, "frequency_p
                  {"repetition_penalty": 1.2}]
 
 
-def random_params(rng: random.Random, max_tokens: int):
+def random_params(rng: random.Random, max_tokens: int, vocab: int):
     from aserve import SamplingParams
 
     options = {"max_tokens": max_tokens, "ignore_eos": True,
-               "stop_token_ids": [rng.randrange(1, 4000) for _ in range(rng.randrange(0, 3))]}
+               "stop_token_ids": [rng.randrange(1, vocab) for _ in range(rng.randrange(0, 3))]}
     if rng.random() < 0.5:
         options |= {"temperature": rng.choice([0.5, 0.9, 1.0, 1.3]), "seed": rng.randrange(1 << 30),
                     "n": rng.choice([1, 1, 2, 3])} | rng.choice(SEEDED_OPTIONS)
     else:
         options["temperature"] = 0
-    options |= rng.choice(EXTRA_OPTIONS + [{"logit_bias": {rng.randrange(1, 4000): 5.0}}])
+    options |= rng.choice(EXTRA_OPTIONS + [{"logit_bias": {rng.randrange(1, vocab): 5.0}}])
     return SamplingParams(**options)
 
 
-def random_config(rng: random.Random) -> dict:
-    config = dict(dtype="float32", disable_log_stats=True, kv_cache_memory=rng.choice(["1MiB", "2MiB", "4MiB", "64MiB"]),
+def random_config(rng: random.Random, kv_sizes: list) -> dict:
+    config = dict(dtype="float32", disable_log_stats=True, kv_cache_memory=rng.choice(kv_sizes),
                   block_size=rng.choice([8, 16, 32]), num_scheduler_steps=rng.choice([1, 1, 2, 4, 8]),
                   max_num_seqs=rng.choice([2, 4, 8, 64]), max_num_batched_tokens=rng.choice([64, 128, 512, 2048]),
                   enable_prefix_caching=rng.random() < 0.7, policy=rng.choice(["fcfs", "fcfs-swap", "priority"]),
@@ -56,38 +58,53 @@ def random_config(rng: random.Random) -> dict:
     return config
 
 
-def random_prompts(rng: random.Random) -> list[list[int]]:
-    shared = [rng.randrange(1, 4000) for _ in range(rng.randrange(5, 60))]
+def random_prompts(rng: random.Random, vocab: int) -> list[list[int]]:
+    shared = [rng.randrange(1, vocab) for _ in range(rng.randrange(5, 60))]
     prompts = []
     for _ in range(rng.randrange(3, 24)):
-        own = [rng.randrange(1, 4000) for _ in range(rng.randrange(1, 90))]
+        own = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 90))]
         prompts.append(shared + own if rng.random() < 0.4 else own)
     return prompts
 
 
 def soak_engine(args) -> int:
+    import json
+    import tempfile
+
     from aserve import LLM
     from aserve.config import DEFAULT_MODEL_DIR
+    from aserve.errors import InvalidRequestError
 
-    rng, model = random.Random(args.seed), str(DEFAULT_MODEL_DIR)
-    references: dict[str, LLM] = {}
+    rng, model, kv_sizes = random.Random(args.seed), str(DEFAULT_MODEL_DIR), ["1MiB", "2MiB", "4MiB", "64MiB"]
+    if args.family:  # one of the test suite's tiny random models (tests/conftest.py), caches sized in its blocks
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from conftest import build_tiny_model, kv_memory_for_blocks
 
-    def alone(prompt, params, speculative):
-        key = str(speculative if params.temperature > 0 else None)  # greedy tokens never depend on speculation
-        if key not in references:
-            references[key] = LLM(model, dtype="float32", kv_cache_memory="256MiB", disable_log_stats=True,
-                                  speculative_config=speculative if key != "None" else None)
-        return references[key].generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs
+        path = build_tiny_model(Path(tempfile.mkdtemp(prefix="soak-")), args.family)
+        model, kv_sizes = str(path), [kv_memory_for_blocks(path, n) for n in (8, 16, 32, 512)]
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    reference = LLM(model, dtype="float32", kv_cache_memory="256MiB", disable_log_stats=True)
+
+    def alone(prompt, params):
+        return reference.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs
 
     failures = 0
     for round_ in range(args.rounds):
-        config, prompts = random_config(rng), random_prompts(rng)
-        params = [random_params(rng, rng.randrange(1, 40)) for _ in prompts]
+        config, prompts = random_config(rng, kv_sizes), random_prompts(rng, vocab)
+        params = [random_params(rng, rng.randrange(1, 40), vocab) for _ in prompts]
         priority = [rng.randrange(0, 3) for _ in prompts] if config["policy"] == "priority" else None
         llm = LLM(model, **config)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, priority=priority)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                   priority=priority)
+        except InvalidRequestError as exc:  # a request larger than this round's cache: refused up front, as it should
+            print(f"round {round_}: refused ({exc})", flush=True)
+            llm.engine.executor.shutdown()
+            continue
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-            want = alone(prompt, params[i], config.get("speculative_config"))
+            if config.get("speculative_config") and params[i].temperature > 0:
+                continue  # its draws follow the proposals it checks, which a tight cache or a preemption cuts
+            want = alone(prompt, params[i])
             got_tokens, want_tokens = [c.token_ids for c in out.outputs], [c.token_ids for c in want]
             drift = max((abs(a.cumulative_logprob - b.cumulative_logprob) for a, b in zip(out.outputs, want)
                          if a.cumulative_logprob is not None and b.cumulative_logprob is not None), default=0.0)
@@ -181,6 +198,8 @@ def main() -> None:
     engine = sub.add_parser("engine", help="random configurations and batches against each request alone")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--rounds", type=int, default=20)
+    engine.add_argument("--family", help="a tiny random model of this family from tests/conftest.py (llama-untied, "
+                                         "qwen3, mistral-swa, opt, gpt2, phi3, gemma2, ...), not the default model")
     server = sub.add_parser("server", help="concurrent mixed traffic with cancellations against a local server")
     server.add_argument("--seed", type=int, default=0)
     server.add_argument("--waves", type=int, default=6)
