@@ -11,8 +11,9 @@ cases at random (reproducible from --seed).
       checks, which a tight cache or a preemption cuts (docs/speculative-decoding.md).
   python tools/soak.py server --seed 3 --policy priority --num-scheduler-steps 8 [-- --swap-space 0 ...]
       A local server (127.0.0.1, a free port, a 2 MiB cache) gets waves of concurrent completions, chats, /generate
-      streams and beam searches, some cancelled mid-stream. No request may get a 5xx or hang, and once the waves end
-      /health is 200 and every request and KV gauge on /metrics is back to 0.
+      streams and beam searches, some cancelled mid-stream, some constrained (JSON object or schema, regex, choice).
+      No request may get a 5xx or hang, a constrained one that stops must end inside its constraint, and once the
+      waves end /health is 200 and every request and KV gauge on /metrics is back to 0.
 
 Found so far: seeded requests drawing differently beside top-k/top-p/min-p ones (92cd0fa), and a beam search that
 could never come back from recompute waiting forever with the cache empty (93ebf3f).
@@ -21,12 +22,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import re
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+# (request fields, a check of the text a request that stopped on its own ended with)
+CONSTRAINTS = [
+    ({"response_format": {"type": "json_object"}}, _json_object),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False}}}},
+     lambda text: _json_object(text) and set(json.loads(text)) == {"name", "age"}),
+    ({"guided_regex": "[A-Z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[A-Z]{3}-[0-9]{2}", text) is not None),
+    ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+]
 SEEDED_OPTIONS = [{}, {"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 50, "top_p": 0.8}]
 EXTRA_OPTIONS = [{}, {}, {"logprobs": 2}, {"presence_penalty": 0.5, "frequency_penalty": 0.3},
                  {"repetition_penalty": 1.2}]
@@ -68,7 +88,6 @@ def random_prompts(rng: random.Random, vocab: int) -> list[list[int]]:
 
 
 def soak_engine(args) -> int:
-    import json
     import tempfile
 
     from aserve import LLM
@@ -129,6 +148,7 @@ async def soak_server(args) -> int:
                            "--max-n", "4", "--policy", args.policy, "--num-scheduler-steps",
                            str(args.num_scheduler_steps), *args.server_args)
     problems: list[str] = []
+    checked: list[str] = []  # constrained answers whose text was checked
     words = ["the", "cat", "sat", "on", "a", "mat", "hello", "world"]
 
     async def one(client: httpx.AsyncClient) -> str | int:
@@ -145,6 +165,9 @@ async def soak_server(args) -> int:
             body |= {"logprobs": True, "top_logprobs": 2} if kind.startswith("chat") else {"logprobs": 2}
         if rng.random() < 0.2:
             body["stop"] = ["the", "\n"]
+        constraint = rng.choice(CONSTRAINTS) if rng.random() < 0.2 and kind != "generate" else None
+        if constraint is not None:
+            body |= constraint[0]
         if kind.startswith("chat"):
             url, body = "/v1/chat/completions", body | {"messages": [{"role": "user", "content": text}]}
         elif kind == "generate":
@@ -159,12 +182,21 @@ async def soak_server(args) -> int:
         cancel_after = rng.uniform(0.01, 1.0) if rng.random() < 0.3 else None
         try:
             async with client.stream("POST", server.url + url, json=body, timeout=args.timeout) as response:
-                start = time.monotonic()
-                async for _ in response.aiter_bytes():
+                start, chunks = time.monotonic(), []
+                async for chunk in response.aiter_bytes():
+                    chunks.append(chunk)
                     if cancel_after is not None and time.monotonic() - start > cancel_after:
                         return "cancelled"
+                content = b"".join(chunks)
                 if response.status_code >= 500:
-                    problems.append(f"{kind} got {response.status_code}: {(await response.aread())[:300]!r}")
+                    problems.append(f"{kind} got {response.status_code}: {content[:300]!r}")
+                elif response.status_code == 200 and constraint is not None and not body.get("stream") \
+                        and not body.get("stop"):  # a stop string ends the text where it occurs, inside or not
+                    checked.append(kind)
+                    for choice in json.loads(content)["choices"]:
+                        text = choice["message"]["content"] if "message" in choice else choice["text"]
+                        if choice["finish_reason"] == "stop" and not constraint[1](text):
+                            problems.append(f"{kind} {constraint[0]} ended with {text!r}, outside its constraint")
                 return response.status_code
         except httpx.HTTPError as exc:
             problems.append(f"{kind} {({k: v for k, v in body.items() if k not in ('prompt', 'messages')})}: "
@@ -186,7 +218,7 @@ async def soak_server(args) -> int:
     busy = [line for line in metrics.splitlines()
             if line.startswith(("aserve:num_requests_", "aserve:kv_cache_usage_perc", "aserve:cpu_cache_usage_perc"))
             and float(line.rsplit(" ", 1)[1]) != 0.0]
-    print(f"statuses {dict(statuses)}, /health {health}")
+    print(f"statuses {dict(statuses)}, /health {health}, {len(checked)} constrained answers checked")
     for problem in problems + [f"not idle: {line}" for line in busy] + ([f"/health {health}"] if health != 200 else []):
         print(problem)
     return 1 if problems or busy or health != 200 else 0
