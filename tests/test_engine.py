@@ -144,6 +144,22 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
     assert again == alone
 
 
+def test_logits_are_bit_for_bit_the_same_in_any_batch(model_dirs):
+    """fp32, no prefix cache: a request's logprobs in a batch of 1 to 16 are the same floats (what lets a seeded
+    request draw the same tokens anywhere). A prefix-cache hit or a chunked prefill may round them differently
+    (docs/offline.md)."""
+    llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB",
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+    prompt, seen = PROMPTS[0] + PROMPTS[1] + PROMPTS[2], set()  # several blocks: a prefix cache would hit
+    for n in (1, 2, 7, 16):
+        out = llm.generate(token_prompts([prompt] + (PROMPTS * 2)[3:n + 2]), params, use_tqdm=False)[0].outputs[0]
+        seen.add((tuple(out.token_ids), out.cumulative_logprob,
+                  tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items())) for step in out.logprobs)))
+    assert len(seen) == 1
+    llm.engine.executor.shutdown()
+
+
 def test_filters_leave_the_rows_that_ask_for_none_as_they_are():
     """top-k, top-p and min-p run on the rows that ask for them. Run over every row, a row with none lost the tail
     its fp32 running sum pushed past top_p = 1, and a seeded request sampled differently beside a filtered one

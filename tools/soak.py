@@ -6,9 +6,10 @@ cases at random (reproducible from --seed).
       policy, swap pool, n-gram speculation) run random batches of greedy and seeded requests (n, top-k/p, min-p,
       penalties, logit bias, logprobs, stop tokens, shared prefixes) on the embedded default model in fp32 (--family:
       one of the test suite's tiny models of another family). Every request must give the tokens it gives alone in a
-      roomy engine, and its logprobs within 1e-3 (not bit-exact across batches: which GEMM path a batch takes depends
-      on its size). So a seeded draw that falls within that rounding of the line between two tokens can differ too:
-      one of about 1,700 seeded requests did (docs/offline.md); a sampler bug shows as more, or as greedy ones.
+      roomy engine, and its logprobs within 1e-3 (not bit-exact where a prompt is computed in other pieces: a
+      prefix-cache hit or a chunked prefill sums attention's keys in other steps). So a seeded draw that falls within
+      that rounding of the line between two tokens can differ too: one of about 1,700 seeded requests did
+      (docs/offline.md); a sampler bug shows as more, or as greedy ones.
       Seeded requests under speculation are not compared: their draws follow the proposals a step checks, which a
       tight cache or a preemption cuts (docs/speculative-decoding.md).
   python tools/soak.py server --seed 3 --policy priority --num-scheduler-steps 8 [-- --swap-space 0 ...]
