@@ -161,8 +161,7 @@ def step_draws(reqs: list[RequestState], steps: int) -> tuple[StepDraws, Callabl
     (torch's and the seeded requests' own) as if only the first n steps had drawn, for steps that did not run."""
     saved = torch.get_rng_state(), [r.generator.get_state() if r.generator is not None else None for r in reqs]
     draws = torch.stack([uniforms(reqs) for _ in range(steps)])
-    temps = [r.params.temperature for r in reqs]
-    scaled = torch.tensor(temps).clamp_(MIN_TEMPERATURE, FP32_MAX) if any(t != 1.0 for t in temps) else None
+    scaled = _temperatures(reqs, torch.device("cpu"))
 
     def keep(n: int) -> None:
         if n < steps:
@@ -259,9 +258,9 @@ def steer(logits: torch.Tensor, reqs: list[RequestState]) -> None:
 def scale(x: torch.Tensor, sub: list[RequestState]) -> torch.Tensor:
     """Sampled rows' logits divided by their temperature, then top-k, top-p and min-p on the rows that ask for them.
     The other rows stay as they are, so that a seeded request draws the same tokens whatever else is in the batch."""
-    temperatures = [r.params.temperature for r in sub]
-    if any(t != 1.0 for t in temperatures):
-        x = x / torch.tensor(temperatures, device=x.device).clamp_(MIN_TEMPERATURE, FP32_MAX).unsqueeze(1)
+    temperatures = _temperatures(sub, x.device)
+    if temperatures is not None:
+        x = x / temperatures.unsqueeze(1)
     filtered = [j for j, r in enumerate(sub) if not _unfiltered(r.params)]
     if len(filtered) == len(sub):
         x = _filter(x, sub)
@@ -269,6 +268,14 @@ def scale(x: torch.Tensor, sub: list[RequestState]) -> torch.Tensor:
         rows = torch.tensor(filtered, device=x.device)
         x = x.index_copy(0, rows, _filter(x[rows], [sub[j] for j in filtered]))
     return x
+
+
+def _temperatures(reqs: list[RequestState], device: torch.device) -> torch.Tensor | None:
+    """The rows' temperatures, clamped to what fp32 logits can be divided by; None where all are 1."""
+    temperatures = [r.params.temperature for r in reqs]
+    if all(t == 1.0 for t in temperatures):
+        return None
+    return torch.tensor(temperatures, device=device).clamp_(MIN_TEMPERATURE, FP32_MAX)
 
 
 def uniforms(sub: list[RequestState]) -> torch.Tensor:
