@@ -185,6 +185,71 @@ def test_a_search_too_wide_to_recompute_is_swapped(model_dirs, engines, policy):
         engine.executor.shutdown()
 
 
+def run_with_host_held(path, prompts, held: int):
+    """Searches over the two long prompts, then an ordinary request that fcfs-swap swaps out before the wider
+    search is preempted, in a cache where that search cannot come back by recompute, with `held` of the host
+    pool's 14 blocks taken first (as other swapped requests would hold them). Returns the finished outputs by
+    id, the wider search's state when it was preempted, and the scheduler's stats."""
+    llm = LLM(str(path), dtype="float32", policy="fcfs-swap", kv_cache_memory=kv_memory_for_blocks(path, 18),
+              swap_space=str(kv_memory_for_blocks(path, 14)))
+    engine = llm.engine
+    host_pool = engine.kv.host_pool
+    taken = [host_pool.allocate() for _ in range(held)]
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, BeamSearchParams(2, MAX_TOKENS, ignore_eos=True), request_id=f"s{i}")
+        engine.add_request(random_prompts(1, lengths=(40, 40), seed=2)[0],
+                           SamplingParams(max_tokens=40, ignore_eos=True, temperature=0), request_id="r")
+        done = {}
+        for _ in range(500):
+            done |= {out.request_id: out for out in engine.step() if out.finished}
+            if not engine.has_unfinished():
+                break
+        stats = engine.scheduler.stats()
+        for block in taken:
+            host_pool.release(block)
+        engine.check_idle()
+        return done, stats
+    finally:
+        engine.executor.shutdown()
+
+
+def test_a_search_that_only_swap_can_keep_takes_the_host_pool_from_recomputable_requests(model_dirs, engines):
+    """The host pool is full when a search that cannot be recomputed is preempted: the ordinary request swapped
+    before it gives its host blocks up and is recomputed instead, and the search is swapped. Without that the
+    search was recomputed, each beam with its own prompt: more than the whole cache, waiting forever."""
+    path = model_dirs["llama-gqa-tied"]
+    roomy, _ = engines["llama-gqa-tied"]
+    prompts = random_prompts(1, lengths=(80, 80), seed=5) + random_prompts(1, lengths=(140, 140), seed=6)
+    expected = roomy.beam_search(prompts, BeamSearchParams(2, MAX_TOKENS, ignore_eos=True))
+    done, stats = run_with_host_held(path, prompts, held=3)
+    assert set(done) == {"s0", "s1", "r"}, f"{stats}"
+    for request_id, ids, want in zip(("s0", "s1"), prompts, expected):
+        assert [ids + o.token_ids for o in done[request_id].outputs] == [seq.tokens for seq in want.sequences]
+    alone = roomy.generate([random_prompts(1, lengths=(40, 40), seed=2)[0]],
+                           SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))[0]
+    assert done["r"].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert stats.preemptions["swap"] >= 2 and stats.recomputed_tokens > 0  # r swapped, then given up for s1
+
+
+def test_a_search_that_neither_swap_nor_recompute_can_keep_fails_alone(model_dirs, engines):
+    """With the host pool held by what cannot give it up, the preempted search ends with an error that says why
+    and what to raise; the other search and the ordinary request finish as they would have, and the cache is
+    clean."""
+    path = model_dirs["llama-gqa-tied"]
+    roomy, _ = engines["llama-gqa-tied"]
+    prompts = random_prompts(1, lengths=(80, 80), seed=5) + random_prompts(1, lengths=(140, 140), seed=6)
+    expected = roomy.beam_search(prompts[:1], BeamSearchParams(2, MAX_TOKENS, ignore_eos=True))
+    done, stats = run_with_host_held(path, prompts, held=10)
+    assert set(done) == {"s0", "s1", "r"}, f"{stats}"
+    assert done["s1"].outputs[0].finish_reason == "error"
+    assert re.search(r"no room to keep its 2 beams.*raise swap_space or kv_cache_memory", done["s1"].outputs[0].error)
+    assert [prompts[0] + o.token_ids for o in done["s0"].outputs] == [seq.tokens for seq in expected[0].sequences]
+    alone = roomy.generate([random_prompts(1, lengths=(40, 40), seed=2)[0]],
+                           SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))[0]
+    assert done["r"].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 def test_without_a_swap_pool_a_search_must_fit_recomputed(model_dirs):
     """With no host pool to swap to, a preempted search is recomputed, each beam with its own copy of the prompt:
     admission counts that, and refuses a search that would fit only while its beams share (the case above)."""

@@ -157,6 +157,7 @@ class Scheduler:
         self.waiting = policy.waiting_queue()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # in the order they were swapped out
+        self.failed: list[Request] = []  # ended by the scheduler itself, for the engine to report (take_failed)
         self.preemptions = {mode.value: 0 for mode in PreemptionMode}
         self.blocks_swapped_out = self.blocks_swapped_in = self.recomputed_tokens = 0
         self.finished_since_stats: list[Request] = []  # drained by the engine's stats hand-out
@@ -401,11 +402,17 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, preempted: list[Request]) -> None:
         """Swap the victim out if the policy asks and the host pool has room; else drop its K/V to recompute. A
-        beam search whose beams could not come back by recompute is swapped whatever the policy asks: see
-        _recompute_fits."""
+        beam search whose beams could not come back by recompute is swapped whatever the policy asks (see
+        _recompute_fits), with room made in the host pool if it is full (_make_host_room); where even that
+        cannot be done it ends with an error rather than wait forever."""
         mode = self.policy.preemption_mode(victim, self.kv_view())
-        if not self._recompute_fits(victim):
+        must_swap = not self._recompute_fits(victim)
+        if must_swap:
             mode = PreemptionMode.SWAP
+            self._make_host_room(victim, preempted)
+            if not self.kv.can_swap_out(victim.sequences):
+                self._fail_unmovable(victim)
+                return
         self.running.remove(victim)
         victim.num_preemptions += 1
         victim.spec_token_ids = []
@@ -426,6 +433,41 @@ class Scheduler:
         self.waiting.prepend(victim)
         self.preemptions[PreemptionMode.RECOMPUTE.value] += 1
         self.policy.on_event(victim, "preempted")
+
+    def _make_host_room(self, search: Request, preempted: list[Request]) -> None:
+        """Room in the host pool for a search that can only be swapped: swapped requests that can come back by
+        recompute give theirs up (the most recently swapped first, not those swapped this very step, whose
+        copies are still to be made) and wait to be recomputed, in front of those never admitted."""
+        for req in reversed(list(self.swapped)):
+            if self.kv.can_swap_out(search.sequences):
+                return
+            if req in preempted or not self._recompute_fits(req):
+                continue
+            self.swapped.remove(req)
+            for seq in req.sequences:
+                self.recomputed_tokens += seq.num_computed_tokens
+                self.kv.free_host(seq)
+                self.kv.free(seq)
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.prepend(req)
+            self.policy.on_event(req, "preempted")
+
+    def _fail_unmovable(self, search: Request) -> None:
+        """A search that can neither be swapped (the host pool is held by other searches that cannot be recomputed
+        either, or by requests swapped out this same step) nor recomputed (its beams, each with its own prompt, need more than the cache) ends with an error:
+        waiting, it would hold up everyone behind it for good. The engine reports it (take_failed)."""
+        host = self.kv.num_host_blocks
+        self.finish(search, RequestStatus.FINISHED_ERROR,
+                    error=f"preempted with no room to keep its {len(search.sequences)} beams: the host swap pool "
+                          f"({host} blocks) has no room for them, and recomputed each beam would need "
+                          f"its own copy of the prompt, more than the KV cache's {self.kv.num_blocks} blocks; "
+                          f"raise swap_space or kv_cache_memory")
+        self.failed.append(search)
+
+    def take_failed(self) -> list[Request]:
+        """Requests that the scheduler itself ended with an error since the last call (see _fail_unmovable)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _recompute_fits(self, req: Request) -> bool:
         """Whether the request, recomputed, fits the whole cache up to its last token. A beam search's beams share

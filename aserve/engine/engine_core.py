@@ -220,6 +220,7 @@ class EngineCore:
         results = self._admit_constrained() if self.structured.num_awaiting else []
         if self.pipeline_depth == 1:
             sched = self._schedule_batch()
+            results += self._failed_by_scheduler()
             if not sched:
                 return results
             return results + self._finish_batch(sched, self.executor.execute(sched), self.scheduler.scheduled)
@@ -232,6 +233,7 @@ class EngineCore:
             self.executor.submit(sched)
             self._in_flight.append((sched, self.scheduler.scheduled))
             self.scheduler.in_flight.update(seq for seq, _ in self.scheduler.scheduled)
+        results += self._failed_by_scheduler()
         if not self._in_flight:
             return results
         while True:
@@ -398,6 +400,14 @@ class EngineCore:
         for sample in [req, *req.pending_forks]:
             self.scheduler.finish(sample, RequestStatus.FINISHED_ERROR, error=message)
         req.pending_forks = []
+
+    def _failed_by_scheduler(self) -> list[RequestOutput]:
+        """The final outputs of requests that the scheduler ended with an error while making a batch."""
+        finals = []
+        for req in self.scheduler.take_failed():
+            log.warning("request %s failed: %s", req.request_id, req.error)
+            finals.append(self._finish_group(req.group_id))
+        return finals
 
     def _finish_group(self, group_id: str) -> RequestOutput | PoolingRequestOutput:
         first = self.requests[group_id][0]
