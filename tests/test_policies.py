@@ -99,6 +99,48 @@ def test_fcfs_swap_falls_back_to_recompute_when_the_host_pool_is_full(model_dirs
     llm.engine.check_idle()
 
 
+def test_a_request_swapped_in_is_not_swapped_out_again_in_the_same_step(model_dirs):
+    """b is swapped out while a grows; the urgent c arrives and waits behind it; when a ends, b comes back, and c,
+    which does not fit beside it, displaces it (priority, mode=swap). That took both in one step: the worker copies
+    a step's swap-outs first, so b's were copied from blocks its swap-in had not filled yet, and b came back with
+    another K/V (found by a randomized engine run). c now waits a step, and every output is as alone."""
+    path = model_dirs["llama-gqa-tied"]
+    greedy = {name: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for name, n in
+              (("a", 40), ("b", 60), ("c", 20))}
+    prompts = {name: random_prompts(1, (n, n), seed=seed)[0] for name, n, seed in
+               (("a", 120, 11), ("b", 100, 12), ("c", 150, 13))}
+    roomy = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    alone = {name: roomy.generate([{"prompt_token_ids": prompts[name]}], greedy[name], use_tqdm=False)[0]
+             .outputs[0].token_ids for name in prompts}
+    roomy.engine.executor.shutdown()
+    llm = LLM(str(path), dtype="float32", policy="priority", policy_options={"mode": "swap"},
+              kv_cache_memory=kv_memory_for_blocks(path, 16), swap_space=str(kv_memory_for_blocks(path, 32)))
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    both = []
+    real_schedule = scheduler.schedule
+
+    def schedule(*args):
+        out = real_schedule(*args)
+        both.append(bool(out.swap_in and out.swap_out))
+        return out
+
+    scheduler.schedule = schedule
+    for name in "ab":
+        engine.add_request(prompts[name], greedy[name], request_id=name, priority=1)
+    done, step = {}, 0
+    while engine.has_unfinished() and step < 500:
+        step += 1
+        if step == 20:  # b is swapped out by now
+            assert [r.request_id for r in scheduler.swapped] == ["b"]
+            engine.add_request(prompts["c"], greedy["c"], request_id="c", priority=0)
+        done |= {out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished}
+    assert scheduler.stats().preemptions["swap"] == 2  # b by a, then b for c
+    assert not any(both)
+    assert done == alone
+    engine.check_idle()
+    engine.executor.shutdown()
+
+
 def test_priority_serves_urgent_requests_first_on_a_saturated_engine(model_dirs):
     llm = LLM(str(model_dirs[FAMILY]), dtype="float32", policy="priority", kv_cache_memory="32MiB", max_num_seqs=4)
     engine = llm.engine

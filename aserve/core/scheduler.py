@@ -297,6 +297,8 @@ class Scheduler:
                         self._run(req, plan, scheduled, "admitted")
                         budget -= plan_tokens(plan)
                         continue
+                if out.swap_in:  # no preemption after a swap-in: the worker copies a step's swap-outs first, so a
+                    break  # victim's would read device blocks not yet filled, or overwrite host blocks still to be read
                 victim = self.policy.should_preempt_for(req, self._movable())
                 if victim is None or victim is req or victim not in self.running or victim in in_flight:
                     break
