@@ -174,9 +174,10 @@ def scattered_tables(need: list[int], null: int, gen: torch.Generator) -> torch.
     return tables
 
 
-def make_layout(requests, block_size: int, gen: torch.Generator):
+def make_layout(requests, block_size: int, gen: torch.Generator, num_short: int = 0):
     """The runner's layout (model_runner._prepare) over a random permutation of physical blocks; the last
-    block is the null block that pads the tables."""
+    block is the null block that pads the tables. `num_short`: the requests after the decodes that run a short
+    chunk past their prompts (backend.batch_order 1)."""
     need = [-(-(start + n) // block_size) for start, n in requests]
     null = sum(need)
     tables = scattered_tables(need, null, gen)
@@ -187,7 +188,7 @@ def make_layout(requests, block_size: int, gen: torch.Generator):
     num_decode = sum(1 for n in counts if n == 1)
     from aserve.attention import BatchLayout
 
-    return BatchLayout(positions, slots, tables, starts, counts, num_decode, block_size, null + 1)
+    return BatchLayout(positions, slots, tables, starts, counts, num_decode, block_size, null + 1, num_short)
 
 
 def poison_sampler(monkeypatch, first_token: int, after_tokens: int = 0, value: float = float("nan")) -> None:

@@ -1035,17 +1035,23 @@ def test_backend_kernels_match_the_torch_path(monkeypatch, dtype, block_size, wi
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("window", [None, 7])
 def test_short_chunks_run_as_decode_rows_with_the_same_result(monkeypatch, dtype, kernels, window):
-    """Short chunks after a cached context (speculative decoding's checked proposals), placed after the decodes as
-    the runner orders them, run as one decode row per token; the output is what the prefill path gives them."""
+    """Short chunks past their prompts (speculative decoding's checked proposals), placed after the decodes as the
+    runner orders them, run as one decode row per token; the output is what the prefill path gives them. A short
+    chunk of a prompt (the tail after a prefix-cache hit) goes to the prefill kernel with the rest."""
     from types import SimpleNamespace
 
     from aserve.attention import backend as attention_backend, torch_backend
     from conftest import make_layout
 
-    requests = [(3, 1), (40, 1), (21, 6), (30, 5), (17, 8), (0, 9), (5, 19)]
-    assert [attention_backend.batch_order(n, start) for start, n in requests] == [0, 0, 1, 1, 1, 2, 2]
-    gen = torch.Generator().manual_seed(5)
-    layout = make_layout(requests, 16, gen)
+    requests = [(3, 1), (40, 1), (21, 6), (30, 5), (17, 8), (0, 9), (5, 19), (12, 4)]
+    prompts = [3, 40, 21, 30, 17, 9, 24, 16]
+    orders = [attention_backend.batch_order(n, start, prompt) for (start, n), prompt in zip(requests, prompts)]
+    assert orders == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert attention_backend.batch_order(1, 15, 16) == 2  # a prompt's last token, the rest of it cached
+    layouts = {short: make_layout(requests, 16, torch.Generator().manual_seed(5), orders.count(1) if short else 0)
+               for short in (True, False)}
+    layout = layouts[True]
+    gen = torch.Generator().manual_seed(6)
     num_heads, num_kv_heads, head_dim = 6, 2, 64
     layer = SimpleNamespace(scale=head_dim ** -0.5, sliding_window=window, logit_softcap=None, k_scale=1.0,
                             v_scale=1.0, causal=True)
@@ -1058,10 +1064,8 @@ def test_short_chunks_run_as_decode_rows_with_the_same_result(monkeypatch, dtype
     monkeypatch.setattr(cpu_kernels, "usable", (lambda *t: True) if kernels else (lambda *t: False))
     outs = {}
     for short in (True, False):
-        if not short:
-            monkeypatch.setattr(torch_backend, "batch_order", lambda n, start: 0 if n == 1 else 2)
-        meta = backend.build_metadata(layout, num_kv_heads)
-        assert (meta.num_decode_tokens, len(meta.prefills)) == ((2 + 6 + 5 + 8, 2) if short else (2, 5))
+        meta = backend.build_metadata(layouts[short], num_kv_heads)
+        assert (meta.num_decode_tokens, len(meta.prefills)) == ((2 + 6 + 5 + 8, 3) if short else (2, 6))
         kv = cache.clone()
         with torch.inference_mode():
             outs[short] = backend.forward(layer, query, key, value, (kv[0, 0], kv[0, 1]), meta).float()

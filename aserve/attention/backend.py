@@ -10,17 +10,22 @@ from typing import Any, Protocol
 import torch
 
 
-# A chunk of at most this many tokens after a cached context (speculative decoding's checked proposals, a short
-# chunk of a prompt) may run as that many decode rows, one per token, each over the context up to itself: on the
-# CPU the decode kernel does that 3-4x faster than the prefill kernel does such a chunk (measured at 5 tokens;
-# the two cross over between 8 and 16). The runner puts such chunks right after the decodes.
+# A chunk of at most this many tokens past a request's prompt (speculative decoding's checked proposals) may run as
+# that many decode rows, one per token, each over the context up to itself: on the CPU the decode kernel does that
+# 3-4x faster than the prefill kernel does such a chunk (measured at 5 tokens; the two cross over between 8 and
+# 16). The runner puts such chunks right after the decodes.
 SHORT_CHUNK = 8
 
 
-def batch_order(num_tokens: int, num_cached: int) -> int:
-    """Where a request of the step goes in the flat batch: decodes, then short chunks after a cached context,
-    then the rest (sort by this; it is stable)."""
-    return 0 if num_tokens == 1 else 1 if num_tokens <= SHORT_CHUNK and num_cached > 0 else 2
+def batch_order(num_tokens: int, num_cached: int, num_prompt: int) -> int:
+    """Where a request of the step goes in the flat batch: decodes (one token past its prompt), then short chunks
+    past its prompt, then the rest (sort by this; it is stable). Every chunk of a prompt, however short (the tail
+    after a prefix-cache hit, the last piece of a chunked prefill), goes with the rest to the prefill kernel, which
+    computes a prompt's rows bit for bit alike however the prompt was split: the decode kernel sums in another
+    order, and a prompt's logits would then depend on the cache's state."""
+    if num_cached < num_prompt:
+        return 2
+    return 0 if num_tokens == 1 else 1 if num_tokens <= SHORT_CHUNK else 2
 
 
 @dataclass
@@ -32,9 +37,10 @@ class BatchLayout:
     block_tables: torch.Tensor  # [R, W] long, padded with the null block
     starts: list[int]  # per request: tokens already in the cache before this step
     counts: list[int]  # per request: tokens in this step
-    num_decode: int  # the first num_decode requests have one token each
+    num_decode: int  # the first num_decode requests have one token each, past their prompts
     block_size: int
     num_physical_blocks: int  # including the null block
+    num_short: int = 0  # the next num_short requests run a short chunk past their prompts (batch_order 1)
 
 
 class AttentionBackend(Protocol):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.attention import kv_quant
-from aserve.attention.backend import BatchLayout, batch_order
+from aserve.attention.backend import BatchLayout
 from aserve.ops import cpu_kernels
 from aserve.ops.attention import decode_attention, gather, gather_index, prefill_attention
 
@@ -128,7 +128,7 @@ class TorchAttentionBackend:
         nd, starts, counts = layout.num_decode, layout.starts, layout.counts
         rows, context = list(range(nd)), [start + 1 for start in starts[:nd]]
         chunk = nd
-        while chunk < len(counts) and batch_order(counts[chunk], starts[chunk]) == 1:  # as decode rows (SHORT_CHUNK)
+        while chunk < nd + layout.num_short:  # short chunks past their prompts, as decode rows (SHORT_CHUNK)
             rows += [chunk] * counts[chunk]
             context += range(starts[chunk] + 1, starts[chunk] + counts[chunk] + 1)
             chunk += 1

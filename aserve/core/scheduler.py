@@ -315,10 +315,11 @@ class Scheduler:
 
     def _decode_steps(self, batch_requests: int | None) -> int:
         """Multi-step decoding: how many decode steps the next batch runs (1: one, as usual). More only while every
-        running request decodes a token of its own and nothing else (no grammar to follow, beams to compare, prompt
-        to pool or proposals to check), none waits to be admitted or swapped in (it would wait out the steps), and
-        the batch fits the token budget that many times; never past a request's max_tokens or max_model_len, so that
-        only a stop token or string can leave a step's tokens unused."""
+        running request decodes a token of its own and nothing else (not a prompt's last token, which is the prefill
+        kernel's: see backend.batch_order; no grammar to follow, beams to compare, prompt to pool or proposals to
+        check), none waits to be admitted or swapped in (it would wait out the steps), and the batch fits the token
+        budget that many times; never past a request's max_tokens or max_model_len, so that only a stop token or
+        string can leave a step's tokens unused."""
         steps = self.num_scheduler_steps
         running = self.running
         if (steps == 1 or not running or batch_requests is not None or len(self.waiting) or self.swapped
@@ -326,8 +327,9 @@ class Scheduler:
             return 1
         steps = min(steps, self.max_num_batched_tokens // len(running))
         for req in running:
-            if (req.num_tokens - req.num_computed_tokens != 1 or req.beam is not None or req.grammar is not None
-                    or req.pooling is not None or req.spec_token_ids):
+            if (req.num_tokens - req.num_computed_tokens != 1 or req.num_computed_tokens < req.num_prompt_tokens
+                    or req.beam is not None or req.grammar is not None or req.pooling is not None
+                    or req.spec_token_ids):
                 return 1
             steps = min(steps, req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         return max(steps, 1)

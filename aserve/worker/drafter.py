@@ -135,9 +135,11 @@ class Drafter:
             rows.append((req, state, start, count, wants))
         if not rows:
             return {}
-        rows.sort(key=lambda row: batch_order(row[3], row[2]))  # decodes first, as the backend wants them
+        orders = {id(row): batch_order(row[3], row[2], row[0].num_prompt_tokens) for row in rows}
+        rows.sort(key=lambda row: orders[id(row)])  # decodes first, as the backend wants them
         logits = self._run([(state, req.all_token_ids[start:start + count], start)
-                            for req, state, start, count, _ in rows], [wants > 0 for *_, wants in rows])
+                            for req, state, start, count, _ in rows], [orders[id(row)] for row in rows],
+                           [wants > 0 for *_, wants in rows])
         for req, state, start, count, _ in rows:
             state.num_computed_tokens = start + count
         return self._draw([(req, state, wants) for req, state, _, _, wants in rows if wants > 0], logits)
@@ -163,7 +165,7 @@ class Drafter:
         for j in range(max((wants for *_, wants in proposing), default=0)):
             if j:
                 logits = self._run([(state, [drafts[req.request_id][-1]], state.num_computed_tokens + j - 1)
-                                    for req, state, _ in live])
+                                    for req, state, _ in live], [0] * len(live))  # a token each, past the prompt
             tokens, q = draw_proposals(logits, [ProposalRow(req, drafts.get(req.request_id, []))
                                                 for req, _, _ in live])
             grown = []
@@ -185,13 +187,14 @@ class Drafter:
                 state.q = torch.stack(qs[req.request_id]) if req.request_id in qs else None
         return drafts
 
-    def _run(self, rows: list[tuple[DraftState, list[int], int]], want: list[bool] | None = None):
-        """One forward of the draft over `rows` (state, tokens, first position; one-token rows first): writes their
-        K/V and returns the logits at each row's last token (of the rows in `want`), in the target's vocabulary."""
+    def _run(self, rows: list[tuple[DraftState, list[int], int]], orders: list[int], want: list[bool] | None = None):
+        """One forward of the draft over `rows` (state, tokens, first position; sorted by their batch_order,
+        `orders`): writes their K/V and returns the logits at each row's last token (of the rows in `want`), in the
+        target's vocabulary."""
         runner = self.runner
         counts = [len(tokens) for _, tokens, _ in rows]
         positions, meta = runner.flat_batch([state.block_table for state, _, _ in rows],
-                                            [start for _, _, start in rows], counts)
+                                            [start for _, _, start in rows], counts, orders)
         input_ids = torch.tensor([t for _, tokens, _ in rows for t in tokens])
         if runner.device.type != "cpu":
             input_ids, positions = input_ids.to(runner.device), positions.to(runner.device)

@@ -220,7 +220,7 @@ class ModelRunner:
         if intermediate is None and self._one_call_step(sched, result):
             return result
         scheduled = [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens]
-        batch = sorted(scheduled, key=lambda x: batch_order(x[1], x[0].num_computed_tokens))
+        batch = sorted(scheduled, key=lambda x: batch_order(x[1], x[0].num_computed_tokens, x[0].num_prompt_tokens))
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch, sched.spec_token_ids)
         hidden = self._forward(batch, input_ids, positions, meta, intermediate)
         if isinstance(hidden, tuple):  # a pipeline stage before the last: the next one takes it from here
@@ -466,7 +466,9 @@ class ModelRunner:
             elif start + n == req.num_tokens and req.pooling is None:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)
-        positions, meta = self.flat_batch([req.block_table for req, _ in batch], starts, counts)
+        positions, meta = self.flat_batch([req.block_table for req, _ in batch], starts, counts,
+                                          [batch_order(n, req.num_computed_tokens, req.num_prompt_tokens)
+                                           for req, n in batch])
         every_row = len(sample_rows) == len(token_ids)  # each row samples (rows ascend): no gather of the hidden states
         rows = None if every_row else torch.tensor(sample_rows, dtype=torch.long)
         return torch.tensor(token_ids), positions, meta, rows, sample_reqs
@@ -477,12 +479,12 @@ class ModelRunner:
         null = [self.null_block]
         return torch.tensor([table + null * (width - len(table)) for table in block_tables], dtype=torch.long)
 
-    def flat_batch(self, block_tables: list[list[int]], starts: list[int], counts: list[int]):
+    def flat_batch(self, block_tables: list[list[int]], starts: list[int], counts: list[int], orders: list[int]):
         """Positions and attention metadata of a flat batch: row i runs counts[i] tokens from position starts[i]
-        through block_tables[i]; rows of one token (decodes) come first."""
+        through block_tables[i]; the rows come sorted by their batch_order (`orders`): decodes first."""
         bs = self.block_size
         tables = self.padded_tables(block_tables)
-        num_decode = sum(1 for n in counts if n == 1)
+        num_decode, num_short = orders.count(0), orders.count(1)
         if num_decode == len(counts):  # decode rows only: a token each, at its start (a tenth of a batch-1 step's
             positions = torch.tensor(starts)  # Python went to the general index arithmetic below)
             slot_mapping = torch.tensor([table[p // bs] * bs + p % bs for table, p in zip(block_tables, starts)])
@@ -493,7 +495,8 @@ class ModelRunner:
             first_token = torch.cumsum(counts_t, 0) - counts_t
             positions = starts_t[row_of_token] + torch.arange(int(counts_t.sum())) - first_token[row_of_token]
             slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
-        layout = BatchLayout(positions, slot_mapping, tables, starts, counts, num_decode, bs, self.num_physical_blocks)
+        layout = BatchLayout(positions, slot_mapping, tables, starts, counts, num_decode, bs, self.num_physical_blocks,
+                             num_short)
         return positions, self.backend.build_metadata(layout, self.num_kv_heads)
 
 
