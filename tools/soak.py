@@ -4,22 +4,26 @@ cases at random (reproducible from --seed).
   python tools/soak.py engine --seed 7 --rounds 40
       Random engine configurations (KV cache of 1-64 MiB, block size, multi-step, token budget, prefix caching,
       policy, swap pool, n-gram speculation) run random batches of greedy and seeded requests (n, top-k/p, min-p,
-      penalties, logit bias, logprobs, stop tokens, shared prefixes) on the embedded default model in fp32 (--family:
-      one of the test suite's tiny models of another family). Every request must give the tokens it gives alone in a
-      roomy engine, and its logprobs within 1e-3 (not bit-exact where a prompt is computed in other pieces: a
-      prefix-cache hit or a chunked prefill sums attention's keys in other steps). So a seeded draw that falls within
-      that rounding of the line between two tokens can differ too: one of about 1,700 seeded requests did
-      (docs/offline.md); a sampler bug shows as more, or as greedy ones.
+      penalties, logit bias, logprobs, stop tokens, shared prefixes) and beam searches on the embedded default model
+      in fp32 (--family: one of the test suite's tiny models of another family; --lora N: each request runs one of N
+      random LoRA adapters or the base model, with 1 to N adapters a step). Every request must give the tokens it
+      gives alone in a roomy engine, and its logprobs within 1e-3 (not bit-exact after a preemption by recompute,
+      which computes its output tokens again as part of a prompt). So a seeded draw that falls within that rounding
+      of the line between two tokens can differ too (docs/offline.md); a sampler bug shows as more, or as greedy
+      ones.
       Seeded requests under speculation are not compared: their draws follow the proposals a step checks, which a
       tight cache or a preemption cuts (docs/speculative-decoding.md).
   python tools/soak.py server --seed 3 --policy priority --num-scheduler-steps 8 [-- --swap-space 0 ...]
       A local server (127.0.0.1, a free port, a 2 MiB cache) gets waves of concurrent completions, chats, /generate
       streams and beam searches, some cancelled mid-stream, some constrained (JSON object or schema, regex, choice).
       No request may get a 5xx or hang, a constrained one that stops must end inside its constraint, and once the
-      waves end /health is 200 and every request and KV gauge on /metrics is back to 0.
+      waves end /health is 200 and every request and KV gauge on /metrics is back to 0. --lora N: requests name
+      one of N random LoRA adapters, which are loaded and unloaded while they run (a 404 for one unloaded is fine).
 
-Found so far: seeded requests drawing differently beside top-k/top-p/min-p ones (92cd0fa), and a beam search that
-could never come back from recompute waiting forever with the cache empty (93ebf3f).
+Found so far: seeded requests drawing differently beside top-k/top-p/min-p ones (92cd0fa), a beam search that
+could never come back from recompute waiting forever with the cache empty (93ebf3f), a seeded draw flipping where a
+prompt's short tail ran through the decode kernel (2afdb2c), and a request swapped in and out again in one step,
+resuming with another K/V (43cb37b; with --lora, as it happened).
 """
 from __future__ import annotations
 
@@ -56,8 +60,11 @@ EXTRA_OPTIONS = [{}, {}, {"logprobs": 2}, {"presence_penalty": 0.5, "frequency_p
 
 
 def random_params(rng: random.Random, max_tokens: int, vocab: int):
-    from aserve import SamplingParams
+    from aserve import BeamSearchParams, SamplingParams
 
+    if rng.random() < 0.12:
+        return BeamSearchParams(rng.choice([2, 2, 3, 4]), max_tokens, ignore_eos=rng.random() < 0.7,
+                                length_penalty=rng.choice([1.0, 0.5, 2.0]))
     options = {"max_tokens": max_tokens, "ignore_eos": True,
                "stop_token_ids": [rng.randrange(1, vocab) for _ in range(rng.randrange(0, 3))]}
     if rng.random() < 0.5:
@@ -90,6 +97,43 @@ def random_prompts(rng: random.Random, vocab: int) -> list[list[int]]:
     return prompts
 
 
+def make_adapters(model: Path, count: int) -> list:
+    """`count` PEFT LoRA adapters of the model, with random weights strong enough to change its tokens (ranks 4 to 16,
+    on attention only, on the MLP only, or on every projection), as the LoRA tests make them."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from lora_helpers import make_adapter
+
+    from aserve.lora.request import LoRARequest
+
+    kinds = [(["q_proj", "v_proj"], 8), (["gate_proj", "up_proj", "down_proj"], 4),
+             (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 16)]
+    root = Path(tempfile.mkdtemp(prefix="soak-lora-"))
+    made = []
+    for i in range(count):
+        targets, rank = kinds[i % len(kinds)]
+        path = make_adapter(model, root / f"a{i}", targets=targets, r=rank, alpha=2 * rank, seed=i)
+        made.append(LoRARequest(f"a{i}", i + 1, str(path)))
+    return made
+
+
+def run_batch(engine, prompts, params, priority, loras) -> list:
+    """Every request queued at once (sampled ones and beam searches alike), then stepped to the end: the final
+    outputs in order. A request the engine refuses aborts those queued before it and raises."""
+    ids = []
+    try:
+        for i, (prompt, p, urgency, lora) in enumerate(zip(prompts, params, priority, loras)):
+            ids.append(engine.add_request(prompt, p, request_id=f"q{i}", priority=urgency, lora_request=lora))
+    except Exception:
+        engine.abort(ids)
+        raise
+    done = {}
+    while engine.has_unfinished():
+        done |= {out.request_id: out for out in engine.step() if out.finished}
+    return [done[request_id] for request_id in ids]
+
+
 def soak_engine(args) -> int:
     import tempfile
 
@@ -105,37 +149,51 @@ def soak_engine(args) -> int:
         path = build_tiny_model(Path(tempfile.mkdtemp(prefix="soak-")), args.family)
         model, kv_sizes = str(path), [kv_memory_for_blocks(path, n) for n in (8, 16, 32, 512)]
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    reference = LLM(model, dtype="float32", kv_cache_memory="256MiB", disable_log_stats=True)
+    adapters = make_adapters(Path(model), args.lora) if args.lora else []
+    lora_options = dict(enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=len(adapters)) if adapters else {}
+    reference = LLM(model, dtype="float32", kv_cache_memory="256MiB", disable_log_stats=True, **lora_options)
 
-    def alone(prompt, params):
-        return reference.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs
+    def alone(prompt, params, lora):
+        return run_batch(reference.engine, [prompt], [params], [0], [lora])[0].outputs
+
+    from aserve import SamplingParams
+
+    probe = (list(range(1, 30)), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    base = alone(*probe, None)[0].token_ids
+    for lora in adapters:  # else the soak would compare the base model with itself
+        assert alone(*probe, lora)[0].token_ids != base, f"adapter {lora.lora_name} does not change the tokens"
 
     failures = 0
     for round_ in range(args.rounds):
         config, prompts = random_config(rng, kv_sizes), random_prompts(rng, vocab)
         params = [random_params(rng, rng.randrange(1, 40), vocab) for _ in prompts]
         priority = [rng.randrange(0, 3) for _ in prompts] if config["policy"] == "priority" else None
+        loras = [rng.choice(adapters + [None]) for _ in prompts] if adapters else [None] * len(prompts)
+        if adapters:  # how many adapters a step may hold, and how many stay loaded, varies by round
+            config |= dict(enable_lora=True, max_lora_rank=16, max_loras=(slots := rng.randint(1, len(adapters))),
+                           max_cpu_loras=rng.randint(slots, len(adapters)))
         llm = LLM(model, **config)
         try:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                   priority=priority)
+            outputs = run_batch(llm.engine, prompts, params, priority or [0] * len(prompts), loras)
         except InvalidRequestError as exc:  # a request larger than this round's cache: refused up front, as it should
             print(f"round {round_}: refused ({exc})", flush=True)
             llm.engine.executor.shutdown()
             continue
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-            if config.get("speculative_config") and params[i].temperature > 0:
+            if config.get("speculative_config") and getattr(params[i], "temperature", 0) > 0:
                 continue  # its draws follow the proposals it checks, which a tight cache or a preemption cuts
-            want = alone(prompt, params[i])
+            want = alone(prompt, params[i], loras[i])
             got_tokens, want_tokens = [c.token_ids for c in out.outputs], [c.token_ids for c in want]
             drift = max((abs(a.cumulative_logprob - b.cumulative_logprob) for a, b in zip(out.outputs, want)
                          if a.cumulative_logprob is not None and b.cumulative_logprob is not None), default=0.0)
             if got_tokens != want_tokens or drift > 1e-3:
                 failures += 1
-                print(f"round {round_} request {i}: {params[i]}\n  config {config}\n  prompt {len(prompt)} tokens,"
+                print(f"round {round_} request {i}: {params[i]}, adapter {loras[i] and loras[i].lora_name}\n"
+                      f"  config {config}\n  prompt {len(prompt)} tokens,"
                       f" logprob drift {drift:.2e}\n  got  {got_tokens}\n  alone {want_tokens}", flush=True)
         llm.engine.executor.shutdown()
-        print(f"round {round_}: {len(prompts)} requests, {config}", flush=True)
+        beams = sum(hasattr(p, "beam_width") for p in params)
+        print(f"round {round_}: {len(prompts)} requests ({beams} beam searches), {config}", flush=True)
     print(f"{failures} requests differ from alone")
     return 1 if failures else 0
 
@@ -147,9 +205,17 @@ async def soak_server(args) -> int:
     from server_util import RunningServer
 
     rng = random.Random(args.seed)
+    lora_args, names = [], []
+    if args.lora:  # the first adapter from the start, the others loaded and unloaded while the waves run
+        from aserve.config import DEFAULT_MODEL_DIR
+
+        adapters = make_adapters(Path(DEFAULT_MODEL_DIR), args.lora)
+        names = [lora.lora_name for lora in adapters]
+        lora_args = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", str(rng.randint(1, args.lora)),
+                     "--allow-runtime-lora-updates", "--lora-modules", f"{names[0]}={adapters[0].lora_path}"]
     server = RunningServer("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "2MiB",
                            "--max-n", "4", "--policy", args.policy, "--num-scheduler-steps",
-                           str(args.num_scheduler_steps), *args.server_args)
+                           str(args.num_scheduler_steps), *lora_args, *args.server_args)
     problems: list[str] = []
     checked: list[str] = []  # constrained answers whose text was checked
     words = ["the", "cat", "sat", "on", "a", "mat", "hello", "world"]
@@ -171,13 +237,16 @@ async def soak_server(args) -> int:
         constraint = rng.choice(CONSTRAINTS) if rng.random() < 0.2 and kind != "generate" else None
         if constraint is not None:
             body |= constraint[0]
+        if names and kind != "generate" and rng.random() < 0.6:  # an adapter that may be unloaded by now: 404
+            body["model"] = rng.choice(names)
         if kind.startswith("chat"):
             url, body = "/v1/chat/completions", body | {"messages": [{"role": "user", "content": text}]}
         elif kind == "generate":
             url, body = "/generate", {"prompt": text, "max_tokens": body["max_tokens"], "stream": True}
         elif kind == "beams":
             url, body = "/v1/completions", {"prompt": text, "max_tokens": body["max_tokens"], "use_beam_search": True,
-                                            "n": 2, "best_of": 2, "temperature": 0}
+                                            "n": 2, "best_of": 2, "temperature": 0} | (
+                {"model": body["model"]} if "model" in body else {})
         else:
             url, body = "/v1/completions", body | {"prompt": text}
         if kind.endswith("stream"):
@@ -206,12 +275,33 @@ async def soak_server(args) -> int:
                             f"{exc!r} (a request that hangs ends as a read timeout)")
             return "failed"
 
+    loaded = set(names[:1])
+
+    async def churn(client: httpx.AsyncClient) -> None:
+        """Load and unload the adapters while requests run under them (those running finish with theirs)."""
+        while True:
+            await asyncio.sleep(rng.uniform(0.05, 0.5))
+            name = rng.choice(names)
+            route = "unload" if name in loaded else "load"
+            body = {"lora_name": name}
+            if route == "load":
+                body["lora_path"] = adapters[names.index(name)].lora_path
+            response = await client.post(f"{server.url}/v1/{route}_lora_adapter", json=body, timeout=args.timeout)
+            if response.status_code != 200:
+                problems.append(f"{route} {name} got {response.status_code}: {response.text[:300]}")
+            loaded.symmetric_difference_update({name})
+            statuses[f"{route}ed"] += 1
+
+    statuses: Counter = Counter()
     try:
         async with httpx.AsyncClient() as client:
-            statuses: Counter = Counter()
             for wave in range(args.waves):
                 started, count = time.monotonic(), rng.randrange(5, 40)
+                churning = asyncio.ensure_future(churn(client)) if names else None
                 statuses.update(await asyncio.gather(*[one(client) for _ in range(count)]))
+                if churning is not None:
+                    churning.cancel()
+                    await asyncio.gather(churning, return_exceptions=True)
                 print(f"wave {wave}: {count} requests in {time.monotonic() - started:.1f} s", flush=True)
             await asyncio.sleep(2)
             health = (await client.get(server.url + "/health")).status_code
@@ -235,12 +325,16 @@ def main() -> None:
     engine.add_argument("--rounds", type=int, default=20)
     engine.add_argument("--family", help="a tiny random model of this family from tests/conftest.py (llama-untied, "
                                          "qwen3, mistral-swa, opt, gpt2, phi3, gemma2, ...), not the default model")
+    engine.add_argument("--lora", type=int, default=0, metavar="N",
+                        help="N random PEFT LoRA adapters; each request runs one of them or the base model")
     server = sub.add_parser("server", help="concurrent mixed traffic with cancellations against a local server")
     server.add_argument("--seed", type=int, default=0)
     server.add_argument("--waves", type=int, default=6)
     server.add_argument("--policy", default="fcfs")
     server.add_argument("--num-scheduler-steps", type=int, default=1)
     server.add_argument("--timeout", type=float, default=60.0, help="seconds a request may go without a byte")
+    server.add_argument("--lora", type=int, default=0, metavar="N",
+                        help="N random PEFT LoRA adapters, loaded and unloaded while requests run under them")
     server.add_argument("server_args", nargs="*", help="more `aserve serve` options, after --")
     args = parser.parse_args()
     sys.exit(soak_engine(args) if args.what == "engine" else asyncio.run(soak_server(args)))
