@@ -150,7 +150,9 @@ def soak_engine(args) -> int:
         model, kv_sizes = str(path), [kv_memory_for_blocks(path, n) for n in (8, 16, 32, 512)]
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     adapters = make_adapters(Path(model), args.lora) if args.lora else []
-    lora_options = dict(enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=len(adapters)) if adapters else {}
+    lora_options = {}
+    if adapters:
+        lora_options = dict(enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=len(adapters))
     reference = LLM(model, dtype="float32", kv_cache_memory="256MiB", disable_log_stats=True, **lora_options)
 
     def alone(prompt, params, lora):

@@ -458,8 +458,9 @@ class Scheduler:
 
     def _fail_unmovable(self, search: Request) -> None:
         """A search that can neither be swapped (the host pool is held by other searches that cannot be recomputed
-        either, or by requests swapped out this same step) nor recomputed (its beams, each with its own prompt, need more than the cache) ends with an error:
-        waiting, it would hold up everyone behind it for good. The engine reports it (take_failed)."""
+        either, or by requests swapped out this same step) nor recomputed (its beams, each with its own prompt, need
+        more than the cache) ends with an error: waiting, it would hold up everyone behind it for good. The engine
+        reports it (take_failed)."""
         host = self.kv.num_host_blocks
         self.finish(search, RequestStatus.FINISHED_ERROR,
                     error=f"preempted with no room to keep its {len(search.sequences)} beams: the host swap pool "

@@ -135,10 +135,13 @@ class Drafter:
             rows.append((req, state, start, count, wants))
         if not rows:
             return {}
-        orders = {id(row): batch_order(row[3], row[2], row[0].num_prompt_tokens) for row in rows}
-        rows.sort(key=lambda row: orders[id(row)])  # decodes first, as the backend wants them
+        def order(row) -> int:
+            req, _, start, count, _ = row
+            return batch_order(count, start, req.num_prompt_tokens)
+
+        rows.sort(key=order)  # decodes first, as the backend wants them
         logits = self._run([(state, req.all_token_ids[start:start + count], start)
-                            for req, state, start, count, _ in rows], [orders[id(row)] for row in rows],
+                            for req, state, start, count, _ in rows], list(map(order, rows)),
                            [wants > 0 for *_, wants in rows])
         for req, state, start, count, _ in rows:
             state.num_computed_tokens = start + count
