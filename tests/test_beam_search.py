@@ -189,7 +189,7 @@ def run_with_host_held(path, prompts, held: int):
     """Searches over the two long prompts, then an ordinary request that fcfs-swap swaps out before the wider
     search is preempted, in a cache where that search cannot come back by recompute, with `held` of the host
     pool's 14 blocks taken first (as other swapped requests would hold them). Returns the finished outputs by
-    id, the wider search's state when it was preempted, and the scheduler's stats."""
+    id and the scheduler's stats."""
     llm = LLM(str(path), dtype="float32", policy="fcfs-swap", kv_cache_memory=kv_memory_for_blocks(path, 18),
               swap_space=str(kv_memory_for_blocks(path, 14)))
     engine = llm.engine

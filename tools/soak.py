@@ -3,7 +3,7 @@ cases at random (reproducible from --seed).
 
   python tools/soak.py engine --seed 7 --rounds 40
       Random engine configurations (KV cache of 1-64 MiB, block size, multi-step, token budget, prefix caching,
-      policy, swap pool, n-gram speculation) run random batches of greedy and seeded requests (n, top-k/p, min-p,
+      policy and its preemption mode, swap pool, n-gram speculation) run random batches of greedy and seeded requests (n, top-k/p, min-p,
       penalties, logit bias, logprobs, stop tokens, shared prefixes) and beam searches on the embedded default model
       in fp32 (--family: one of the test suite's tiny models of another family; --lora N: each request runs one of N
       random LoRA adapters or the base model, with 1 to N adapters a step). Every request must give the tokens it
@@ -82,6 +82,8 @@ def random_config(rng: random.Random, kv_sizes: list) -> dict:
                   max_num_seqs=rng.choice([2, 4, 8, 64]), max_num_batched_tokens=rng.choice([64, 128, 512, 2048]),
                   enable_prefix_caching=rng.random() < 0.7, policy=rng.choice(["fcfs", "fcfs-swap", "priority"]),
                   swap_space=rng.choice([0, 0.25]))
+    if config["policy"] == "priority" and config["swap_space"] and rng.random() < 0.5:
+        config["policy_options"] = {"mode": "swap"}
     if config["num_scheduler_steps"] == 1 and rng.random() < 0.3:
         config["speculative_config"] = {"method": "ngram", "num_speculative_tokens": rng.choice([2, 4]),
                                         "prompt_lookup_max": 3}
