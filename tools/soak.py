@@ -4,7 +4,8 @@ cases at random (reproducible from --seed).
   python tools/soak.py engine --seed 7 --rounds 40
       Random engine configurations (KV cache of 1-64 MiB, block size, multi-step, token budget, prefix caching,
       policy and its preemption mode, swap pool, n-gram speculation) run random batches of greedy and seeded requests (n, top-k/p, min-p,
-      penalties, logit bias, logprobs, stop tokens, shared prefixes) and beam searches on the embedded default model
+      penalties, logit bias, logprobs, stop tokens, shared prefixes, some constrained by a regex, a choice or a JSON
+      schema) and beam searches on the embedded default model
       in fp32 (--family: one of the test suite's tiny models of another family; --lora N: each request runs one of N
       random LoRA adapters or the base model, with 1 to N adapters a step). Every request must give the tokens it
       gives alone in a roomy engine, and its logprobs within 1e-3 (not bit-exact after a preemption by recompute,
@@ -54,6 +55,19 @@ CONSTRAINTS = [
     ({"guided_regex": "[A-Z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[A-Z]{3}-[0-9]{2}", text) is not None),
     ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
 ]
+def random_structure(rng: random.Random):
+    """A constraint for a request of the engine soak: a regex, a choice, a JSON schema or any JSON object."""
+    from aserve.structured_output import StructuredOutputsParams
+
+    return rng.choice([
+        lambda: StructuredOutputsParams(regex="[A-Z]{3}-[0-9]{2}( [a-z]+)?"),
+        lambda: StructuredOutputsParams(choice=["yes", "no", "maybe later"]),
+        lambda: StructuredOutputsParams(json={"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}}, "required": ["name", "n"]}),
+        lambda: StructuredOutputsParams(json_object=True),
+    ])()
+
+
 SEEDED_OPTIONS = [{}, {"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 50, "top_p": 0.8}]
 EXTRA_OPTIONS = [{}, {}, {"logprobs": 2}, {"presence_penalty": 0.5, "frequency_penalty": 0.3},
                  {"repetition_penalty": 1.2}]
@@ -64,7 +78,8 @@ def random_params(rng: random.Random, max_tokens: int, vocab: int):
 
     if rng.random() < 0.12:
         return BeamSearchParams(rng.choice([2, 2, 3, 4]), max_tokens, ignore_eos=rng.random() < 0.7,
-                                length_penalty=rng.choice([1.0, 0.5, 2.0]))
+                                length_penalty=rng.choice([1.0, 0.5, 2.0]),
+                                structured_outputs=random_structure(rng) if rng.random() < 0.2 else None)
     options = {"max_tokens": max_tokens, "ignore_eos": True,
                "stop_token_ids": [rng.randrange(1, vocab) for _ in range(rng.randrange(0, 3))]}
     if rng.random() < 0.5:
@@ -73,6 +88,8 @@ def random_params(rng: random.Random, max_tokens: int, vocab: int):
     else:
         options["temperature"] = 0
     options |= rng.choice(EXTRA_OPTIONS + [{"logit_bias": {rng.randrange(1, vocab): 5.0}}])
+    if rng.random() < 0.15:
+        options["structured_outputs"] = random_structure(rng)
     return SamplingParams(**options)
 
 
@@ -122,18 +139,19 @@ def make_adapters(model: Path, count: int) -> list:
 
 def run_batch(engine, prompts, params, priority, loras) -> list:
     """Every request queued at once (sampled ones and beam searches alike), then stepped to the end: the final
-    outputs in order. A request the engine refuses aborts those queued before it and raises."""
+    outputs in order, None for a request the engine refused (too large for this round's cache, too wide)."""
+    from aserve.errors import InvalidRequestError
+
     ids = []
-    try:
-        for i, (prompt, p, urgency, lora) in enumerate(zip(prompts, params, priority, loras)):
+    for i, (prompt, p, urgency, lora) in enumerate(zip(prompts, params, priority, loras)):
+        try:
             ids.append(engine.add_request(prompt, p, request_id=f"q{i}", priority=urgency, lora_request=lora))
-    except Exception:
-        engine.abort(ids)
-        raise
+        except InvalidRequestError:
+            ids.append(None)
     done = {}
     while engine.has_unfinished():
         done |= {out.request_id: out for out in engine.step() if out.finished}
-    return [done[request_id] for request_id in ids]
+    return [done.get(request_id) for request_id in ids]
 
 
 def soak_engine(args) -> int:
@@ -141,7 +159,6 @@ def soak_engine(args) -> int:
 
     from aserve import LLM
     from aserve.config import DEFAULT_MODEL_DIR
-    from aserve.errors import InvalidRequestError
 
     rng, model, kv_sizes = random.Random(args.seed), str(DEFAULT_MODEL_DIR), ["1MiB", "2MiB", "4MiB", "64MiB"]
     if args.family:  # one of the test suite's tiny random models (tests/conftest.py), caches sized in its blocks
@@ -177,13 +194,10 @@ def soak_engine(args) -> int:
             config |= dict(enable_lora=True, max_lora_rank=16, max_loras=(slots := rng.randint(1, len(adapters))),
                            max_cpu_loras=rng.randint(slots, len(adapters)))
         llm = LLM(model, **config)
-        try:
-            outputs = run_batch(llm.engine, prompts, params, priority or [0] * len(prompts), loras)
-        except InvalidRequestError as exc:  # a request larger than this round's cache: refused up front, as it should
-            print(f"round {round_}: refused ({exc})", flush=True)
-            llm.engine.executor.shutdown()
-            continue
+        outputs = run_batch(llm.engine, prompts, params, priority or [0] * len(prompts), loras)
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            if out is None:  # refused up front, as it should be
+                continue
             if config.get("speculative_config") and getattr(params[i], "temperature", 0) > 0:
                 continue  # its draws follow the proposals it checks, which a tight cache or a preemption cuts
             want = alone(prompt, params[i], loras[i])
@@ -197,7 +211,10 @@ def soak_engine(args) -> int:
                       f" logprob drift {drift:.2e}\n  got  {got_tokens}\n  alone {want_tokens}", flush=True)
         llm.engine.executor.shutdown()
         beams = sum(hasattr(p, "beam_width") for p in params)
-        print(f"round {round_}: {len(prompts)} requests ({beams} beam searches), {config}", flush=True)
+        constrained = sum(p.structured_outputs is not None for p in params)
+        refused = outputs.count(None)
+        print(f"round {round_}: {len(prompts)} requests ({beams} beam searches, {constrained} constrained, "
+              f"{refused} refused), {config}", flush=True)
     print(f"{failures} requests differ from alone")
     return 1 if failures else 0
 
