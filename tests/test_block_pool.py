@@ -66,6 +66,33 @@ def test_prefix_hits_share_blocks_and_last_token_is_recomputed():
     kv.check_all_free()
 
 
+def test_sequences_that_run_together_take_their_prefix_hits_before_any_new_block():
+    """Two beams recomputed after a preemption each find their own first block cached, both in the free list, the
+    second beam's least recently freed. Allocated one after the other, the first beam's new block was the second
+    beam's hit: both then held it, the first wrote its next token there and the second read its context from it
+    (found by a randomized engine run: a recomputed beam search found other, better-scoring beams than alone)."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    one, two = make([1, 2, 3, 4, 5], "one"), make([1, 2, 3, 9, 5], "two")  # a full block each, then a token
+    for seq in (two, one):  # computed and cached; then freed, two's block first (least recently freed)
+        assert kv.allocate_slots(seq, 4)
+        seq.num_computed_tokens = 4
+        kv.cache_full_blocks(seq)
+    cached = {seq: list(seq.block_table) for seq in (one, two)}
+    filler = make([7] * 8, "filler")
+    assert kv.allocate_slots(filler, 8)  # the pool's two other blocks
+    for seq in (two, filler, one):
+        kv.free(seq)
+    found = [kv.find_computed(seq) for seq in (one, two)]
+    assert [blocks for blocks, _ in found] == [cached[one], cached[two]]
+    assert kv.allocate_all([(seq, 1, blocks, num) for seq, (blocks, num) in zip((one, two), found)])
+    assert one.block_table[0] == cached[one][0] and two.block_table[0] == cached[two][0]
+    held = one.block_table + two.block_table
+    assert len(set(held)) == 4 and all(kv.pool.ref_count(b) == 1 for b in held)
+    kv.free(one)
+    kv.free(two)
+    kv.check_all_free()
+
+
 def test_copy_on_write_of_a_shared_partial_block():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     parent = make([1, 2, 3, 4, 5, 6], "p")

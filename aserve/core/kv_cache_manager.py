@@ -137,9 +137,15 @@ class KVCacheManager:
             return self.allocate_slots(*entries[0])
         if sum(self.blocks_taken(*entry) for entry in entries) > self.pool.num_free:
             return False
-        for entry in entries:
-            if not self.allocate_slots(*entry):
-                raise RuntimeError(f"{entry[0]} found no room it was promised")
+        # Every sequence's prefix-cache blocks first: a block one of them found cached sits in the free list, and
+        # a new block handed to a sequence before it could be that very block (a recomputed beam search's second
+        # beam then read its context from the first beam's next block, zeroed).
+        for seq, _, blocks, num in entries:
+            if blocks and not self.allocate_slots(seq, 0, blocks, num):
+                raise RuntimeError(f"{seq} found no room it was promised")
+        for seq, n, _, _ in entries:
+            if not self.allocate_slots(seq, n):
+                raise RuntimeError(f"{seq} found no room it was promised")
         return True
 
     def adopt(self, seqs: list[Request], parents: list[Request]) -> None:
