@@ -23,8 +23,9 @@ cases at random (reproducible from --seed).
 
 Found so far: seeded requests drawing differently beside top-k/top-p/min-p ones (92cd0fa), a beam search that
 could never come back from recompute waiting forever with the cache empty (93ebf3f), a seeded draw flipping where a
-prompt's short tail ran through the decode kernel (2afdb2c), and a request swapped in and out again in one step,
-resuming with another K/V (43cb37b; with --lora, as it happened).
+prompt's short tail ran through the decode kernel (2afdb2c), a request swapped in and out again in one step,
+resuming with another K/V (43cb37b; with --lora, as it happened), and a recomputed beam search whose second beam's
+prefix-cache hit was handed to the first beam as a new block (c3c508f).
 """
 from __future__ import annotations
 
