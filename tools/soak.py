@@ -7,7 +7,8 @@ cases at random (reproducible from --seed).
       penalties, logit bias, logprobs, stop tokens, shared prefixes, some constrained by a regex, a choice or a JSON
       schema) and beam searches on the embedded default model
       in fp32 (--family: one of the test suite's tiny models of another family; --lora N: each request runs one of N
-      random LoRA adapters or the base model, with 1 to N adapters a step). Every request must give the tokens it
+      random LoRA adapters or the base model, with 1 to N adapters a step; --pipeline: half the rounds on two
+      pipeline stages). Every request must give the tokens it
       gives alone in a roomy engine, and its logprobs within 1e-3 (not bit-exact after a preemption by recompute,
       which computes its output tokens again as part of a prompt). So a seeded draw that falls within that rounding
       of the line between two tokens can differ too (docs/offline.md); a sampler bug shows as more, or as greedy
@@ -191,6 +192,9 @@ def soak_engine(args) -> int:
         params = [random_params(rng, rng.randrange(1, 40), vocab) for _ in prompts]
         priority = [rng.randrange(0, 3) for _ in prompts] if config["policy"] == "priority" else None
         loras = [rng.choice(adapters + [None]) for _ in prompts] if adapters else [None] * len(prompts)
+        if args.pipeline and rng.random() < 0.5:  # two stages, up to two batches in flight (one step each, no
+            config |= dict(pipeline_parallel_size=2, num_scheduler_steps=1)  # speculation)
+            config.pop("speculative_config", None)
         if adapters:  # how many adapters a step may hold, and how many stay loaded, varies by round
             config |= dict(enable_lora=True, max_lora_rank=16, max_loras=(slots := rng.randint(1, len(adapters))),
                            max_cpu_loras=rng.randint(slots, len(adapters)))
@@ -347,6 +351,8 @@ def main() -> None:
     engine.add_argument("--rounds", type=int, default=20)
     engine.add_argument("--family", help="a tiny random model of this family from tests/conftest.py (llama-untied, "
                                          "qwen3, mistral-swa, opt, gpt2, phi3, gemma2, ...), not the default model")
+    engine.add_argument("--pipeline", action="store_true",
+                        help="half the rounds run two pipeline stages (two worker processes)")
     engine.add_argument("--lora", type=int, default=0, metavar="N",
                         help="N random PEFT LoRA adapters; each request runs one of them or the base model")
     server = sub.add_parser("server", help="concurrent mixed traffic with cancellations against a local server")
