@@ -365,6 +365,8 @@ def main() -> None:
                         help="N random PEFT LoRA adapters, loaded and unloaded while requests run under them")
     server.add_argument("server_args", nargs="*", help="more `aserve serve` options, after --")
     args = parser.parse_args()
+    if args.what == "engine" and args.pipeline and args.lora:
+        parser.error("--pipeline and --lora: pipeline stages do not run LoRA adapters yet")
     sys.exit(soak_engine(args) if args.what == "engine" else asyncio.run(soak_server(args)))
 
 
