@@ -15,6 +15,7 @@ loads), to measure what the 2 MiB pages give; with "@8steps" (gptq4h@8steps) it 
     python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,int8
     python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@4k,gptqh,gptqh@4k
     python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@8steps,gptq4h,gptq4h@8steps
+    python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense@8steps,gptq4h@8steps --probe 60
 
 Without --gptq (--gptq-head), a round-to-nearest GPTQ copy (with its head) is written to a temporary folder first
 (aserve.bench.quantize_rtn, as `aserve bench quality` writes it; group size 64 for the bench model).
@@ -92,6 +93,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--probe", type=float, metavar="GBPS",
+                        help="read the memory bandwidth (the roofline's probe, best of 3 reads of 1 GiB) before and "
+                             "after each round, and give the medians again over the rounds whose both readings reach "
+                             "GBPS: a VM whose memory switches between two speeds gives each its own figures")
     args = parser.parse_args()
     names = args.formats.split(",")
     unknown = [n for n in names if parse_format(n) is None]
@@ -100,6 +105,7 @@ def main() -> None:
                      f"@Nsteps)")
 
     from aserve import SamplingParams
+    from aserve.bench.roofline import bandwidth_buffer, read_rate
     from aserve.hardware import cpu_info
 
     logging.disable(logging.INFO)
@@ -119,19 +125,37 @@ def main() -> None:
                          for prompts in prompt_sets(args.rounds + 1, args.batch, args.input_len)]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         rates: dict[str, list[float]] = {n: [] for n in names}
+        probes: list[tuple[float, float]] = []
+        buffer = bandwidth_buffer(1024) if args.probe is not None else None
         for prompts in rounds:
+            before = max(read_rate(buffer) for _ in range(3)) if buffer is not None else None
             for name, llm in engines.items():
                 llm.generate(warm[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 rates[name].append(args.batch * args.output_len / (time.perf_counter() - start))
-            print("round: " + ", ".join(f"{n} {r[-1]:.1f}" for n, r in rates.items()), flush=True)
-    base = rates[names[0]]
-    print(f"median output tok/s (ratio to {names[0]}): " + ", ".join(
+            line = "round: " + ", ".join(f"{n} {r[-1]:.1f}" for n, r in rates.items())
+            if buffer is not None:
+                probes.append((before, max(read_rate(buffer) for _ in range(3))))
+                line += f"; bandwidth {probes[-1][0]:.1f} GB/s before, {probes[-1][1]:.1f} after"
+            print(line, flush=True)
+    summarize(rates, names[0], "")
+    if args.probe is not None:
+        kept = [i for i, pair in enumerate(probes) if min(pair) >= args.probe]
+        if kept:
+            summarize({n: [r[i] for i in kept] for n, r in rates.items()}, names[0],
+                      f"the {len(kept)} rounds at >= {args.probe:g} GB/s: ")
+        else:
+            print(f"no round read >= {args.probe:g} GB/s before and after")
+
+
+def summarize(rates: dict[str, list[float]], first: str, label: str) -> None:
+    base = rates[first]
+    print(f"{label}median output tok/s (ratio to {first}): " + ", ".join(
         f"{n} {statistics.median(r):.1f} ({statistics.median(r) / statistics.median(base):.2f}x)"
         for n, r in rates.items()))
-    print("ratios by round: " + ", ".join(f"{n} " + " / ".join(f"{a / b:.2f}" for a, b in zip(r, base))
-                                          for n, r in rates.items()))
+    print(f"{label}ratios by round: " + ", ".join(f"{n} " + " / ".join(f"{a / b:.2f}" for a, b in zip(r, base))
+                                                  for n, r in rates.items()))
 
 
 if __name__ == "__main__":

@@ -28,11 +28,14 @@ def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(
                      ran.stdout.splitlines()[-1])
     formats = subprocess.run([sys.executable, str(BENCH / "weight_formats.py"), "--model", str(out), "--rounds", "1",
                               "--batch", "2", "--input-len", "8", "--output-len", "4", "--dtype", "float32",
-                              "--formats", "dense,gptqh@4k,gptq4h@3steps"], capture_output=True, text=True, timeout=600)
+                              "--formats", "dense,gptqh@4k,gptq4h@3steps", "--probe", "0"],
+                             capture_output=True, text=True, timeout=600)
     assert formats.returncode == 0, formats.stderr
     assert formats.stdout.startswith("weight_formats: CPU capability") and "2 x 8/4, 1 rounds" in formats.stdout
-    assert re.search(r"median output tok/s \(ratio to dense\): dense [0-9.]+ \(1.00x\), gptqh@4k [0-9.]+ \([0-9.]+x\), "
-                     r"gptq4h@3steps [0-9.]+ \([0-9.]+x\)", formats.stdout)
+    assert re.search(r"^median output tok/s \(ratio to dense\): dense [0-9.]+ \(1.00x\), gptqh@4k [0-9.]+ \([0-9.]+x\), "
+                     r"gptq4h@3steps [0-9.]+ \([0-9.]+x\)", formats.stdout, re.M)
+    assert re.search(r"bandwidth [0-9.]+ GB/s before, [0-9.]+ after", formats.stdout)
+    assert re.search(r"^the 1 rounds at >= 0 GB/s: median output tok/s \(ratio to dense\): dense", formats.stdout, re.M)
 
 
 def test_weight_formats_names_take_their_suffixes():
