@@ -93,6 +93,29 @@ def test_sequences_that_run_together_take_their_prefix_hits_before_any_new_block
     kv.check_all_free()
 
 
+def test_a_freed_copy_source_is_not_handed_out_before_the_copy():
+    """A sample takes its parent's blocks and copies the shared partial one before writing its last prompt token;
+    the parent is preempted in the same step (a policy displacing it for a request queued after the sample). The
+    partial block, free again, was the next block handed out: the worker zeroes a step's fresh blocks before it
+    copies, so the sample got zeros."""
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    parent = make([1, 2, 3, 4, 5, 6], "p")
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    kv.take_fresh()
+    child = make([1, 2, 3, 4, 5, 6], "c")
+    assert kv.allocate_slots(child, 1, parent.block_table[:2], 5)
+    (source, _), = kv.pending_copies
+    kv.free(parent)
+    other = make([9, 9, 9, 9], "o")
+    assert not kv.allocate_slots(other, 4)  # the only block not in use is the copy's source, still to be read
+    assert kv.take_copies() == [(source, child.block_table[1])]
+    assert kv.allocate_slots(other, 4) and other.block_table == [source]  # the next step may have it
+    kv.free(child)
+    kv.free(other)
+    kv.check_all_free()
+
+
 def test_copy_on_write_of_a_shared_partial_block():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     parent = make([1, 2, 3, 4, 5, 6], "p")

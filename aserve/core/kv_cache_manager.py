@@ -27,6 +27,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks)  # no prefix index: a host block belongs to one request
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block pairs, copy-on-write
+        self.held_sources: list[int] = []  # freed copy sources kept from reuse until the copies are taken (free)
         self.fresh_blocks: list[int] = []  # allocated since the last take_fresh(), to be zeroed before use
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were found
@@ -187,12 +188,19 @@ class KVCacheManager:
         del req.block_table[keep:]
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first, so the tail is evicted before the shared prefix."""
+        """Release the request's blocks, tail first, so the tail is evicted before the shared prefix.
+
+        A block that another sequence's copy-on-write still has to read this step (a sample that took its parent's
+        blocks, the parent then preempted) is kept from reuse until the copies are taken: handed out again in the
+        same step, it would be zeroed as fresh before the worker copied it."""
         freed = set(req.block_table)
-        for block_id in reversed(req.block_table):
-            self.pool.release(block_id)
         if freed and self.pending_copies:
             self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in freed]
+            for src in {s for s, _ in self.pending_copies} & freed:
+                self.pool.acquire(src)
+                self.held_sources.append(src)
+        for block_id in reversed(req.block_table):
+            self.pool.release(block_id)
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0
@@ -276,7 +284,12 @@ class KVCacheManager:
         return fresh
 
     def take_copies(self) -> list[tuple[int, int]]:
+        """The step's copies-on-write, for the worker; the freed sources they read are free again from the next
+        step on (see free)."""
         copies, self.pending_copies = self.pending_copies, []
+        for block_id in self.held_sources:
+            self.pool.release(block_id)
+        self.held_sources = []
         return copies
 
     def check_all_free(self) -> None:
