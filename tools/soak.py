@@ -8,7 +8,7 @@ cases at random (reproducible from --seed).
       schema) and beam searches on the embedded default model
       in fp32 (--family: one of the test suite's tiny models of another family; --lora N: each request runs one of N
       random LoRA adapters or the base model, with 1 to N adapters a step; --pipeline: half the rounds on two
-      pipeline stages). Every request must give the tokens it
+      pipeline stages; --chaos: half the rounds under a policy plugin that picks victims and modes at random). Every request must give the tokens it
       gives alone in a roomy engine, and its logprobs within 1e-3 (not bit-exact after a preemption by recompute,
       which computes its output tokens again as part of a prompt). So a seeded draw that falls within that rounding
       of the line between two tokens can differ too (docs/offline.md); a sampler bug shows as more, or as greedy
@@ -93,6 +93,33 @@ def random_params(rng: random.Random, max_tokens: int, vocab: int):
     if rng.random() < 0.15:
         options["structured_outputs"] = random_structure(rng)
     return SamplingParams(**options)
+
+
+def chaos_policy(seed: int):
+    """A policy plugin that decides at random: any running request as the victim (the one needing blocks too),
+    swap or recompute, and now and then a running request displaced for a waiting one that does not fit. The
+    scheduler's mechanism must keep every request's tokens whatever a policy decides."""
+    from aserve.policy import Policy, PreemptionMode
+
+    class Chaos(Policy):
+        name = "chaos"
+
+        def __init__(self):
+            self.rng = random.Random(seed)
+
+        def __repr__(self) -> str:
+            return f"chaos(seed={seed})"
+
+        def select_victim(self, running, needing):
+            return self.rng.choice(list(running) + [needing])
+
+        def preemption_mode(self, victim, kv_view):
+            return self.rng.choice([PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
+
+        def should_preempt_for(self, waiting, running):
+            return self.rng.choice(list(running)) if running and self.rng.random() < 0.2 else None
+
+    return Chaos()
 
 
 def random_config(rng: random.Random, kv_sizes: list) -> dict:
@@ -192,6 +219,10 @@ def soak_engine(args) -> int:
         params = [random_params(rng, rng.randrange(1, 40), vocab) for _ in prompts]
         priority = [rng.randrange(0, 3) for _ in prompts] if config["policy"] == "priority" else None
         loras = [rng.choice(adapters + [None]) for _ in prompts] if adapters else [None] * len(prompts)
+        if args.chaos and rng.random() < 0.5:
+            config["policy"] = chaos_policy(rng.randrange(1 << 30))
+            config.pop("policy_options", None)
+            priority = None
         if args.pipeline and rng.random() < 0.5:  # two stages, up to two batches in flight (one step each, no
             config |= dict(pipeline_parallel_size=2, num_scheduler_steps=1)  # speculation)
             config.pop("speculative_config", None)
@@ -351,6 +382,8 @@ def main() -> None:
     engine.add_argument("--rounds", type=int, default=20)
     engine.add_argument("--family", help="a tiny random model of this family from tests/conftest.py (llama-untied, "
                                          "qwen3, mistral-swa, opt, gpt2, phi3, gemma2, ...), not the default model")
+    engine.add_argument("--chaos", action="store_true",
+                        help="half the rounds under a policy that picks victims and preemption modes at random")
     engine.add_argument("--pipeline", action="store_true",
                         help="half the rounds run two pipeline stages (two worker processes)")
     engine.add_argument("--lora", type=int, default=0, metavar="N",
