@@ -134,6 +134,42 @@ def test_prefix_hits_and_preemption_under_two_stages(pp_models, policy):
         two.engine.executor.shutdown()
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_request_the_scheduler_fails_is_reported_from_either_loop(pp_models, stages):
+    """The scheduler ends a request with an error while making a batch (a beam search it can neither swap nor
+    recompute: test_beam_search.py reaches that with one rank); the engine reports it after scheduling, from the
+    one-batch loop and from the pipeline's batch queue alike, and the other request finishes as usual."""
+    from aserve.request import RequestStatus
+
+    llm = LLM(str(pp_models["llama-gqa-tied"]), pipeline_parallel_size=stages, **OPTIONS)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    try:
+        engine.add_request(PROMPTS[0], GREEDY, request_id="kept")
+        engine.add_request(PROMPTS[1], GREEDY, request_id="failed")
+        real_schedule = scheduler.schedule
+
+        def schedule(*args):
+            doomed = [r for r in scheduler.waiting if r.request_id == "failed"]
+            for req in doomed:  # what _fail_unmovable does
+                scheduler.finish(req, RequestStatus.FINISHED_ERROR, error="no room to keep it")
+                scheduler.failed.append(req)
+            return real_schedule(*args)
+
+        scheduler.schedule = schedule
+        done = {}
+        for _ in range(200):
+            done |= {out.request_id: out for out in engine.step() if out.finished}
+            if not engine.has_unfinished():
+                break
+        assert set(done) == {"kept", "failed"}
+        assert (done["failed"].outputs[0].finish_reason, done["failed"].outputs[0].error) == ("error",
+                                                                                            "no room to keep it")
+        assert done["kept"].outputs[0].finish_reason == "length" and len(done["kept"].outputs[0].token_ids) == 16
+        engine.check_idle()
+    finally:
+        engine.executor.shutdown()
+
+
 def test_a_stage_holds_its_own_layers_only(pp_models):
     path = pp_models["llama-gqa-tied"]
     whole = dict(load_model(path, "float32").model.named_parameters())
