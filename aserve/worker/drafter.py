@@ -135,13 +135,11 @@ class Drafter:
             rows.append((req, state, start, count, wants))
         if not rows:
             return {}
-        def order(row) -> int:
-            req, _, start, count, _ = row
-            return batch_order(count, start, req.num_prompt_tokens)
-
-        rows.sort(key=order)  # decodes first, as the backend wants them
+        keyed = sorted(((batch_order(row[3], row[2], row[0].num_prompt_tokens), row) for row in rows),
+                       key=lambda x: x[0])  # decodes first, as the backend wants them
+        rows = [row for _, row in keyed]
         logits = self._run([(state, req.all_token_ids[start:start + count], start)
-                            for req, state, start, count, _ in rows], list(map(order, rows)),
+                            for req, state, start, count, _ in rows], [order for order, _ in keyed],
                            [wants > 0 for *_, wants in rows])
         for req, state, start, count, _ in rows:
             state.num_computed_tokens = start + count

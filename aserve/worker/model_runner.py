@@ -219,9 +219,11 @@ class ModelRunner:
             return result
         if intermediate is None and self._one_call_step(sched, result):
             return result
-        scheduled = [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens]
-        batch = sorted(scheduled, key=lambda x: batch_order(x[1], x[0].num_computed_tokens, x[0].num_prompt_tokens))
-        input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch, sched.spec_token_ids)
+        keyed = sorted(((batch_order(n, req.num_computed_tokens, req.num_prompt_tokens), req, n)
+                        for req, n in ((self.requests[rid], n) for rid, n in sched.num_scheduled_tokens)),
+                       key=lambda x: x[0])
+        batch, orders = [(req, n) for _, req, n in keyed], [order for order, _, _ in keyed]
+        input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(batch, orders, sched.spec_token_ids)
         hidden = self._forward(batch, input_ids, positions, meta, intermediate)
         if isinstance(hidden, tuple):  # a pipeline stage before the last: the next one takes it from here
             result.intermediate = hidden
@@ -445,7 +447,7 @@ class ModelRunner:
             row += n
         return found
 
-    def _prepare(self, batch: list[tuple[RequestState, int]], spec_token_ids: dict[str, list[int]]):
+    def _prepare(self, batch: list[tuple[RequestState, int]], orders: list[int], spec_token_ids: dict[str, list[int]]):
         """The step's flat inputs. A request checking proposals runs its next token and the proposals after it, and
         samples at each of those positions (a ProposalRow each). The rows to sample are None where they are all."""
         token_ids: list[int] = []
@@ -466,9 +468,7 @@ class ModelRunner:
             elif start + n == req.num_tokens and req.pooling is None:
                 sample_rows.append(len(token_ids) - 1)
                 sample_reqs.append(req)
-        positions, meta = self.flat_batch([req.block_table for req, _ in batch], starts, counts,
-                                          [batch_order(n, req.num_computed_tokens, req.num_prompt_tokens)
-                                           for req, n in batch])
+        positions, meta = self.flat_batch([req.block_table for req, _ in batch], starts, counts, orders)
         every_row = len(sample_rows) == len(token_ids)  # each row samples (rows ascend): no gather of the hidden states
         rows = None if every_row else torch.tensor(sample_rows, dtype=torch.long)
         return torch.tensor(token_ids), positions, meta, rows, sample_reqs
