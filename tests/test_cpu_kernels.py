@@ -257,6 +257,31 @@ def test_prefill_attention_over_a_bf16_cache_on_either_product(bf16_products, pr
                        run_prefill(query, k_bf16, v_bf16, tables, starts, contexts, 0.125, 0, 0.0, 1.0, 1.0, 0))
 
 
+@pytest.mark.parametrize("products", [None, "fma"])  # bf16: vdpbf16ps pairs where the CPU takes them, fp32 tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
+def test_prefill_gives_a_chunks_rows_the_same_bits_however_it_is_split(request, products, dtype, block_size, heads):
+    """A prompt's rows must not depend on how it reached the kernel (whole, or its tail after a prefix-cache hit or a
+    chunked prefill): the tail's few rows take the narrow tiles (keys across the vector) where a whole chunk's take
+    full ones, and each score must come out the same. Tails of 1-6 tokens over 200 cached ones, with windows and
+    soft-capping."""
+    if products is not None:
+        if dtype != torch.bfloat16:
+            pytest.skip("the product choice is bf16's")
+        request.getfixturevalue("bf16_products")(products)
+    gen = torch.Generator().manual_seed(block_size * 10 + heads[0])
+    context, n = 200, 40
+    query, k_cache, v_cache, tables, _, _, _, _, _ = prefill_case([(context, n)], block_size, heads, 64, dtype, gen)
+    for window, softcap in [(0, 0.0), (37, 0.0), (0, 30.0)]:
+        whole = run_prefill(query, k_cache, v_cache, tables, torch.tensor([0, n]), torch.tensor([context]), 0.125,
+                            window, softcap)
+        for tail in (1, 2, 3, 5, 6):
+            split = run_prefill(query, k_cache, v_cache, tables.expand(2, -1).contiguous(), torch.tensor([0, n - tail, n]),
+                                torch.tensor([context, context + n - tail]), 0.125, window, softcap)
+            assert torch.equal(split, whole), (window, softcap, tail)
+
+
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_reads_an_fp8_cache(fmt, dtype):

@@ -5,6 +5,7 @@ median and mean step time.
     python tools/step_ab.py --model /tmp/bench-model --dtype bfloat16 --compare flat
     python tools/step_ab.py --model /tmp/bench-model --dtype float32 --compare gemm --phase prefill
     python tools/step_ab.py --model /tmp/bench-gptq4 --compare one-call --requests 1 --num-scheduler-steps 8
+    python tools/step_ab.py --model /tmp/bench-model --compare tail-kernel --phase tails --prompt-len 512 --tail 1
 
 --compare flat: the flat forward (aserve/models/flat_forward.py) against the modules' forward.
 --compare native: the flat forward's C++ layer loop (csrc/decoder_stack.cpp) against its Python one.
@@ -12,9 +13,12 @@ median and mean step time.
 --compare gemm: aserve's GEMM (csrc/cpu_gemm.cpp; fp32, or bf16 with AVX512-BF16) against oneDNN's, every linear layer packed for both.
 --compare one-call: decode steps in one call of the C++ stack (DecoderStack::decode_steps: layers, head and the
 tokens) against the step-by-step path (the forward, compute_logits and the sampler from Python).
+--compare tail-kernel: a prompt's short tail after a prefix-cache hit on the prefill kernel (backend.batch_order: the
+same logits however the prompt was split) against decode rows (the rule before 2afdb2c; with --phase tails).
 --temperature: the requests' (1.0; 0 is greedy).
 --phase decode: N requests prefilled, then decode steps in alternate pairs. --phase prefill: every step prefills
-fresh prompts (one output token each) up to the engine's step budget.
+fresh prompts (one output token each) up to the engine's step budget. --phase tails: a --prompt-len prompt is
+cached first; every step admits N prompts of it and --tail fresh tokens each (one output token each).
 """
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ import time
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.attention.backend import SHORT_CHUNK
 from aserve.models.flat_forward import FlatForward
 from aserve.ops import cpu_gemm
+from aserve.worker import model_runner
 
 
 def flat_sides(model):
@@ -69,6 +75,17 @@ def one_call_sides(runner):
     return ("one-call", "step-by-step"), use
 
 
+def tail_kernel_sides():
+    rule = model_runner.batch_order
+
+    def as_decode_rows(num_tokens: int, num_cached: int, num_prompt: int) -> int:  # the rule before 2afdb2c
+        return 0 if num_tokens == 1 else 1 if num_tokens <= SHORT_CHUNK else 2
+
+    def use(side: str) -> None:
+        model_runner.batch_order = rule if side == "prefill" else as_decode_rows
+    return ("prefill", "decode"), use
+
+
 def gemm_sides(model):
     """Each packed weight in both layouts; `use` points every layer at one."""
     layers = [m for m in model.modules() if isinstance(getattr(m, "packed", None), cpu_gemm.PackedWeight)]
@@ -104,11 +121,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=("int8", "gptq", "awq"), default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or an FP8 format (fp8, fp8_e4m3, fp8_e5m2)")
-    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "one-call"), default="flat")
-    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "one-call", "tail-kernel"),
+                        default="flat")
+    parser.add_argument("--phase", choices=("decode", "prefill", "tails"), default="decode")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--tail", type=int, default=1, help="--phase tails: each prompt's tokens past the cached one")
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps a scheduling (multi-step)")
     parser.add_argument("--temperature", type=float, default=1.0, help="the requests' temperature (0: greedy)")
     args = parser.parse_args()
@@ -129,6 +148,18 @@ def main() -> None:
                 len(engine.runner.requests) < args.requests:
             engine.step()  # prefill (the first step builds the flat path where the model allows it)
         refill = lambda: None  # noqa: E731
+    elif args.phase == "tails":
+        prefix = prompt()
+        params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=1)
+        engine.add_request(prefix, params, request_id="prefix")
+        while engine.num_unfinished:
+            engine.step()
+        count = iter(range(10**9))
+
+        def refill() -> None:
+            for _ in range(args.requests):
+                tail = [rng.randrange(1000, engine.vocab_size) for _ in range(args.tail)]
+                engine.add_request(prefix + tail, params, request_id=f"t{next(count)}")
     else:
         per_step = max(1, engine.scheduler.max_num_batched_tokens // args.prompt_len)
         params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=1)
@@ -141,7 +172,7 @@ def main() -> None:
         engine.step()
 
     sides = {"flat": flat_sides, "native": native_sides, "team": team_sides, "gemm": gemm_sides,
-             "one-call": lambda model: one_call_sides(engine.runner)}
+             "one-call": lambda model: one_call_sides(engine.runner), "tail-kernel": lambda model: tail_kernel_sides()}
     names, use = sides[args.compare](model)
     print(f"{args.compare}, {args.phase}: {names[0]} against {names[1]}")
     times: dict[str, list[float]] = {name: [] for name in names}

@@ -16,6 +16,12 @@
 // queries over bf16 keys and values on a CPU with AVX512-BF16 take vdpbf16ps instead, nothing widened
 // (ASERVE_PREFILL_BF16, below), or AMX tiles where the CPU has them (ASERVE_PREFILL_AMX), unless its bf16 products
 // run on fp32 FMAs (bf16_products(), as the GEMMs' and decode attention's do).
+//
+// A tile of a few rows (a prompt's tail after a prefix-cache hit, the last tokens of a chunk) would be mostly
+// padding columns; it scores its keys across the vector instead (narrow_scores, narrow_scores_bf16), with the same
+// bits. Whatever rows share its tile and item, a row's scores, steps and sums are the same: its output does not
+// depend on how its prompt was split (tests/test_cpu_kernels.py), which the engine relies on to give a prompt the
+// same logits whatever the prefix cache held.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -109,6 +115,99 @@ template <typename F> inline void by_rows(int64_t n, F&& f) {  // f(first, rows)
     case 3: f(i, std::integral_constant<int, 3>{}); break;
     case 2: f(i, std::integral_constant<int, 2>{}); break;
     case 1: f(i, std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// f(integral_constant<R>) for a tile's row count R in 1..16.
+template <typename F> inline void by_row_count(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+#if defined(CPU_CAPABILITY_AVX512)
+    case 9: return f(std::integral_constant<int, 9>{});
+    case 10: return f(std::integral_constant<int, 10>{});
+    case 11: return f(std::integral_constant<int, 11>{});
+    case 12: return f(std::integral_constant<int, 12>{});
+    case 13: return f(std::integral_constant<int, 13>{});
+    case 14: return f(std::integral_constant<int, 14>{});
+    case 15: return f(std::integral_constant<int, 15>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+#endif
+  }
+}
+
+// Rows a tile may have for narrow_scores: as many sums as vector registers allow beside a key vector.
+constexpr int64_t kNarrowRows = fVec::size() >= 16 ? 16 : 8;
+// Vectors of keys the narrow tiles take at once for R rows: each score is a chain of dependent products (over d, or
+// d's pairs), so R chains alone left the FMA pipes waiting on their latency; 8 to 16 chains at once fill them.
+constexpr int narrow_runs(int R) { return R <= 4 ? 4 : R <= 8 ? 2 : 1; }
+
+// A run of tokens' pair of dims (2 * run values at `pairs`, token after token) as two rows of their values, widened:
+// the dims' `run` values each, to `even` and `odd`. 16 tokens at a time on AVX-512 (fp32 and bf16 caches).
+template <typename C> inline void unpair_run(const C* pairs, int64_t run, float* even, float* odd) {
+  for (int64_t t = 0; t < run;) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const int64_t n = std::min<int64_t>(16, run - t);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+    if constexpr (std::is_same_v<C, float>) {
+      const __mmask16 lo = static_cast<__mmask16>(n >= 8 ? 0xFFFF : (1u << (2 * n)) - 1);
+      const __mmask16 hi = static_cast<__mmask16>(n > 8 ? (1u << (2 * n - 16)) - 1 : 0);
+      const __m512 a = _mm512_maskz_loadu_ps(lo, pairs + 2 * t), b = _mm512_maskz_loadu_ps(hi, pairs + 2 * t + 16);
+      const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      _mm512_mask_storeu_ps(even + t, lanes, _mm512_permutex2var_ps(a, evens, b));
+      const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+      _mm512_mask_storeu_ps(odd + t, lanes, _mm512_permutex2var_ps(a, odds, b));
+      t += n;
+      continue;
+    } else if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      const __m512i words = _mm512_maskz_loadu_epi32(lanes, pairs + 2 * t);
+      _mm512_mask_storeu_ps(even + t, lanes, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
+      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+      _mm512_mask_storeu_ps(odd + t, lanes, _mm512_castsi512_ps(_mm512_and_si512(words, high)));
+      t += n;
+      continue;
+    }
+#endif
+    even[t] = static_cast<float>(pairs[2 * t]), odd[t] = static_cast<float>(pairs[2 * t + 1]);
+    ++t;
+  }
+}
+
+// score_tile's scores for a tile of R <= kNarrowRows query rows, keys across the vector: a full tile broadcasts a
+// key element against kCols query rows, mostly padding where a chunk is a few tokens (a prompt's tail after a
+// prefix-cache hit: 3 of 32 columns at one token and three heads a group); here each of W keys ([D][ldk] in kt,
+// widened) is multiplied by a row's element broadcast, R sums. Every score is the same FMA chain over d as
+// score_tile's, so the same bits; st's padding columns are zero, as a full tile's zero queries give.
+template <int R>
+inline void narrow_scores(const float* kt, int64_t ldk, int64_t nk, const float* qt, int64_t cols, int64_t D,
+                          float* st) {
+  constexpr int W = fVec::size(), U = narrow_runs(R);  // U vectors of keys at once: U * R chains of FMAs
+  for (int64_t j = 0; j < nk; j += U * W) {
+    fReg acc[U][R];
+#pragma GCC unroll 16
+    for (int i = 0; i < U * R; ++i) acc[i / R][i % R] = fVec(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        const fVec k = fVec::loadu(kt + d * ldk + j + u * W);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[u][r] = at::vec::fmadd(k, fVec(qt[d * cols + r]), fVec(acc[u][r]));
+      }
+    }
+    float lanes[R][U * W];
+#pragma GCC unroll 16
+    for (int i = 0; i < U * R; ++i) fVec(acc[i / R][i % R]).store(lanes[i % R] + (i / R) * W);
+    for (int64_t i = 0; i < std::min<int64_t>(U * W, nk - j); ++i) {
+      float* row = st + (j + i) * cols;
+      for (int r = 0; r < R; ++r) row[r] = lanes[r][i];
+      std::fill(row + R, row + cols, 0.f);
+    }
   }
 }
 
@@ -324,6 +423,41 @@ inline void transpose16(__m512i x[16]) {
   }
 }
 
+// score_tile_bf16's scores for a tile of R <= 16 query rows (16 columns), keys across the vector and read in place:
+// the cache holds a block's keys as [D/2][block_size][2], so pair p of a run of up to 16 of a block's tokens is one
+// (masked) load of 16 words, from `pair0` (the run's first token's pair 0) in steps of `stride`. Each row's pair
+// is broadcast against it: R products a pair instead of a full tile's 16 key broadcasts, and no copy of the keys
+// into rows. The sums, transposed in registers, are st's rows ([keys][16]) with score_tile_bf16's bits: each
+// score is the same vdpbf16ps chain over the same pairs, the key in the same operand.
+template <int R, int U>
+inline void narrow_scores_bf16(const BF16* const* pair0, const int64_t* run, int64_t stride, const uint32_t* qt2,
+                               int64_t pairs, float scale, float* st) {
+  __mmask16 lanes[U];
+#pragma GCC unroll 4
+  for (int u = 0; u < U; ++u) lanes[u] = static_cast<__mmask16>((1u << run[u]) - 1);
+  __m512 acc[U][R];
+#pragma GCC unroll 16
+  for (int i = 0; i < U * R; ++i) acc[i / R][i % R] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m512bh k = as_bh(_mm512_maskz_loadu_epi32(lanes[u], pair0[u] + p * stride));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        acc[u][r] = _mm512_dpbf16_ps(acc[u][r], k, as_bh(_mm512_set1_epi32(qt2[p * 16 + r])));
+    }
+  }
+  for (int u = 0; u < U; st += run[u] * 16, ++u) {
+    __m512i x[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r)
+      x[r] = r < R ? _mm512_castps_si512(scale != 1.f ? _mm512_mul_ps(acc[u][r], _mm512_set1_ps(scale)) : acc[u][r])
+                   : _mm512_setzero_si512();
+    transpose16(x);
+    for (int64_t i = 0; i < run[u]; ++i) _mm512_storeu_si512(st + i * 16, x[i]);
+  }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // On CPUs with AMX tiles both products of a key step run on them, 16 x 16 x 32 at a time, in the same layouts:
 // - scores: a key step's keys copied into [step][D] rows (zero past the last key) times the queries' pairs
@@ -433,6 +567,12 @@ inline void output_tiles_amx(const BF16* p16, int64_t cols, int64_t keys, const 
 #endif
 #endif
 
+// Rows fetched into L2 ahead of use: an item's queries and keys lie anywhere in memory (items go by cost, not
+// address; the cache's blocks are scattered), too far apart for the hardware prefetchers.
+inline void prefetch_l2(const void* row, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_line<2>(static_cast<const char*>(row) + i);
+}
+
 // Where a chunk's keys and values are. PagedRows: the KV cache, through the chunk's block table. FlatRows: the
 // step's own key and value rows ([T, kv_heads, D], a chunk's token t at its row start + t), for an encoder's
 // bidirectional layers, which keep nothing in the cache. keys(): `count` keys from token `first` as rows, written
@@ -449,10 +589,31 @@ template <typename C> struct PagedRows {
   }
   const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + kvh * head_stride + at(chunk, tok); }
   const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + kvh * head_stride + at(chunk, tok); }
+  // `count` values from token `first` as rows, a block's run at a time (a token's place costs a division)
+  void values(int64_t chunk, int64_t kvh, int64_t first, int64_t count, const C** rows) const {
+    for (int64_t j = 0; j < count;) {
+      const int64_t tok = first + j, run = std::min(count - j, block_size - tok % block_size);
+      const C* row = value(chunk, kvh, tok);
+      for (int64_t t = 0; t < run; ++t) rows[j + t] = row + t * D;
+      j += run;
+    }
+  }
+  // Token tok's row-sized shares of its block's keys and values (what prefetching reads), and the tokens after it
+  // in the block, whose shares follow: a run of them needs one division by the block size, not two a token.
+  struct Run { const C* k; const C* v; int64_t first, count; };
+  Run run_at(int64_t chunk, int64_t kvh, int64_t tok) const {
+    const int64_t place = kvh * head_stride + at(chunk, tok);
+    return {k + place, v + place, tok, block_size - tok % block_size};
+  }
+  // token tok's pair 0 (dims 0 and 1) in its block; its pair p is p * 2 * block_size further on
+  const C* key_pairs(int64_t chunk, int64_t kvh, int64_t tok) const {
+    const int64_t o = tok % block_size;
+    return key(chunk, kvh, tok) - o * D + 2 * o;
+  }
   void keys(int64_t chunk, int64_t kvh, int64_t first, int64_t count, C* scratch, const C** rows) const {
     for (int64_t j = 0; j < count;) {  // a block's run of tokens at a time, pair by pair
       const int64_t tok = first + j, o = tok % block_size, run = std::min(count - j, block_size - o);
-      const C* pairs = key(chunk, kvh, tok) - o * D + 2 * o;
+      const C* pairs = key_pairs(chunk, kvh, tok);
       for (int64_t p = 0; p < D / 2; ++p, pairs += 2 * block_size)
         for (int64_t t = 0; t < run; ++t) std::memcpy(scratch + (j + t) * D + 2 * p, pairs + 2 * t, 2 * sizeof(C));
       for (int64_t t = 0; t < run; ++t) rows[j + t] = scratch + (j + t) * D;
@@ -468,24 +629,17 @@ template <typename C> struct FlatRows {
   int64_t ks0, ks1, vs0, vs1;
   const C* key(int64_t chunk, int64_t kvh, int64_t tok) const { return k + (starts[chunk] + tok) * ks0 + kvh * ks1; }
   const C* value(int64_t chunk, int64_t kvh, int64_t tok) const { return v + (starts[chunk] + tok) * vs0 + kvh * vs1; }
+  void values(int64_t chunk, int64_t kvh, int64_t first, int64_t count, const C** rows) const {
+    for (int64_t j = 0; j < count; ++j) rows[j] = value(chunk, kvh, first + j);
+  }
+  struct Run { const C* k; const C* v; int64_t first, count; };
+  Run run_at(int64_t chunk, int64_t kvh, int64_t tok) const {
+    return {key(chunk, kvh, tok), value(chunk, kvh, tok), tok, 1};
+  }
   void keys(int64_t chunk, int64_t kvh, int64_t first, int64_t count, C*, const C** rows) const {
     for (int64_t j = 0; j < count; ++j) rows[j] = key(chunk, kvh, first + j);
   }
 };
-
-// Rows fetched into L2 ahead of use: an item's queries and keys lie anywhere in memory (items go by cost, not
-// address; the cache's blocks are scattered), too far apart for the hardware prefetchers.
-inline void prefetch_l2(const void* row, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) prefetch_line<2>(static_cast<const char*>(row) + i);
-}
-
-template <typename Rows>
-inline void prefetch_keys(const Rows& kv, int64_t chunk, int64_t kvh, int64_t first, int64_t count, int64_t bytes) {
-  for (int64_t j = 0; j < count; ++j) {
-    prefetch_l2(kv.key(chunk, kvh, first + j), bytes);
-    prefetch_l2(kv.value(chunk, kvh, first + j), bytes);
-  }
-}
 
 // An item's query tiles (a chunk's consecutive tiles, one kv head) walk the keys together: each key step's keys
 // and values are gathered (widened, paired or copied into tile rows) once and used by every tile while they are
@@ -498,7 +652,7 @@ constexpr int64_t kTilesPerItem = 8;
 struct PrefillScratch {
   int64_t padded, D;
   std::vector<float> qt, o, m, l, corr, pos;  // per slot; pos: each query row's position, as fp32
-  std::vector<float> st, kbuf, vbuf;
+  std::vector<float> st, kbuf, vbuf, kt;  // kt: the fp32 path's keys [D][kKeyStep] for narrow tiles
   std::vector<uint32_t> qt2, pt2, vt2;  // the bf16 path's pairs: queries (per slot), probabilities, values
   // the bf16 path over an FP8 cache, or on AMX tiles: a step's keys (and FP8 values) as bf16 rows; on AMX tiles
   // the probabilities by row, p16 [padded][kAmxMaxStep]
@@ -506,7 +660,8 @@ struct PrefillScratch {
   PrefillScratch(int64_t padded, int64_t D, int64_t slots, bool pairs, bool fp8, bool amx)
       : padded(padded), D(D), qt(pairs ? 0 : slots * D * padded), o(slots * padded * D), m(slots * padded),
         l(slots * padded), corr(slots * padded), pos(slots * padded), st(max_step(amx) * padded),
-        kbuf(pairs ? 0 : kKeyStep * D), vbuf(pairs ? 0 : kKeyStep * D), qt2(pairs ? slots * D / 2 * padded : 0),
+        kbuf(pairs ? 0 : kKeyStep * D), vbuf(pairs ? 0 : kKeyStep * D), kt(pairs ? 0 : kKeyStep * D),
+        qt2(pairs ? slots * D / 2 * padded : 0),
         pt2(pairs && !amx ? kKeyStep / 2 * padded : 0), vt2(pairs ? max_step(amx) / 2 * D : 0),
         k16(pairs && (fp8 || amx) ? max_step(amx) * D : 0), v16(pairs && fp8 ? max_step(amx) * D : 0),
         p16(amx ? padded * kAmxMaxStep : 0) {}
@@ -585,6 +740,10 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
     if (tiles_per_item == 1 || static_cast<int64_t>(items.size()) >= 4 * at::get_num_threads()) break;
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  // Tiles of a few rows score their keys across the vector (narrow_scores, narrow_scores_bf16), read from the
+  // cache's pairs; not over FP8 bytes, a step's own rows (FlatRows) or AMX tiles.
+  constexpr bool kNarrowKeys = std::is_same_v<Rows, PagedRows<C>> && !is_fp8<C>;
+  const int64_t narrow_rows = kNarrowKeys && !amx ? (pairs ? 16 : kNarrowRows) : 0;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   std::atomic<int64_t> next_item{0};  // items are claimed in that order as threads come free
 
@@ -603,6 +762,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
     std::vector<const float*> kf(kKeyStep), vf(kKeyStep);
     struct Tile { int64_t q0, nq, rows, cols, lo, hi; bool started; };
     std::vector<Tile> tiles(tiles_per_item);
+    const auto is_narrow = [&](const Tile& tile) { return tile.rows <= narrow_rows; };
     const auto claim = [&] { return static_cast<size_t>(next_item.fetch_add(1, std::memory_order_relaxed)); };
     for (size_t it = claim(), after; it < items.size(); it = after) {
       after = claim();  // this thread's next item, claimed now so that its rows can be prefetched
@@ -632,13 +792,17 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
       const int64_t fetch_a_tile = (to_fetch + walk_steps * tiles_a_step - 1) / (walk_steps * tiles_a_step);
       const int64_t fetch_a_step = (to_fetch + walk_steps - 1) / walk_steps;
       int64_t fetched = 0, walked = 0;
+      typename Rows::Run ahead{nullptr, nullptr, 0, 0};  // the run of the next item's keys being fetched
       const auto fetch_next = [&](int64_t n) {
         for (; n > 0 && fetched < to_fetch; --n, ++fetched) {
           if (fetched < next_queries) {
             prefetch_l2(q_ptr + (starts[next.chunk] + next.q0 + fetched / group) * qs0 +
                             (next.kvh * group + fetched % group) * qs1, D * sizeof(T));
           } else {
-            prefetch_keys(kv, next.chunk, next.kvh, next_lo + fetched - next_queries, 1, D * sizeof(C));
+            const int64_t tok = next_lo + fetched - next_queries;
+            if (tok >= ahead.first + ahead.count) ahead = kv.run_at(next.chunk, next.kvh, tok);
+            prefetch_l2(ahead.k + (tok - ahead.first) * D, D * sizeof(C));
+            prefetch_l2(ahead.v + (tok - ahead.first) * D, D * sizeof(C));
           }
         }
       };
@@ -676,10 +840,33 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
         std::fill(s.l.data() + g * padded, s.l.data() + (g + 1) * padded, 0.f);
         if (!amx) std::fill(s.o.data() + g * padded * D, s.o.data() + g * padded * D + tile.cols * D, 0.f);
       }
-      for (int64_t t0 = lo; t0 < hi; t0 += step) {
-        const int64_t nk = std::min<int64_t>(step, hi - t0);
-        kv.keys(item.chunk, item.kvh, t0, nk, key_rows.data(), krow.data());
-        for (int64_t j = 0; j < nk; ++j) vrow[j] = kv.value(item.chunk, item.kvh, t0 + j);
+      // Steps of kKeyStep keys lie at multiples of it, wherever the item's keys start: a row's keys then fall in
+      // the same steps (the online softmax's sums and maxima, one per step) whichever rows share its item. Walked
+      // from `lo`, a sliding window's tail after a prefix-cache hit summed its keys in other steps than the same
+      // row in its whole prompt. (AMX steps are sized by the item's keys: not aligned.)
+      for (int64_t t0 = lo, t1; t0 < hi; t0 = t1) {
+        t1 = std::min(hi, amx ? t0 + step : (t0 / step + 1) * step);
+        const int64_t nk = t1 - t0;
+        bool wide = false, narrow = false;  // whether the step's tiles take keys as rows, or in place / as kt
+        for (int64_t g = 0; g < item.tiles; ++g)
+          if (t0 < tiles[g].hi && t0 + nk > tiles[g].lo) (is_narrow(tiles[g]) ? narrow : wide) = true;
+        if (wide) kv.keys(item.chunk, item.kvh, t0, nk, key_rows.data(), krow.data());
+        if constexpr (kNarrowKeys) {
+          if (narrow && !pairs) {  // the keys widened as [D][kKeyStep], zero past the last
+            float* kt = s.kt.data();
+            for (int64_t j = 0; j < nk;) {
+              const int64_t tok = t0 + j, run = std::min(nk - j, kv.block_size - tok % kv.block_size);
+              const C* pair0 = kv.key_pairs(item.chunk, item.kvh, tok);
+              for (int64_t p = 0; p < D / 2; ++p)
+                unpair_run(pair0 + p * 2 * kv.block_size, run, kt + 2 * p * kKeyStep + j,
+                           kt + (2 * p + 1) * kKeyStep + j);
+              j += run;
+            }
+            const int64_t whole = (nk + fVec::size() - 1) / fVec::size() * fVec::size();
+            for (int64_t d = 0; d < D; ++d) std::fill(kt + d * kKeyStep + nk, kt + d * kKeyStep + whole, 0.f);
+          }
+        }
+        kv.values(item.chunk, item.kvh, t0, nk, vrow.data());
         // the step's keys and values as the products take them, once for every tile
 #ifdef ASERVE_PREFILL_BF16
         const BF16* const* keys = reinterpret_cast<const BF16* const*>(krow.data());
@@ -708,7 +895,7 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
               kf[j] = krow[j];
               vf[j] = vrow[j];
             } else {
-              load_row(krow[j], s.kbuf.data() + j * D, D);
+              if (wide) load_row(krow[j], s.kbuf.data() + j * D, D);
               load_row(vrow[j], s.vbuf.data() + j * D, D);
               if constexpr (kFp8Unit<C> != 1.f) {
                 scale_row(s.kbuf.data() + j * D, kFp8Unit<C>, D);
@@ -739,7 +926,28 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
                 for (int64_t j = 0; j < tk; ++j) scale_row(st + j * cols, tile_scale, cols);
             }
 #endif
-            if (!amx) by_columns(cols, [&](int64_t c, auto nv) {
+            bool done = false;
+            if constexpr (kNarrowKeys && std::is_same_v<C, BF16>) {
+              if (is_narrow(tile)) {  // keys read in place, a block's run of up to 16 at a time
+                by_row_count(rows, [&](auto r) {
+                  constexpr int R = decltype(r)::value, U = narrow_runs(R);
+                  for (int64_t j = 0; j < tk;) {  // U runs of up to 16 of a block's tokens (none: run 0)
+                    const BF16* pair0[U];
+                    int64_t run[U], first = j;
+                    for (int u = 0; u < U; ++u) {
+                      const int64_t tok = t0 + j;
+                      run[u] = std::min({tk - j, kv.block_size - tok % kv.block_size, int64_t{16}});
+                      pair0[u] = run[u] > 0 ? kv.key_pairs(item.chunk, item.kvh, tok) : pair0[0];
+                      j += run[u];
+                    }
+                    fetch_next(fetch_a_tile);
+                    narrow_scores_bf16<R, U>(pair0, run, 2 * kv.block_size, qt2, D / 2, tile_scale, st + first * 16);
+                  }
+                });
+                done = true;
+              }
+            }
+            if (!amx && !done) by_columns(cols, [&](int64_t c, auto nv) {
               by_rows(tk, [&](int64_t i, auto mr) {
                 fetch_next(fetch_a_tile);
                 score_tile_bf16<decltype(mr)::value, decltype(nv)::value>(keys + i, qt2 + c, cols, D / 2,
@@ -749,11 +957,18 @@ void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const Rows
 #endif
           } else {
             const float* qt = s.qt.data() + g * D * padded;
-            for (int64_t c = 0; c < cols; c += kCols)
-              by_rows(tk, [&](int64_t i, auto mr) {
-                fetch_next(fetch_a_tile);
-                score_tile<decltype(mr)::value>(kf.data() + i, qt + c, cols, D, st + i * cols + c, cols);
+            if (is_narrow(tile)) {
+              fetch_next(fetch_a_tile);
+              by_row_count(rows, [&](auto r) {
+                narrow_scores<decltype(r)::value>(s.kt.data(), kKeyStep, tk, qt, cols, D, st);
               });
+            } else {
+              for (int64_t c = 0; c < cols; c += kCols)
+                by_rows(tk, [&](int64_t i, auto mr) {
+                  fetch_next(fetch_a_tile);
+                  score_tile<decltype(mr)::value>(kf.data() + i, qt + c, cols, D, st + i * cols + c, cols);
+                });
+            }
           }
           // softcap, mask and the online softmax, each across query rows: a vector holds W rows' scores for one
           // key (padding rows too: their queries are zero, their results unused)
