@@ -114,6 +114,37 @@ def test_aserve_gemm_equals_linear(aserve_gemm, rows, out_features, in_features,
     torch.testing.assert_close(got.double(), expected, **tol)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 13, 64, 257])
+@pytest.mark.parametrize("out_features,in_features", [(40, 33), (96, 576), (33, 2100)])  # panel tails, split K
+def test_fp32_weights_of_bf16_values_are_stored_as_bf16_with_the_same_products(aserve_gemm, monkeypatch, rows,
+                                                                               out_features, in_features):
+    """An fp32 weight whose values are bf16 ones (a bf16 checkpoint run in fp32) is packed as bf16 panels, half the
+    bytes, and every output has the fp32 panels' bits: plain, biased, and with the GELU epilogue."""
+    from aserve.ops.cpu_gemm import holds_bf16, pack_weight, packed_linear, packed_linear_gelu
+
+    gen = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16().float()
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    assert holds_bf16(weight) and not holds_bf16(weight + 2 ** -20)
+    narrow = pack_weight(weight)
+    assert narrow.aserve and narrow.data.dtype == torch.bfloat16
+    assert narrow.data.shape == (-(-out_features // 16), in_features, 16)
+    monkeypatch.setenv("ASERVE_BF16_PANELS", "0")
+    assert not holds_bf16(weight)
+    wide = pack_weight(weight)
+    assert wide.data.dtype == torch.float32 and torch.equal(wide.data, narrow.data.float())
+    for b in (None, bias):
+        got = packed_linear(x, narrow, b)
+        assert got.dtype == torch.float32 and torch.equal(got, packed_linear(x, wide, b))
+    assert torch.equal(packed_linear_gelu(x, narrow, bias, "gelu"), packed_linear_gelu(x, wide, bias, "gelu"))
+    torch.testing.assert_close(packed_linear(x, narrow, bias).double(),
+                               torch.nn.functional.linear(x.double(), weight.double(), bias.double()),
+                               atol=5e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="gemm_packed"):  # bf16 rows over them: refused, not misread
+        torch.ops.aserve.gemm_packed(x.bfloat16(), narrow.data, None, out_features)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [100, 600])
 def test_aserve_gemm_rows_do_not_depend_on_the_batch(aserve_gemm, dtype, in_features):
@@ -349,6 +380,25 @@ def test_an_engine_on_aserve_gemm_is_greedy_equal_to_transformers(aserve_gemm, m
     assert model.packed_head.packed.aserve and model.layers[0].mlp.down_proj.packed.aserve
     prompts = random_prompts(4, lengths=(5, 40), seed=3)
     params = SamplingParams(temperature=0, max_tokens=12)  # stops at eos, as the reference does
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == reference_greedy(load_reference(path), prompts, 12)
+
+
+def test_an_fp32_engine_on_a_bf16_checkpoint_reads_bf16_panels_and_is_greedy_equal_to_transformers(aserve_gemm,
+                                                                                                      tmp_path):
+    """What `dtype=auto` runs on a CPU without AVX512-BF16: a bf16 checkpoint in fp32. The weights' panels are stored
+    as the checkpoint's bf16 values, and the greedy tokens are transformers' fp32 ones on the same checkpoint."""
+    from conftest import build_tiny_model, load_reference, reference_greedy
+
+    path = build_tiny_model(tmp_path / "llama", "llama-gqa-tied")
+    load_reference(path).to(torch.bfloat16).save_pretrained(path)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB", device="cpu")
+    model = llm.engine.runner.model
+    for linear in (model.packed_head, model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.down_proj):
+        assert linear.packed.aserve and linear.packed.data.dtype == torch.bfloat16
+    prompts = random_prompts(4, lengths=(5, 40), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
     assert got == reference_greedy(load_reference(path), prompts, 12)

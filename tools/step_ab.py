@@ -11,6 +11,7 @@ median and mean step time.
 --compare native: the flat forward's C++ layer loop (csrc/decoder_stack.cpp) against its Python one.
 --compare team: the C++ loop's small steps as one team of threads (csrc/step_team.h) against an OpenMP region a kernel.
 --compare gemm: aserve's GEMM (csrc/cpu_gemm.cpp; fp32, or bf16 with AVX512-BF16) against oneDNN's, every linear layer packed for both.
+--compare bf16-panels: an fp32 model's weights of bf16 values in aserve's fp32 panels stored as bf16 against fp32.
 --compare one-call: decode steps in one call of the C++ stack (DecoderStack::decode_steps: layers, head and the
 tokens) against the step-by-step path (the forward, compute_logits and the sampler from Python).
 --compare tail-kernel: a prompt's short tail after a prefix-cache hit on the prefill kernel (backend.batch_order: the
@@ -100,19 +101,41 @@ def gemm_sides(model):
                              "onednn": cpu_gemm.PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, 64),
                                                              w.shape[0], False)}))
 
+    return sides_of(model, both)
+
+
+def bf16_panels_sides(model):
+    """An fp32 model's weights of bf16 values in aserve's fp32 panels stored as bf16 (cpu_gemm.holds_bf16) against
+    the same panels stored as fp32; `use` points every layer at one."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "packed", None), cpu_gemm.PackedWeight)
+              and m.packed.aserve]
+    if not layers or layers[0].weight.dtype != torch.float32 or not cpu_gemm.holds_bf16(layers[0].weight):
+        raise SystemExit("--compare bf16-panels needs an fp32 model on aserve's GEMM from a bf16 checkpoint")
+    both = []
+    for layer in layers:
+        w, n = layer.weight.detach(), layer.weight.shape[0]
+        both.append((layer, {"bf16 panels": cpu_gemm.PackedWeight(torch.ops.aserve.pack_gemm_weight_bf16(w), n, True),
+                             "fp32 panels": cpu_gemm.PackedWeight(torch.ops.aserve.pack_gemm_weight(w), n, True)}))
+    return sides_of(model, both)
+
+
+def sides_of(model, both):
+    """`use(side)` for layers each with a PackedWeight per side: points them at it, with its own flat forward."""
+    names = tuple(both[0][1])
+
     def point(side: str) -> None:
         for layer, packed in both:
             layer.packed = packed[side]
 
     flats = {}
-    for side in ("aserve", "onednn"):  # the flat forward holds the packed weights it was built with: one per side
+    for side in names:  # the flat forward holds the packed weights it was built with: one per side
         point(side)
         flats[side] = FlatForward.build(model) if model.flat is not None else None
 
     def use(side: str) -> None:
         point(side)
         model.flat = flats[side]
-    return ("aserve", "onednn"), use
+    return names, use
 
 
 def main() -> None:
@@ -121,7 +144,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=("int8", "gptq", "awq"), default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or an FP8 format (fp8, fp8_e4m3, fp8_e5m2)")
-    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "one-call", "tail-kernel"),
+    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "bf16-panels", "one-call",
+                                                  "tail-kernel"),
                         default="flat")
     parser.add_argument("--phase", choices=("decode", "prefill", "tails"), default="decode")
     parser.add_argument("--requests", type=int, default=64)
@@ -172,6 +196,7 @@ def main() -> None:
         engine.step()
 
     sides = {"flat": flat_sides, "native": native_sides, "team": team_sides, "gemm": gemm_sides,
+             "bf16-panels": bf16_panels_sides,
              "one-call": lambda model: one_call_sides(engine.runner), "tail-kernel": lambda model: tail_kernel_sides()}
     names, use = sides[args.compare](model)
     print(f"{args.compare}, {args.phase}: {names[0]} against {names[1]}")

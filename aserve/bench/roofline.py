@@ -214,7 +214,9 @@ class ModelCost:
             params = module.in_features * module.out_features
             if isinstance(module, Linear):
                 return params, module.method.weight_bytes(module)
-            return params, module.weight.numel() * module.weight.element_size()
+            packed = getattr(module, "packed", None)  # aserve's fp32 panels may hold bf16 (cpu_gemm.holds_bf16)
+            stored = packed.data if packed is not None and packed.aserve else module.weight
+            return params, module.weight.numel() * stored.element_size()
 
         lm_head = getattr(model, "lm_head", None)
         head = getattr(model, "packed_head", None) or lm_head  # a tied head's own copy runs in place of lm_head

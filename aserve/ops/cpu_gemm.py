@@ -35,7 +35,8 @@ BF16_PRODUCTS = {"amx": "AMX tiles", "dpbf16": "vdpbf16ps", "fma": "fp32 FMAs"}
 
 class PackedWeight(NamedTuple):
     """A weight reordered for one GEMM: oneDNN's blocked layout, or aserve's panels (fp32 [ceil(out/16), in, 16],
-    bf16 [ceil(out/32), 2 * ceil(in/2), 32], pairs of k interleaved). `gated`: a gate | up weight whose rows were
+    stored as fp32 or, for the fp32 GEMM over weights of bf16 values, as bf16; bf16 [ceil(out/32), 2 * ceil(in/2),
+    32], pairs of k interleaved). `gated`: a gate | up weight whose rows were
     interleaved for the SwiGLU epilogue first (pack_gated_weight)."""
     data: torch.Tensor
     out_features: int
@@ -126,11 +127,23 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
 
+def holds_bf16(weight: torch.Tensor) -> bool:
+    """Whether an fp32 weight's values are all bf16 ones (the low 16 bits of each zero), as a bf16 checkpoint's are
+    when an fp32 model loads it: pack_weight then stores its panels as bf16, half the bytes for the same products.
+    ASERVE_BF16_PANELS=0 keeps them fp32."""
+    if weight.dtype != torch.float32 or os.environ.get("ASERVE_BF16_PANELS", "1") == "0":
+        return False
+    return not bool(torch.any(weight.contiguous().view(torch.int32) & 0xFFFF))
+
+
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> PackedWeight:
-    """An [out, in] weight reordered once for the GEMM that will multiply by it."""
+    """An [out, in] weight reordered once for the GEMM that will multiply by it. For aserve's fp32 GEMM, a weight of
+    bf16 values is stored as bf16 (`holds_bf16`): an fp32 decode step waits on its weights' bytes, and a bf16
+    checkpoint run in fp32 (`dtype=auto` on a CPU without AVX512-BF16) then reads the bytes its file holds."""
     weight = weight.detach()
     if gemm_for(weight.dtype, _LARGE_STEPS.get()) == "aserve":
-        return PackedWeight(torch.ops.aserve.pack_gemm_weight(weight), weight.shape[0], True)
+        pack = torch.ops.aserve.pack_gemm_weight_bf16 if holds_bf16(weight) else torch.ops.aserve.pack_gemm_weight
+        return PackedWeight(pack(weight), weight.shape[0], True)
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), weight.shape[0], False)
 
 

@@ -145,6 +145,13 @@ class UnquantizedLinearMethod(LinearMethod):
             return functools.partial(cpu_gemm.packed_linear, packed=layer.packed, bias=layer.bias)
         return super().projection(layer)
 
+    def weight_bytes(self, layer):
+        """As packed where aserve's GEMM reads it: its fp32 panels may be stored as bf16 (cpu_gemm.holds_bf16)."""
+        packed = layer.packed
+        if packed is not None and packed.aserve:
+            return layer.weight.numel() * packed.data.element_size()
+        return super().weight_bytes(layer)
+
     def native_projection(self, layer):
         if layer.packed is None:
             return None

@@ -157,8 +157,18 @@ inline void activate(float* v, int64_t n, int64_t act) {
 // acc (MR x 2 vectors) over kc steps of a [kc][kMR] slice of x and a [kc][16] slice of a panel, prefetching
 // `lines` 64-byte lines from `pf` into L1 at an even pace meanwhile. The sums run in a local copy: __m256 may
 // alias float, so sums kept in the caller's array would be stored back on every step (half the speed).
-template <int MR>
-inline void micro_kernel(const float* a, const float* b, int64_t kc, __m256 (&acc)[kMR][2], const char* pf,
+// A k step's 16 weights of a panel as two 8-lane vectors: stored as fp32, or as bf16 values (Bf16Panels), widened
+// exactly with a shift.
+inline void load_weights(const float* b, __m256& b0, __m256& b1) {
+  b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+}
+inline __m256 widen_bf16(const uint16_t* b) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))), 16));
+}
+inline void load_weights(const uint16_t* b, __m256& b0, __m256& b1) { b0 = widen_bf16(b), b1 = widen_bf16(b + 8); }
+
+template <int MR, typename W>
+inline void micro_kernel(const float* a, const W* b, int64_t kc, __m256 (&acc)[kMR][2], const char* pf,
                          int64_t lines) {
   __m256 r[MR][2];
 #pragma GCC unroll 6
@@ -166,7 +176,8 @@ inline void micro_kernel(const float* a, const float* b, int64_t kc, __m256 (&ac
   PacedPrefetch ahead(pf, lines, kc);
   for (int64_t k = 0; k < kc; ++k) {
     ahead.at(k);
-    const __m256 b0 = _mm256_load_ps(b + k * kNR), b1 = _mm256_load_ps(b + k * kNR + 8);
+    __m256 b0, b1;
+    load_weights(b + k * kNR, b0, b1);
     const float* ak = a + k * kMR;
 #pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
@@ -181,8 +192,8 @@ inline void micro_kernel(const float* a, const float* b, int64_t kc, __m256 (&ac
 
 // One MR x 16 tile of out: starts from the bias (first chunk) or what earlier chunks summed, adds this chunk.
 // `cols` < 16 only in the last panel, whose padding columns are computed but not stored.
-template <int MR>
-void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int cols, const float* bias,
+template <int MR, typename W>
+void tile(const float* a, const W* b, int64_t kc, float* c, int64_t ldc, int cols, const float* bias,
           bool first, const char* pf, int64_t lines) {
   __m256 acc[kMR][2];
   alignas(32) float edge[kNR];
@@ -200,7 +211,7 @@ void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int
     acc[i][0] = _mm256_loadu_ps(src);
     acc[i][1] = _mm256_loadu_ps(src + 8);
   }
-  micro_kernel<MR>(a, b, kc, acc, pf, lines);
+  micro_kernel<MR, W>(a, b, kc, acc, pf, lines);
   for (int i = 0; i < MR; ++i) {
     if (cols == kNR) {
       _mm256_storeu_ps(c + i * ldc, acc[i][0]);
@@ -213,9 +224,11 @@ void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int
   }
 }
 
-using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int, const float*, bool, const char*,
+template <typename W>
+using TileFn = void (*)(const float*, const W*, int64_t, float*, int64_t, int, const float*, bool, const char*,
                        int64_t);
-constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+template <typename W>
+constexpr TileFn<W> kTiles[kMR + 1] = {nullptr, tile<1, W>, tile<2, W>, tile<3, W>, tile<4, W>, tile<5, W>, tile<6, W>};
 
 // x rows [m0, m0 + mc) and columns [k0, k0 + kc) as ceil(mc / MR) blocks of [kc][MR], one per call (RowCalls): MR 6
 // for the 256-bit tiles, 12 for the 512-bit ones. A block of fewer rows leaves the others unwritten: its tile<rows>
@@ -292,7 +305,7 @@ void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels
     const bool first = k0 == 0, last = k0 + kc == K;
     const int64_t total_lines = (kc * Panels::kBytesPerK + 63) / 64;  // of the next panel, shared out to the blocks
     for (int64_t p = q0; p < q1; ++p) {
-      const float* panel = panels.get(p, k0, kc);
+      const auto* panel = panels.get(p, k0, kc);  // fp32, or bf16 values to widen (Bf16Panels)
       const char* next = p + 1 < end ? panels.stored(p + 1, k0) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const float* b = bias != nullptr ? bias + p * kNR : nullptr;
@@ -301,8 +314,8 @@ void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
         const int rows = calls.rows(r);
         float* c = out + (m0 + calls.first(r)) * N + p * kNR;
-        kTiles[rows](packed + r * kMR * kc, panel, kc, c, N, cols, b, first, next != nullptr ? next + from * 64 : nullptr,
-                     lines);
+        kTiles<std::remove_cv_t<std::remove_pointer_t<decltype(panel)>>>[rows](
+            packed + r * kMR * kc, panel, kc, c, N, cols, b, first, next != nullptr ? next + from * 64 : nullptr, lines);
         if (last && act != kNoActivation)
           for (int i = 0; i < rows; ++i) activate(c + i * N, cols, act);
       }
@@ -321,8 +334,14 @@ namespace wide {
 
 constexpr int kMR = 12;
 
-template <int MR, int NP>
-inline void micro_kernel(const float* a, const float* b0, const float* b1, int64_t kc, __m512 (&acc)[kMR][2],
+inline __m512 load_weights(const float* b) { return _mm512_load_ps(b); }
+inline __m512 load_weights(const uint16_t* b) {  // bf16 values (Bf16Panels), widened exactly with a shift
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))), 16));
+}
+
+template <int MR, int NP, typename W>
+inline void micro_kernel(const float* a, const W* b0, const W* b1, int64_t kc, __m512 (&acc)[kMR][2],
                          const char* pf, int64_t lines) {
   __m512 r[MR][NP];
 #pragma GCC unroll 12
@@ -331,8 +350,8 @@ inline void micro_kernel(const float* a, const float* b0, const float* b1, int64
   PacedPrefetch ahead(pf, lines, kc);
   for (int64_t k = 0; k < kc; ++k) {
     ahead.at(k);
-    const __m512 w0 = _mm512_load_ps(b0 + k * kNR);
-    const __m512 w1 = NP == 2 ? _mm512_load_ps(b1 + k * kNR) : w0;
+    const __m512 w0 = load_weights(b0 + k * kNR);
+    const __m512 w1 = NP == 2 ? load_weights(b1 + k * kNR) : w0;
     const float* ak = a + k * kMR;
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
@@ -348,8 +367,8 @@ inline void micro_kernel(const float* a, const float* b0, const float* b1, int64
 
 // MR rows x (16 NP) columns of out, `cols` of them real (the last panel's padding is computed, not stored): from the
 // bias (first chunk of k) or what earlier chunks summed, plus this chunk.
-template <int MR, int NP>
-void tile(const float* a, const float* b0, const float* b1, int64_t kc, float* c, int64_t ldc, int cols,
+template <int MR, int NP, typename W>
+void tile(const float* a, const W* b0, const W* b1, int64_t kc, float* c, int64_t ldc, int cols,
           const float* bias, bool first, const char* pf, int64_t lines) {
   __m512 acc[kMR][2];
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
@@ -359,19 +378,20 @@ void tile(const float* a, const float* b0, const float* b1, int64_t kc, float* c
     acc[i][0] = src != nullptr ? _mm512_maskz_loadu_ps(m0, src) : _mm512_setzero_ps();
     acc[i][1] = src != nullptr && NP == 2 ? _mm512_maskz_loadu_ps(m1, src + 16) : _mm512_setzero_ps();
   }
-  micro_kernel<MR, NP>(a, b0, b1, kc, acc, pf, lines);
+  micro_kernel<MR, NP, W>(a, b0, b1, kc, acc, pf, lines);
   for (int i = 0; i < MR; ++i) {
     _mm512_mask_storeu_ps(c + i * ldc, m0, acc[i][0]);
     if constexpr (NP == 2) _mm512_mask_storeu_ps(c + i * ldc + 16, m1, acc[i][1]);
   }
 }
 
-using TileFn = void (*)(const float*, const float*, const float*, int64_t, float*, int64_t, int, const float*, bool,
+template <typename W>
+using TileFn = void (*)(const float*, const W*, const W*, int64_t, float*, int64_t, int, const float*, bool,
                        const char*, int64_t);
-template <int NP>
-constexpr TileFn kTiles[kMR + 1] = {nullptr, tile<1, NP>, tile<2, NP>, tile<3, NP>, tile<4, NP>, tile<5, NP>,
-                                    tile<6, NP>, tile<7, NP>, tile<8, NP>, tile<9, NP>, tile<10, NP>, tile<11, NP>,
-                                    tile<12, NP>};
+template <int NP, typename W = float>
+constexpr TileFn<W> kTiles[kMR + 1] = {nullptr, tile<1, NP, W>, tile<2, NP, W>, tile<3, NP, W>, tile<4, NP, W>,
+                                       tile<5, NP, W>, tile<6, NP, W>, tile<7, NP, W>, tile<8, NP, W>, tile<9, NP, W>,
+                                       tile<10, NP, W>, tile<11, NP, W>, tile<12, NP, W>};
 
 // Panel pairs [q0, q1) (panels 2q and 2q + 1; a last odd panel alone) of out for all M rows, K in chunks of at most
 // kKC, from `panels` (DensePanels, or int8 / int4 tiles widened into scratch: Int8Panels, Int4Panels below); or
@@ -386,8 +406,8 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels&
     const bool first = k0 == 0, last = k0 + kc == K;
     for (int64_t q = i0; q < i1; ++q) {
       const int64_t p = 2 * q, np = std::min<int64_t>(2, panels - p);
-      const float* b0 = source.get(p, k0, kc, 0);
-      const float* b1 = np == 2 ? source.get(p + 1, k0, kc, 1) : nullptr;
+      const auto* b0 = source.get(p, k0, kc, 0);  // fp32, or bf16 values to widen (Bf16Panels)
+      const auto* b1 = np == 2 ? source.get(p + 1, k0, kc, 1) : nullptr;
       // the next pair's chunks as stored, shared out to the blocks: line l of them is byte 64 l % chunk of panel
       // p + 2 + 64 l / chunk's chunk (a block's run may go on past its panel's chunk: a hint)
       const int64_t chunk = kc * Panels::kBytesPerK;
@@ -400,7 +420,9 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels&
         const int rows = calls.rows(r);
         const char* pf = lines > 0 ? source.stored(p + 2 + from * 64 / chunk, k0) + from * 64 % chunk : nullptr;
         float* c = out + (m0 + calls.first(r)) * N + p * kNR;
-        (np == 2 ? kTiles<2> : kTiles<1>)[rows](packed + r * kMR * kc, b0, b1, kc, c, N, cols, pb, first, pf, lines);
+        using W = std::remove_cv_t<std::remove_pointer_t<decltype(b0)>>;
+        (np == 2 ? kTiles<2, W> : kTiles<1, W>)[rows](packed + r * kMR * kc, b0, b1, kc, c, N, cols, pb, first, pf,
+                                                       lines);
         if (last && act != kNoActivation)
           for (int i = 0; i < rows; ++i) activate(c + i * N, cols, act);
       }
@@ -503,17 +525,22 @@ GemmArgs gemm_args(const at::Tensor& x, const c10::optional<at::Tensor>& bias, i
 
 GemmArgs gemm_args(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                    int64_t out_features, int64_t panel_k, int64_t nr, const char* layout, int64_t out_columns = -1) {
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == packed.scalar_type(),
-              "gemm_packed: x must be [..., in_features] in the packed weight's dtype");
+  TORCH_CHECK(x.dim() >= 1 && (x.scalar_type() == packed.scalar_type() ||
+                                (x.scalar_type() == at::kFloat && packed.scalar_type() == at::kBFloat16 && nr == kNR)),
+              "gemm_packed: x must be [..., in_features] in the packed weight's dtype (or fp32 over "
+              "pack_gemm_weight_bf16's panels)");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == panel_k && packed.size(2) == nr &&
                   packed.size(0) == (out_features + nr - 1) / nr,
               "gemm_packed: weight must be pack_gemm_weight's ", layout, " for x's in_features and out");
   return gemm_args(x, bias, out_features, out_columns);
 }
 
+at::Tensor gemm_fp32_bf16_stored(GemmArgs& args, const at::Tensor& packed, int64_t act);  // after Bf16Panels
+
 at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                      int64_t out_features, int64_t act) {
   GemmArgs args = gemm_args(x, packed, bias, out_features, x.size(-1), kNR, "[ceil(out/16), in, 16]");
+  if (packed.scalar_type() == at::kBFloat16) return gemm_fp32_bf16_stored(args, packed, act);
   const int64_t M = args.M, K = args.K, N = args.N;
   at::Tensor out = args.out, rows = args.rows;
   if (M == 0 || N == 0 || K == 0) return out;
@@ -1700,19 +1727,71 @@ struct Int8Panels {
     thread_local std::vector<Line> scratches[2];  // two panels side by side for the 512-bit tiles
     std::vector<Line>& scratch = scratches[slot];
     scratch.resize(kc);
+    Line* lines = scratch.data();  // not scratch[k]: a store through it may alias the vector, which then is reread
     const int8_t* src = tiles + (p * K + k0) * kNR;
     for (int64_t k = 0; k < kc; ++k) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kNR));
 #if defined(__AVX512F__)
-      _mm512_store_ps(scratch[k].v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+      _mm512_store_ps(lines[k].v, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
 #else
-      _mm256_store_ps(scratch[k].v, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-      _mm256_store_ps(scratch[k].v + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+      _mm256_store_ps(lines[k].v, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+      _mm256_store_ps(lines[k].v + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
 #endif
     }
-    return scratch[0].v;
+    return lines[0].v;
   }
 };
+
+// An fp32 model's weights that are bf16 values (a bf16 checkpoint run in fp32, what dtype=auto picks on a CPU
+// without AVX512-BF16), stored as bf16 panels in the fp32 layout ([ceil(N/16)][K][16]): the fp32 panels' products
+// bit for bit, from half the bytes, which is what a decode step's GEMMs wait on. A row block of one micro-kernel call
+// widens them as it loads them (load_weights: a shift); larger ones widen each panel into the thread's scratch once
+// (Bf16PanelsWidened) for all their calls, where the shifts beside the FMAs cost: the bench model's decode steps at
+// 64 rows, the weights widened in the micro-kernel, took 368.6 against 339.3 ms with fp32 panels (AMD EPYC Zen 3,
+// avx2, 2 threads; tools/step_ab.py --compare bf16-panels). Widened into scratch at one row, 120 bench-model layers
+// took longer than the fp32 panels.
+struct Bf16Panels {
+  const uint16_t* w;
+  int64_t K;
+  static constexpr int64_t kBytesPerK = kNR * 2;
+  const char* stored(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(w + (p * K + k0) * kNR); }
+  const uint16_t* get(int64_t p, int64_t k0, int64_t, int = 0) const { return w + (p * K + k0) * kNR; }
+};
+struct Bf16PanelsWidened : Bf16Panels {
+  const float* get(int64_t p, int64_t k0, int64_t kc, int slot = 0) const {
+    thread_local std::vector<Line> scratches[2];  // two panels side by side for the 512-bit tiles
+    std::vector<Line>& scratch = scratches[slot];
+    scratch.resize(kc);
+    Line* lines = scratch.data();  // not scratch[k]: a store through it may alias the vector, which then is reread
+    const uint16_t* src = Bf16Panels::get(p, k0, kc);
+    for (int64_t k = 0; k < kc; ++k) {
+#if defined(__AVX512F__)
+      _mm512_store_ps(lines[k].v, wide::load_weights(src + k * kNR));
+#else
+      load_weights(src + k * kNR, *reinterpret_cast<__m256*>(lines[k].v), *reinterpret_cast<__m256*>(lines[k].v + 8));
+#endif
+    }
+    return lines[0].v;
+  }
+};
+
+at::Tensor gemm_fp32_bf16_stored(GemmArgs& args, const at::Tensor& packed, int64_t act) {
+  TORCH_CHECK(args.rows.scalar_type() == at::kFloat, "gemm_packed: bf16 weights in the fp32 layout need fp32 x; got ",
+              args.rows.scalar_type());
+  if (args.M == 0 || args.N == 0 || args.K == 0) return args.out;
+  const Bf16Panels panels{reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), args.K};
+#if defined(__AVX512F__)
+  constexpr int64_t kCallRows = wide::kMR;
+#else
+  constexpr int64_t kCallRows = kMR;
+#endif
+  const auto run = [&](const auto& source) {
+    gemm_fp32_panels(args.rows.data_ptr<float>(), args.rows.stride(0), args.M, args.K, source, packed.size(0),
+                     static_cast<const float*>(args.bias), args.out.data_ptr<float>(), args.N, act);
+  };
+  args.M <= kCallRows ? run(panels) : run(Bf16PanelsWidened{panels});
+  return args.out;
+}
 
 // torch.ops.aserve.gemm_int8: x @ (q * scale)^T + bias for int8 weights in int8_linear's tiles, as a GEMM: for the
 // batches too large for int8_linear (which widens every weight once per call and multiplies it by each row in fp32),
@@ -1781,6 +1860,7 @@ struct Int4Panels {
     thread_local std::vector<Line> scratches[2];  // two panels side by side for the 512-bit tiles
     std::vector<Line>& scratch = scratches[slot];
     scratch.resize(kc);
+    Line* lines = scratch.data();  // not scratch[k]: a store through it may alias the vector, which then is reread
     const int64_t groups = K / group;
     const uint8_t* src = tiles + p * (K / 2) * kNR;
     for (int64_t k = k0; k < k0 + kc; ++k) {  // k: pair row k / 2 = 4b + s of block b, half k & 1 of each word
@@ -1790,17 +1870,17 @@ struct Int4Panels {
 #if defined(__AVX512F__)
       const __m512i b = _mm512_loadu_si512(block);
       const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(b, shift), _mm512_set1_epi32(15)));
-      _mm512_store_ps(scratch[k - k0].v, _mm512_fmsub_ps(q, _mm512_loadu_ps(sz), _mm512_loadu_ps(sz + kNR)));
+      _mm512_store_ps(lines[k - k0].v, _mm512_fmsub_ps(q, _mm512_loadu_ps(sz), _mm512_loadu_ps(sz + kNR)));
 #else
       for (int half = 0; half < 2; ++half) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * half));
         const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(b, shift), _mm256_set1_epi32(15)));
-        _mm256_store_ps(scratch[k - k0].v + 8 * half,
+        _mm256_store_ps(lines[k - k0].v + 8 * half,
                         _mm256_fmsub_ps(q, _mm256_loadu_ps(sz + 8 * half), _mm256_loadu_ps(sz + kNR + 8 * half)));
       }
 #endif
     }
-    return scratch[0].v;
+    return lines[0].v;
   }
 };
 
@@ -1848,6 +1928,13 @@ at::Tensor pack_gemm_weight(const at::Tensor& weight) {
               weight.scalar_type());
 }
 
+// An fp32 weight's panels for the fp32 GEMM, stored as bf16 (Bf16Panels): for weights that are bf16 values, which
+// it keeps exactly (others it rounds to nearest even).
+at::Tensor pack_gemm_weight_bf16(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_gemm_weight_bf16: weight must be fp32 [out, in]");
+  return pack_fp32(weight).to(at::kBFloat16);
+}
+
 // `activation`: an Activation applied to the outputs as they are written (0: none).
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features, int64_t activation) {
@@ -1855,7 +1942,8 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10:
               "gemm_packed: activation must be 0 (none), 1 (GELU, erf), 2 (GELU, tanh) or 3 (SiLU and mul); got ",
               activation);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (packed.scalar_type() == at::kBFloat16) return bf16::gemm(x, packed, bias, out_features, activation);
+  if (packed.scalar_type() == at::kBFloat16 && x.scalar_type() != at::kFloat)
+    return bf16::gemm(x, packed, bias, out_features, activation);
 #endif
   TORCH_CHECK(activation != kSiluMul, "gemm_packed: SiLU-and-mul is the bf16 GEMM's only (fp32 takes silu_and_mul)");
   return gemm_fp32(x, packed, bias, out_features, activation);
@@ -1889,6 +1977,7 @@ bool gemm_packs_bf16() {
 
 TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
+  m.def("pack_gemm_weight_bf16(Tensor weight) -> Tensor");
   m.def("gemm_packed(Tensor x, Tensor packed, Tensor? bias, int out_features, int activation=0) -> Tensor");
   m.def("gemm_packs_bf16() -> bool", &gemm_packs_bf16);  // no tensor to dispatch on: one kernel for all
   m.def("gemm_bf16_products(str set=\"\") -> str", &gemm_bf16_products);
@@ -1899,6 +1988,7 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("pack_gemm_weight", &pack_gemm_weight);
+  m.impl("pack_gemm_weight_bf16", &pack_gemm_weight_bf16);
   m.impl("gemm_packed", &gemm_packed);
   m.impl("gemm_int8", &gemm_int8);
   m.impl("gemm_int4", &gemm_int4);
