@@ -144,7 +144,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
         model = model.to(torch_dtype)
         if spec is not None:  # before the weights are allocated: a GPTQ/AWQ layer never holds a dense one
             method = loading.attach(model, spec, torch_dtype, names)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     fill_weights(model, files, lazy=tp.size > 1 or stage.size > 1)
     if spec is not None:
         loading.finish(model, spec, method, torch_dtype)
@@ -169,6 +169,13 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: torch.device 
         value = source.get("eos_token_id")
         eos.update([value] if isinstance(value, int) else (value or []))
     return LoadedModel(model, config, torch_dtype, frozenset(eos), reason)
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to_empty(device)` without its cost: to_empty's `empty_like` of a meta tensor runs torch's Python
+    reference for strides, whose first call imports sympy (0.4 s of every engine start on a slow CPU). The meta
+    tensors here are all contiguous, so a plain `torch.empty` of each is the same."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def _optional_json(path: Path) -> dict:

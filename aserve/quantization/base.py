@@ -34,7 +34,7 @@ class ParamLayout:
 def add_checkpoint_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                          layout: ParamLayout = ParamLayout()) -> None:
     """Register a parameter in the checkpoint's layout and record its layout on the layer (attributes set on a
-    parameter would not survive `to_empty`)."""
+    parameter would not survive `loader.materialize`, which makes new ones)."""
     setattr(layer, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
     layer.param_layouts[name] = layout
 
