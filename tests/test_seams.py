@@ -28,6 +28,18 @@ def test_the_core_and_the_settings_import_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_command_refuses_a_bad_flag_before_importing_torch(tmp_path):
+    """`aserve` builds every subcommand's parser (the benchmarks' too) and checks the engine options without torch:
+    a wrong folder or policy is a fraction of a second, not the seconds torch takes to import."""
+    code = ("import sys\nfrom aserve import cli\n"
+            f"try:\n    cli.main(['--model', {str(tmp_path / 'missing')!r}])\nexcept SystemExit as exit:\n"
+            "    assert exit.code == 2, exit.code\nelse:\n    raise AssertionError('the missing folder was accepted')\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    assert "does not exist" in ran.stderr
+
+
 def assert_plain(value, where="SchedulerOutput"):
     if dataclasses.is_dataclass(value) and not isinstance(value, Params):
         for f in dataclasses.fields(value):

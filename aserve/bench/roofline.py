@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from aserve.config import add_engine_arguments, engine_options
+
+# torch is imported where it is used: the `aserve` command imports this module to build its parser, and a command
+# that fails on its arguments should say so before spending seconds importing torch.
 
 PEAK_SHAPES = ((256, 2048, 2048), (512, 1024, 4096), (1024, 2048, 2048))  # (rows, in, out): compute-bound
 GROUPS = (  # (label, substrings of profiler op names), first match wins; the rest is "other ops"
@@ -72,6 +73,8 @@ class Peaks:
 def gemm_runner(dtype: torch.dtype, shape: tuple[int, int, int]):
     """A call of the GEMM the engine multiplies `dtype` weights with (ops.cpu_gemm: aserve's or oneDNN's, prepacked;
     torch's linear where neither packs this dtype) on random operands of `shape` (rows, in, out)."""
+    import torch
+
     from aserve.ops import cpu_gemm
 
     rows, inp, out = shape
@@ -99,6 +102,8 @@ def gemm_calls(shape: tuple[int, int, int]) -> int:
 
 def peak_gemm(dtype: torch.dtype, shapes=PEAK_SHAPES, repeats: int = 3) -> tuple[float, tuple[int, int, int]]:
     """The best GFLOP/s of the engine's GEMM for `dtype` weights (gemm_runner) over `shapes`."""
+    import torch
+
     best, best_shape = 0.0, shapes[0]
     with torch.inference_mode():
         for shape in shapes:
@@ -113,6 +118,8 @@ def peak_gemm(dtype: torch.dtype, shapes=PEAK_SHAPES, repeats: int = 3) -> tuple
 
 def bandwidth_buffer(mib: int) -> torch.Tensor:
     """A `mib` MiB buffer for stream_read, its pages touched."""
+    import torch
+
     from aserve.ops import cpu_kernels
 
     if not cpu_kernels.available():
@@ -125,6 +132,8 @@ def bandwidth_buffer(mib: int) -> torch.Tensor:
 
 def read_rate(buffer: torch.Tensor) -> float:
     """GB/s of reading `buffer` once (torch.ops.aserve.stream_read, on every thread)."""
+    import torch
+
     start = time.perf_counter()
     torch.ops.aserve.stream_read(buffer)
     return buffer.numel() * 8 / (time.perf_counter() - start) / 1e9
@@ -159,6 +168,8 @@ class Probes:
 
     @classmethod
     def make(cls, interval: float, dtype: torch.dtype, shape: tuple[int, int, int], mib: int) -> "Probes":
+        import torch
+
         run = gemm_runner(dtype, shape)
         with torch.inference_mode():
             run()
