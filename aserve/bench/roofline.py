@@ -28,11 +28,14 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aserve.config import add_engine_arguments, engine_options
 
 # torch is imported where it is used: the `aserve` command imports this module to build its parser, and a command
 # that fails on its arguments should say so before spending seconds importing torch.
+if TYPE_CHECKING:
+    import torch
 
 PEAK_SHAPES = ((256, 2048, 2048), (512, 1024, 4096), (1024, 2048, 2048))  # (rows, in, out): compute-bound
 GROUPS = (  # (label, substrings of profiler op names), first match wins; the rest is "other ops"
@@ -180,6 +183,8 @@ class Probes:
         start = time.perf_counter()
         if self.last is not None and start - self.last < self.interval:
             return
+        import torch
+
         with torch.inference_mode():
             gemm = max(gemm_rate(self.gemm, self.shape, gemm_calls(self.shape)) for _ in range(self.GEMM_TIMINGS))
             self.readings.append((gemm, max(read_rate(self.buffer) for _ in range(self.READS))))
