@@ -19,7 +19,7 @@ import pytest
 
 from aserve import AsyncLLM, EngineDeadError
 from aserve.bench.serve import describe_server
-from aserve.engine.core_process import MAX_CALLS_PER_STEP, _answer, _queued, complete
+from aserve.engine.core_process import MAX_CALLS_PER_STEP, _answer, _queued, complete, serve_core
 from aserve.engine.messages import Abort, GetState, Kind
 from aserve.worker import host_memory
 from conftest import wait_for
@@ -143,6 +143,33 @@ async def until_true(probe, timeout: float = 60.0):
 
 
 # -- diagnostics: on request, cached; the C library looked up once ------------------------------------------
+
+def test_cores_started_early_are_taken_in_order_and_the_unused_stopped_at_exit():
+    """`aserve serve` starts its core processes before it imports the server (core_process.start_early): a
+    CoreProcess takes them first come first served, and any left when the process exits (a bad flag found
+    after the start) are stopped, not left behind."""
+    code = ("from aserve.engine import core_process as c\n"
+            "c.start_early(3)\n"
+            "pids = [proc.pid for proc, _ in c._early]\n"
+            "taken, _ = c.start_child()\n"
+            "assert taken.pid == pids[0] and len(c._early) == 2\n"
+            "taken.kill(); taken.wait()\n"
+            "print(*pids)")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    pids = [int(pid) for pid in ran.stdout.split()]
+    assert len(pids) == 3
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_core_whose_parent_goes_before_its_start_exits_quietly():
+    """A core started early whose server exits first (killed, say) finds its socket closed: it returns."""
+    ours, theirs = Pipe()
+    ours.close()
+    assert serve_core(theirs) is None
+
 
 def test_memory_diagnostics_are_cached_and_libc_is_looked_up_once(monkeypatch):
     lookups = []

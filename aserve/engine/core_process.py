@@ -11,6 +11,7 @@ StepOutputs, Result | Error and Died the other.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -47,6 +48,49 @@ def complete(future: concurrent.futures.Future, result=None, error: BaseExceptio
         pass
 
 
+_early: list[tuple[subprocess.Popen, Connection]] = []  # children start_early began, not yet taken
+_early_lock = threading.Lock()  # data-parallel replicas take theirs from several threads
+
+
+def _spawn() -> tuple[subprocess.Popen, Connection]:
+    parent_sock, child_sock = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-m", "aserve.engine.core_child", str(child_sock.fileno())],
+                            pass_fds=[child_sock.fileno()])
+    child_sock.close()
+    return proc, Connection(parent_sock.detach())
+
+
+def start_child() -> tuple[subprocess.Popen, Connection]:
+    """An engine-core child process and the parent's end of its socket: one that start_early began, while any is
+    left, else a new one."""
+    with _early_lock:
+        if _early:
+            return _early.pop(0)
+    return _spawn()
+
+
+def start_early(count: int) -> None:
+    """Start `count` engine-core children now. A child imports torch and the engine (seconds on a slow CPU) before
+    it waits for its Start; the server calls this before importing its own modules (torch, transformers,
+    starlette), so the two processes import side by side instead of one after the other. Children still unused
+    when this process exits are stopped."""
+    with _early_lock:
+        _early.extend(_spawn() for _ in range(count))
+
+
+def _stop_unused() -> None:
+    with _early_lock:
+        unused = _early[:]
+        _early.clear()
+    for proc, conn in unused:
+        conn.close()
+        proc.kill()
+        proc.wait()
+
+
+atexit.register(_stop_unused)
+
+
 class CoreProcess:
     """Parent side: starts the child, sends commands, and hands its outputs to `on_outputs` (on a reader thread)."""
 
@@ -60,11 +104,7 @@ class CoreProcess:
 
             self.proc, self.conn = start_core(config, serve_core)
         else:
-            parent_sock, child_sock = socket.socketpair()
-            self.proc = subprocess.Popen([sys.executable, "-m", "aserve.engine.core_child",
-                                          str(child_sock.fileno())], pass_fds=[child_sock.fileno()])
-            child_sock.close()
-            self.conn = Connection(parent_sock.detach())
+            self.proc, self.conn = start_child()
         self._send_lock = threading.Lock()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
@@ -225,8 +265,14 @@ def serve_core(conn: Connection) -> None:
     steps for longer than one batch of them, so no stream of calls (a client polling /state, say) can stall
     generation: each call waits at most one step for its answer."""
     from aserve.engine.engine_core import EngineCore
+    # The tokenizer's classes (transformers builds its lazy import tables: a second or more) are imported before
+    # the Start comes: while a server started early (start_early) imports its own modules, not after.
+    from transformers import AutoTokenizer, PretrainedConfig  # noqa: F401
 
-    start: Start = conn.recv()
+    try:
+        start: Start = conn.recv()
+    except EOFError:  # started early (start_early) and never used: the parent went away first
+        return
     if start.config.data_parallel_backend == "mp":  # a Ray actor has its own CPUs (OMP_NUM_THREADS, set by Ray)
         share_cpu_threads(start.config.data_parallel_size)
     try:

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from aserve.config import EngineConfig, add_engine_arguments, engine_options
+from aserve.engine.core_process import start_early
 
 log = logging.getLogger("aserve")
 DEATH_GRACE_S = 2.0
@@ -66,7 +67,10 @@ def _exit_cleanly(signum, frame):
 
 def serve(args: argparse.Namespace) -> None:
     options = engine_options(args)
-    EngineConfig.from_kwargs(**options).verify()  # before torch, uvicorn or the core: a wrong flag fails at once
+    config = EngineConfig.from_kwargs(**options)
+    config.verify()  # before torch, uvicorn or the core: a wrong flag fails at once
+    if config.data_parallel_backend != "ray":  # a Ray replica's core starts as an actor
+        start_early(config.data_parallel_size)  # the cores import torch while this process imports the server
     adapters = lora_modules(args, options)
     tool_call_parser = None if args.tool_call_parser == "none" else args.tool_call_parser
     if tool_call_parser is not None:
