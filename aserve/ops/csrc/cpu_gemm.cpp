@@ -1718,16 +1718,24 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, const c10::option
 // int8 tiles as fp32 panels: the tile layout is the fp32 panel's ([ceil(N/16)][K][16]), so a panel's k rows are its
 // tile's, widened into the thread's scratch once per (k chunk, row block) and multiplied by all the block's rows.
 struct alignas(64) Line { float v[kNR]; };
+
+// The calling thread's scratch for `kc` widened k steps of a panel (slot 1: the second panel of a 512-bit pair),
+// shared by the panel sources below that widen (Int8Panels, Bf16PanelsWidened, Int4Panels). Written through the
+// returned pointer, not the vector: a store through the vector's operator[] may alias it, and GCC then rereads the
+// thread_local (a __tls_get_addr call) between every two stores.
+inline Line* scratch_lines(int slot, int64_t kc) {
+  thread_local std::vector<Line> scratches[2];
+  std::vector<Line>& scratch = scratches[slot];
+  scratch.resize(kc);
+  return scratch.data();
+}
 struct Int8Panels {
   const int8_t* tiles;
   int64_t K;
   static constexpr int64_t kBytesPerK = kNR;
   const char* stored(int64_t p, int64_t k0) const { return reinterpret_cast<const char*>(tiles + (p * K + k0) * kNR); }
   const float* get(int64_t p, int64_t k0, int64_t kc, int slot = 0) const {
-    thread_local std::vector<Line> scratches[2];  // two panels side by side for the 512-bit tiles
-    std::vector<Line>& scratch = scratches[slot];
-    scratch.resize(kc);
-    Line* lines = scratch.data();  // not scratch[k]: a store through it may alias the vector, which then is reread
+    Line* lines = scratch_lines(slot, kc);
     const int8_t* src = tiles + (p * K + k0) * kNR;
     for (int64_t k = 0; k < kc; ++k) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kNR));
@@ -1759,10 +1767,7 @@ struct Bf16Panels {
 };
 struct Bf16PanelsWidened : Bf16Panels {
   const float* get(int64_t p, int64_t k0, int64_t kc, int slot = 0) const {
-    thread_local std::vector<Line> scratches[2];  // two panels side by side for the 512-bit tiles
-    std::vector<Line>& scratch = scratches[slot];
-    scratch.resize(kc);
-    Line* lines = scratch.data();  // not scratch[k]: a store through it may alias the vector, which then is reread
+    Line* lines = scratch_lines(slot, kc);
     const uint16_t* src = Bf16Panels::get(p, k0, kc);
     for (int64_t k = 0; k < kc; ++k) {
 #if defined(__AVX512F__)
@@ -1857,10 +1862,7 @@ struct Int4Panels {
     return reinterpret_cast<const char*>(tiles + (p * (K / 2) + k0 / 2) * kNR);
   }
   const float* get(int64_t p, int64_t k0, int64_t kc, int slot = 0) const {
-    thread_local std::vector<Line> scratches[2];  // two panels side by side for the 512-bit tiles
-    std::vector<Line>& scratch = scratches[slot];
-    scratch.resize(kc);
-    Line* lines = scratch.data();  // not scratch[k]: a store through it may alias the vector, which then is reread
+    Line* lines = scratch_lines(slot, kc);
     const int64_t groups = K / group;
     const uint8_t* src = tiles + p * (K / 2) * kNR;
     for (int64_t k = k0; k < k0 + kc; ++k) {  // k: pair row k / 2 = 4b + s of block b, half k & 1 of each word
