@@ -224,15 +224,13 @@ class ModelCost:
     def of(cls, model: torch.nn.Module, kv_cache: torch.Tensor) -> "ModelCost":
         from aserve.attention import Attention
         from aserve.models.layers import Linear
-        from aserve.ops.cpu_gemm import PackedLinear
+        from aserve.ops.cpu_gemm import PackedLinear, stored_bytes
 
         def size(module) -> tuple[int, int]:
             params = module.in_features * module.out_features
             if isinstance(module, Linear):
                 return params, module.method.weight_bytes(module)
-            packed = getattr(module, "packed", None)  # aserve's fp32 panels may hold bf16 (cpu_gemm.holds_bf16)
-            stored = packed.data if packed is not None and packed.aserve else module.weight
-            return params, module.weight.numel() * stored.element_size()
+            return params, stored_bytes(module.weight, getattr(module, "packed", None))
 
         lm_head = getattr(model, "lm_head", None)
         head = getattr(model, "packed_head", None) or lm_head  # a tied head's own copy runs in place of lm_head

@@ -136,6 +136,13 @@ def holds_bf16(weight: torch.Tensor) -> bool:
     return not bool(torch.any(weight.contiguous().view(torch.int32) & 0xFFFF))
 
 
+def stored_bytes(weight: torch.Tensor, packed: PackedWeight | None) -> int:
+    """The bytes a GEMM reads for `weight`: aserve's panels in the dtype they are stored in (fp32 panels may hold
+    bf16, holds_bf16), else the weight as it is."""
+    stored = packed.data if packed is not None and packed.aserve else weight
+    return weight.numel() * stored.element_size()
+
+
 def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> PackedWeight:
     """An [out, in] weight reordered once for the GEMM that will multiply by it. For aserve's fp32 GEMM, a weight of
     bf16 values is stored as bf16 (`holds_bf16`): an fp32 decode step waits on its weights' bytes, and a bf16

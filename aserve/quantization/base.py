@@ -147,9 +147,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def weight_bytes(self, layer):
         """As packed where aserve's GEMM reads it: its fp32 panels may be stored as bf16 (cpu_gemm.holds_bf16)."""
-        packed = layer.packed
-        if packed is not None and packed.aserve:
-            return layer.weight.numel() * packed.data.element_size()
+        if layer.packed is not None and layer.packed.aserve:
+            return cpu_gemm.stored_bytes(layer.weight, layer.packed)
         return super().weight_bytes(layer)
 
     def native_projection(self, layer):
