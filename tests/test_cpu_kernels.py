@@ -677,8 +677,8 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
     ahead, 200 x 576 and 130 x 1536); bf16 on each of the CPU's products (gemm_int4 on FMAs takes a tile at a time,
     up to 24 rows at once, in row blocks: 70 rows of 4224 are two); both kernels the same for rows that are a view
-    into wider ones."""
-    from aserve.quantization.int4 import tile_int4, tile_scales_zeros
+    into wider ones. Where int4_linear makes x 16-bit integers (int4_row_products), its product is the rounded x's."""
+    from aserve.quantization.int4 import int4_row_products, tile_int4, tile_scales_zeros
     from aserve.quantization.int8 import gemm_dtypes
 
     if dtype not in gemm_dtypes():
@@ -709,7 +709,10 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
         view = wide[:, 1:in_features + 1]
         if rows <= 16:
             got = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
-            assert got.dtype == dtype and (got.float() - expected).abs().max() <= bound, (out_features, rows)
+            rows_expected = expected
+            if int4_row_products(dtype, rows) in ("vpmaddwd", "vpdpwssd"):
+                rows_expected = (_fixed_point(x.double(), group) @ weight.double().t()).float()
+            assert got.dtype == dtype and (got.float() - rows_expected).abs().max() <= bound, (out_features, rows)
             again = torch.ops.aserve.int4_linear(view, tiles, sz, group, out_features)
             assert torch.equal(again, got), (out_features, rows)
         got = torch.ops.aserve.gemm_int4(x, tiles, sz, group, bias, out_features)
@@ -723,22 +726,24 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
 
 
 def _fixed_point(x: torch.Tensor, group: int, span: int = 64) -> torch.Tensor:
-    """x (fp64) as int4_linear's bf16 path reads it: within each group, spans of up to `span` inputs share the unit
-    2^(e - 14), e the exponent of the span's largest |x| (at least -100), and each x is rounded to a whole number of
-    units (ties to even)."""
+    """x (fp64) as int4_linear's integer paths read it: within each group, spans of up to `span` inputs share the
+    unit 2^(e - 14), e the exponent of the span's largest |x| (at least -100), and each x is rounded to a whole number
+    of units (ties to even), at most 2^15 - 1 (an fp32 x just under 2^(e + 1) rounds to 2^15)."""
     out = torch.empty_like(x)
     for g0 in range(0, x.shape[1], group):
         for s0 in range(g0, g0 + group, span):
             part = x[:, s0:min(s0 + span, g0 + group)]
             e = (torch.frexp(part.abs().amax(1, keepdim=True)).exponent - 1).clamp(min=-100)
             unit = torch.pow(2.0, (e - 14).double())
-            out[:, s0:s0 + part.shape[1]] = torch.round(part / unit) * unit
+            out[:, s0:s0 + part.shape[1]] = torch.round(part / unit).clamp(max=2 ** 15 - 1) * unit
     return out
 
 
-def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, group: int):
-    """A random bf16 int4 layer whose input 0 weighs 8 s - 8 s = 0 exactly (an outlier there leaves the output to the
-    small inputs): (codes, tiles, scales_zeros, s, s * z as stored (fp64), each input's group, the weight (fp64))."""
+def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, group: int,
+                                    dtype: torch.dtype = torch.bfloat16):
+    """A random int4 layer (scales in `dtype`) whose input 0 weighs 8 s - 8 s = 0 exactly (an outlier there leaves
+    the output to the small inputs): (codes, tiles, scales_zeros, s, s * z as stored (fp64), each input's group, the
+    weight (fp64))."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
 
     groups = in_features // group
@@ -747,7 +752,7 @@ def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, gr
     zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
     zeros[0] = 8
     codes[:, 0] = 8
-    tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, torch.bfloat16)
+    tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, dtype)
     s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
     sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
     g = torch.arange(in_features) // group
@@ -787,6 +792,50 @@ def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(bf16_produc
             broken[3, 5] = bad
             again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
             assert again[3].isnan().all() and torch.equal(again[:3], got[:3].bfloat16()), (in_features, bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_rows_on_vpmaddwd_are_16_bit_integers_sharing_a_spans_exponent(dtype):
+    """On AVX2-only CPUs int4_linear multiplies fp32 and bf16 rows alike as 16-bit integers on vpmaddwd, one exponent
+    per span of 64 inputs: the product of the rounded x (an fp32 x to 2^-15 of its span's largest, and one just under
+    a power of two capped at 2^15 - 1 units, not wrapped) to fp32's rounding of the sums, for groups of one span, of
+    two, of one short one and of less than a span. An input 16 binades below its span's largest is rounded; zeros
+    and values near fp32's smallest normal are exact; a row's output is the same bits at 1 to 16 rows (blocks of up
+    to 4 rows, each summed alike); a NaN or an infinity makes its row's outputs NaN and leaves the other rows alone."""
+    from aserve.quantization.int4 import int4_row_products
+
+    if not cpu_kernels.available() or int4_row_products(dtype) != "vpmaddwd":
+        pytest.skip("the vpmaddwd rows are AVX2-only CPUs' path")
+    gen = torch.Generator().manual_seed(17)
+    out_features = 40
+    for in_features, group in ((128, 128), (192, 96), (72, 24), (256, 64)):
+        codes, tiles, sz, s, sz_term, g, weight = _int4_layer_with_a_silent_input(gen, out_features, in_features,
+                                                                                  group, dtype)
+        x = torch.randn(16, in_features, generator=gen)
+        x[1, 1:] *= 2.0 ** -6  # 16 binades below the outlier: rounded in its span, exact in the others
+        x[1, 0] = 2.0 ** 10
+        x[2, :min(64, group)] = 0.0  # a span of zeros, then values near fp32's smallest normal
+        x[2, min(64, group):] *= 1e-30
+        x[3, 1] = 2.0 - 2.0 ** -23  # fp32: 2^15 units, capped at 2^15 - 1
+        x = x.to(dtype)
+        rounded = _fixed_point(x.double(), group)
+        expected = rounded @ weight.t()
+        batch = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
+        # the output's rounding to its dtype, and fp32's of the terms it sums (s q x and s z x: the outlier's cancel)
+        output_rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -22
+        bound = output_rounding * expected.abs() + 2.0 ** -18 * (rounded.abs() @ (codes * s[g].t() + sz_term[g].t()).t())
+        assert ((batch.double() - expected).abs() <= bound).all(), in_features
+        exact = x.double() @ weight.t()
+        assert (exact[1] - expected[1]).abs().max() > 0.1 * float(expected[1].abs().max()), "no input was rounded"
+        torch.testing.assert_close(batch[0].double(), exact[0], rtol=2 ** -7, atol=1e-3 * float(exact[0].abs().max()))
+        for rows in (1, 2, 3, 5, 8, 9, 13):
+            got = torch.ops.aserve.int4_linear(x[:rows], tiles, sz, group, out_features)
+            assert torch.equal(got, batch[:rows]), (in_features, rows)
+        for bad in (float("nan"), float("inf")):
+            broken = x[:6].clone()
+            broken[4, 5] = bad
+            again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
+            assert again[4].isnan().all() and torch.equal(again[[0, 1, 2, 3, 5]], batch[[0, 1, 2, 3, 5]]), bad
 
 
 def test_int4_bf16_rows_on_vdpbf16ps_multiply_x_as_it_is(bf16_products):

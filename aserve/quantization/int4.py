@@ -4,13 +4,16 @@ a scale s and an integer zero point z, the weight being w = (q - z) * s.
 On the CPU, where aserve's kernels are built and the activations are fp32 (or bf16 with AVX512-BF16), they run on
 aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
 (`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 8 rows
-(`KERNEL_MAX_ROWS`, 16 where bf16 runs on vdpbf16ps: `kernel_rows`) `int4_linear` (csrc/int8_linear.cpp) sums x * q
-per group in registers and folds in s * sum(x q) - s * z * sum(x). bf16 from 3 rows where aserve's GEMMs multiply on
-vdpbf16ps (AMD's cores): each code made the bf16 128 + q, exactly, and multiplied by x as it is, 32 products an
-instruction, in blocks of up to 4 rows against pairs of tiles (a row's output the same bits at 3 to 16 rows). bf16
-elsewhere, and one or two rows: x made 16-bit integers sharing an exponent per span of up to 64 inputs, exact within
-7 binades of the span's largest, and an output's two codes of a pair of inputs a mask away from the 16-bit pair
-vpdpwssd multiplies by. fp32: each code masked where it lies and converted, beside x scaled by powers of two. Above,
+(`KERNEL_MAX_ROWS`, 16 where bf16 runs on vdpbf16ps and on AVX2: `kernel_rows`) `int4_linear` (csrc/int8_linear.cpp)
+sums x * q per group in registers and folds in s * sum(x q) - s * z * sum(x). bf16 from 3 rows where aserve's GEMMs
+multiply on vdpbf16ps (AMD's cores): each code made the bf16 128 + q, exactly, and multiplied by x as it is, 32
+products an instruction, in blocks of up to 4 rows against pairs of tiles (a row's output the same bits at 3 to 16
+rows). bf16 elsewhere with AVX-512, and one or two rows: x made 16-bit integers sharing an exponent per span of up to
+64 inputs, exact within 7 binades of the span's largest, and an output's two codes of a pair of inputs a mask away
+from the 16-bit pair vpdpwssd multiplies by. On AVX2-only CPUs, fp32 and bf16 alike the same way on vpmaddwd: an
+fp32 x is then rounded to 2^-15 of its span's largest |x| (bf16's own rounding is 2^-9 of each x), a row's output the
+same bits at 1 to 16 rows. fp32 with AVX-512: each code masked where it lies and converted, beside x scaled by
+powers of two (`int4_row_products` says which). Above,
 `gemm_int4` (csrc/cpu_gemm.cpp) dequantizes each panel once per row block into the dense GEMM's layout, or, where
 that GEMM multiplies on fp32 FMAs, each tile in registers for every 16 rows (from 5 rows there). Any group size that
 is a multiple of 8 and divides the inputs.
@@ -53,14 +56,26 @@ KERNEL_MAX_ROWS = 8
 # 12 rows 5.15 / 6.07 / 6.01, 16 rows 6.42 / 7.22 / 7.16. One layer hot in cache at 24 rows the row kernel and
 # gemm_int4 were level (gate | up 111.7 against 110.2 us), so 16.
 KERNEL_MAX_ROWS_BF16 = 16
+# On AVX2's vpmaddwd (AVX2-only CPUs), up to 16 rows too. The bench model's 120 int4 layers from DRAM, fp32, the two
+# kernels alternated in one process (AMD EPYC Zen 3, avx2 fma, no AVX-512, 2 threads, ms, int4_linear / gemm_int4):
+# 1 row 7.14 / 28.10, 4 rows 11.14 / 35.18, 8 rows 19.81 / 40.84, 16 rows 43.76 / 70.23.
+KERNEL_MAX_ROWS_MADD = 16
+
+
+def int4_row_products(dtype: torch.dtype, rows: int = 1) -> str:
+    """What multiplies int4_linear's rows of this dtype: "vpmaddwd" (AVX2) or "vpdpwssd" (AVX512-VNNI, bf16), where x
+    is made 16-bit integers sharing an exponent per span of 64 inputs; "vdpbf16ps" (bf16 x as it is); or "fma"
+    (each code widened to fp32)."""
+    return torch.ops.aserve.int4_row_products(dtype, rows)
 
 
 def kernel_rows(dtype: torch.dtype) -> int:
     """Rows up to which a layer runs int4_linear (gemm_int4 above): KERNEL_MAX_ROWS_BF16 for bf16 where the kernels
-    multiply bf16 on vdpbf16ps, else KERNEL_MAX_ROWS."""
-    if dtype == torch.bfloat16 and torch.ops.aserve.gemm_bf16_products() == "dpbf16":
+    multiply bf16 on vdpbf16ps, KERNEL_MAX_ROWS_MADD on AVX2's vpmaddwd, else KERNEL_MAX_ROWS."""
+    products = int4_row_products(dtype, KERNEL_MAX_ROWS_BF16)
+    if products == "vdpbf16ps":
         return KERNEL_MAX_ROWS_BF16
-    return KERNEL_MAX_ROWS
+    return KERNEL_MAX_ROWS_MADD if products == "vpmaddwd" else KERNEL_MAX_ROWS
 
 
 def unpack_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -185,6 +186,28 @@ template <typename T> inline float* rows_as_float(const at::Tensor& x, int M, in
   return rows.data();
 }
 
+// Inputs made 16-bit integers for the integer row kernels (AVX512-VNNI's vpdpwssd for bf16 rows, AVX2's vpmaddwd for
+// fp32 and bf16): x's M rows as int16 ([M][K]), each span's unit ([M][groups][spans a group]) and each group's sum of
+// n * unit ([M][groups]), in this thread's scratch.
+constexpr int64_t kSpan = 64;  // inputs sharing an exponent: few enough that no 32-bit sum can overflow
+struct FixedPointRows {
+  const int16_t* values;
+  const float* units;
+  const float* sums;
+  int64_t spans;  // a group's
+
+  FixedPointRows from_row(int64_t m0, int64_t K, int64_t groups) const {  // the rows from m0 on
+    return {values + m0 * K, units + m0 * groups * spans, sums + m0 * groups, spans};
+  }
+};
+
+inline float power_of_two(int p) {  // 2^p for p in fp32's normal range
+  const uint32_t b = static_cast<uint32_t>(p + 127) << 23;
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // bf16 activations as 16-bit integers for vpdpwssd (AVX512-VNNI), which multiplies pairs of them by pairs of 16-bit
 // weights and sums into 32-bit lanes: x's inputs in spans of up to kSpan (of a group's inputs, from its start; int8's
@@ -194,18 +217,8 @@ template <typename T> inline float* rows_as_float(const at::Tensor& x, int M, in
 // of n * q are exact integers, folded per span into fp32 as sum * unit (times the weights' scale). On an Intel Xeon
 // vdpbf16ps issues one every ~2.2 cycles and vpdpwssd about three times as often.
 #define ASERVE_VNNI_ROWS 1
-constexpr int64_t kSpan = 64;  // inputs sharing an exponent: few enough that no 32-bit sum can overflow
 
-// x's M rows as 16-bit integers ([M][K]), each span's unit ([M][groups][spans a group]) and each group's sum of
-// n * unit ([M][groups]), in this thread's scratch. A span holding a NaN or an infinity gets a NaN unit, so that its
-// outputs are NaN as x q's would be.
-struct FixedPointRows {
-  const int16_t* values;
-  const float* units;
-  const float* sums;
-  int64_t spans;  // a group's
-};
-
+// A span holding a NaN or an infinity gets a NaN unit, so that its outputs are NaN as x q's would be.
 inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K, int64_t group) {
   thread_local std::vector<int16_t> values;
   thread_local std::vector<float> units, sums;
@@ -235,8 +248,7 @@ inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K,
         const float largest = _mm512_reduce_max_ps(top);
         std::memcpy(&top_bits, &largest, sizeof top_bits);
         const int e = std::max(static_cast<int>(top_bits >> 23) - 127, -100);  // -100: zeros and denormals
-        const auto power = [](int p) { const uint32_t b = static_cast<uint32_t>(p + 127) << 23; float f; std::memcpy(&f, &b, 4); return f; };
-        const __m512 inverse = _mm512_set1_ps(power(14 - e));
+        const __m512 inverse = _mm512_set1_ps(power_of_two(14 - e));
         __m512i total = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int i = 0; i < kVecs; ++i) {
@@ -246,7 +258,7 @@ inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K,
           _mm256_mask_storeu_epi16(values.data() + m * K + k0 + 16 * i, static_cast<__mmask16>((1u << count) - 1),
                                    _mm512_cvtsepi32_epi16(n));
         }
-        const float unit = bad ? std::numeric_limits<float>::quiet_NaN() : power(e - 14);
+        const float unit = bad ? std::numeric_limits<float>::quiet_NaN() : power_of_two(e - 14);
         units[(m * groups + g) * spans + j] = unit;
         group_sum += static_cast<float>(_mm512_reduce_add_epi32(total)) * unit;
       }
@@ -262,6 +274,64 @@ template <int CH, int M> inline void zero_sums(__m512i (&acc)[CH][M]) {
   for (int c = 0; c < CH; ++c)
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) acc[c][m] = _mm512_setzero_si512();
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// fp32 and bf16 rows as 16-bit integers for vpmaddwd, AVX2's product of 16-bit pairs summed into 32-bit lanes: as
+// above, each span's inputs x = n * unit with unit = 2^(e - 14), e the exponent of its largest |x|, n = round(x /
+// unit) to nearest even, and n capped at 2^15 - 1 (an fp32 x just under 2^(e + 1) rounds to 2^15). A bf16 x within 7
+// binades of its span's largest is n exactly, as above; an fp32 x is rounded to half a unit, 2^-15 of its span's
+// largest (bf16 rounds each x to 2^-9 of itself). Spans are whole vectors of 8: int4 groups are multiples of 8.
+#define ASERVE_MADD_ROWS 1
+
+template <typename T>
+inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K, int64_t group) {
+  thread_local std::vector<int16_t> values;
+  thread_local std::vector<float> units, sums;
+  const float* rows = rows_as_float<T>(x, M, K);
+  const int64_t groups = K / group, spans = (group + kSpan - 1) / kSpan;
+  values.resize(M * K), units.resize(M * groups * spans), sums.resize(M * groups);
+  const __m256 sign = _mm256_set1_ps(-0.f), infinity = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256i largest_n = _mm256_set1_epi32(32767);
+  for (int m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float group_sum = 0.f;
+      for (int64_t j = 0; j < spans; ++j) {
+        const int64_t k0 = g * group + j * kSpan, len = std::min(kSpan, (g + 1) * group - k0);
+        const float* p = rows + m * K + k0;
+        __m256 top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int64_t i = 0; i < len; i += 8) {
+          const __m256 size = _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i));
+          bad = _mm256_or_ps(bad, _mm256_cmp_ps(size, infinity, _CMP_NLT_UQ));
+          top = _mm256_max_ps(top, size);
+        }
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        const float largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+        uint32_t top_bits;
+        std::memcpy(&top_bits, &largest, sizeof top_bits);
+        const int e = std::max(static_cast<int>(top_bits >> 23) - 127, -100);  // -100: zeros and denormals
+        const __m256 inverse = _mm256_set1_ps(power_of_two(14 - e));
+        __m256i total = _mm256_setzero_si256();
+        for (int64_t i = 0; i < len; i += 8) {
+          const __m256i n =
+              _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + i), inverse)), largest_n);
+          total = _mm256_add_epi32(total, n);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(values.data() + m * K + k0 + i),
+                           _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1)));
+        }
+        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+        const float unit = _mm256_movemask_ps(bad) ? std::numeric_limits<float>::quiet_NaN() : power_of_two(e - 14);
+        units[(m * groups + g) * spans + j] = unit;
+        group_sum += static_cast<float>(_mm_cvtsi128_si32(sum4)) * unit;
+      }
+      sums[m * groups + g] = group_sum;
+    }
+  }
+  return {values.data(), units.data(), sums.data(), spans};
 }
 #endif
 
@@ -604,13 +674,93 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
   store_tiles<T, M, R>(out, o, N, t0, [](float sum, int64_t) { return sum; });
 }
 
-#if defined(ASERVE_VNNI_ROWS)
 // Tile t's scales and s * z, all its groups, into L2 (the thread's next tile, while this one multiplies).
-inline void prefetch_tile_scales(const c10::BFloat16* sz, int64_t t, int64_t groups) {
+template <typename T> inline void prefetch_tile_scales(const T* sz, int64_t t, int64_t groups) {
   const char* p = reinterpret_cast<const char*>(sz + t * groups * 2 * kInt8Tile);
-  const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(c10::BFloat16)};
+  const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(T)};
   for (int64_t b = 0; b < bytes; b += 64) aserve_kernels::prefetch_line<2>(p + b);
 }
+
+#if defined(ASERVE_MADD_ROWS)
+// int4 on AVX2's vpmaddwd: pair row r of a 64-byte block, (q[2kk], q[2kk + 1]) in each 32-bit word, masked (and
+// shifted) into the 16-bit pairs vpmaddwd multiplies by (n[2kk], n[2kk + 1]), then added to the row's 32-bit sums:
+// 32 weights in two ymm, about seven vector ops at one row, where widening the codes to fp32 took ten beside four
+// FMAs (int4_tiles). Tile t (16 outputs) against M rows (up to 4: their sums, the block and the pair row fill the 16
+// registers), one tile at a time so that each thread reads its run of tiles as one stream; each span's sums folded
+// into fp32 with its unit and the group's scales, the outputs waiting in L1 between spans. `next`: the thread's next
+// tile, fetched meanwhile, with its scales.
+template <int M, typename T>
+inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group, const T* sz, T* o,
+                           int64_t N, int64_t t, const uint8_t* next) {
+  const int64_t groups = K / group, pairs = K / 2;
+  const uint8_t* tile = w + t * pairs * kInt8Tile;
+  const __m256i low = _mm256_set1_epi16(0x000F);
+  alignas(32) float out[M][kInt8Tile] = {};
+  prefetch_scales<1>(sz, t, groups, 0);
+  if (next != nullptr) prefetch_tile_scales(sz, t + 1, groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
+    alignas(32) float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
+    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+    for (int64_t j = 0; j < xs.spans; ++j) {
+      const int64_t k0 = g * group + j * kSpan, k1 = std::min(k0 + kSpan, (g + 1) * group);
+      __m256i acc[M][2];
+#pragma GCC unroll 8
+      for (int i = 0; i < 2 * M; ++i) acc[i / 2][i % 2] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int64_t kk = k0 / 2; kk < k1 / 2; kk += 4) {  // a block: pair rows kk..kk+3
+        if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
+        const __m256i* block = reinterpret_cast<const __m256i*>(tile + kk * kInt8Tile);  // outputs 0-7, then 8-15
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {  // pair row r of both halves, each broadcast pair of x used at once by both
+          __m256i rows[2];
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v) {
+            const __m256i shifted = _mm256_srli_epi16(_mm256_loadu_si256(block + v), 4 * r);
+            rows[v] = r == 3 ? shifted : _mm256_and_si256(shifted, low);
+          }
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            int32_t pair;  // (n[2(kk + r)], n[2(kk + r) + 1])
+            std::memcpy(&pair, xs.values + m * K + 2 * (kk + r), sizeof pair);
+            const __m256i xv = _mm256_set1_epi32(pair);
+#pragma GCC unroll 2
+            for (int v = 0; v < 2; ++v) {
+              acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(rows[v], xv));
+              // Each sum in its register here: else GCC reorders the (associative) integer adds into trees of
+              // products, which hold more values than the 16 registers and spill every block.
+              asm("" : "+x"(acc[m][v]));
+            }
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        const __m256 unit = _mm256_set1_ps(xs.units[(m * groups + g) * xs.spans + j]);
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; ++v)
+          _mm256_store_ps(out[m] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][v]),
+                                                          _mm256_mul_ps(_mm256_load_ps(s + 8 * v), unit),
+                                                          _mm256_load_ps(out[m] + 8 * v)));
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      const __m256 xsum = _mm256_set1_ps(xs.sums[m * groups + g]);
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v)
+        _mm256_store_ps(out[m] + 8 * v, _mm256_fnmadd_ps(_mm256_load_ps(s + kInt8Tile + 8 * v), xsum,
+                                                         _mm256_load_ps(out[m] + 8 * v)));
+    }
+  }
+  const int64_t n0 = t * kInt8Tile, width = std::min<int64_t>(kInt8Tile, N - n0);
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m)
+    for (int64_t i = 0; i < width; ++i) o[m * N + n0 + i] = static_cast<T>(out[m][i]);
+}
+#endif
+
+#if defined(ASERVE_VNNI_ROWS)
 
 // int4: pair row s of a block, (q[2kk], q[2kk + 1]) in each 32-bit word, is a mask (and shift) away from the 16-bit
 // pairs vpdpwssd multiplies by (n[2kk], n[2kk + 1]). vdpbf16ps took the same 32 products an instruction, and fp32
@@ -842,6 +992,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     return;
   }
 #endif
+#if !defined(ASERVE_MADD_ROWS)
   constexpr int kTiles = int4_tiles_at_once(M);
   const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
   const RowsAndSums xs = rows_and_group_sums<T>(x, M, K, group, true);
@@ -852,6 +1003,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     int4_tiles<T, M, decltype(r)::value>(w, xs.rows, K, group, sz, xs.sums, o, N, t,
                                          next_run<decltype(r)::value>(w, t, end, K / 2));
   });
+#endif
 }
 
 constexpr int64_t kInt4MaxRows = 16;  // int4.KERNEL_MAX_ROWS_BF16: where the rows run on vdpbf16ps, layers use all 16
@@ -859,8 +1011,43 @@ constexpr int64_t kInt4MaxRows = 16;  // int4.KERNEL_MAX_ROWS_BF16: where the ro
 // which the pairs of tiles read as two streams (120 bench layers from DRAM, Zen 5: 2 rows 2.30 against 2.20 ms).
 constexpr int64_t kInt4Bf16FromRows = 3;
 
+#if defined(ASERVE_MADD_ROWS)
+// int4_linear on vpmaddwd: each thread's tiles one at a time, against the rows in even blocks of at most four (their
+// sums fill the registers), the blocks after the first finding the tile in L1. The bench model's 120 int4 layers from
+// DRAM, fp32 (AMD EPYC Zen 3, avx2, 2 threads): see int4.KERNEL_MAX_ROWS_MADD.
+template <typename T>
+void int4_linear_madd(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
+                      at::Tensor& out) {
+  const int M = static_cast<int>(x.size(0));
+  const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), pairs = K / 2, groups = K / group;
+  const int blocks = (M + 3) / 4, block = (M + blocks - 1) / blocks;
+  const FixedPointRows xs = rows_as_fixed_point<T>(x, M, K, group);
+  const uint8_t* w = tiled.data_ptr<uint8_t>();
+  const T* sz = scales_zeros.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int m0 = 0; m0 < M; m0 += block) {
+        const uint8_t* next = m0 == 0 && t + 1 < end ? w + (t + 1) * pairs * kInt8Tile : nullptr;
+        const FixedPointRows rows = xs.from_row(m0, K, groups);
+        const auto run = [&](auto m) { int4_tile_madd<decltype(m)::value, T>(w, rows, K, group, sz, o + m0 * N, N, t, next); };
+        switch (std::min(block, M - m0)) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, 4>{}); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void int4_linear_rows(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& sz, int64_t group, at::Tensor& out) {
+#if defined(ASERVE_MADD_ROWS)
+  int4_linear_madd<T>(x, tiled, sz, group, out);
+#else
 #if defined(ASERVE_BF16_ROWS)
   if constexpr (std::is_same_v<T, c10::BFloat16>)
     if (bf16_products() == Products::kDpbf16 && x.size(0) >= kInt4Bf16FromRows)
@@ -883,6 +1070,26 @@ void int4_linear_rows(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     case 7: return int4_linear_impl<T, 7>(x, tiled, sz, group, out);
     case 8: return int4_linear_impl<T, 8>(x, tiled, sz, group, out);
   }
+#endif
+}
+
+// What multiplies int4_linear's rows of this dtype: "vpmaddwd" or "vpdpwssd" (x made 16-bit integers sharing an
+// exponent per span), "vdpbf16ps" (bf16 x as it is) or "fma" (each code widened to fp32), for int4.kernel_rows and
+// the tests' expectations.
+std::string int4_row_products(at::ScalarType dtype, int64_t rows) {
+#if defined(ASERVE_MADD_ROWS)
+  return "vpmaddwd";
+#else
+  if (dtype == at::kBFloat16) {
+#if defined(ASERVE_BF16_ROWS)
+    if (bf16_products() == Products::kDpbf16 && rows >= kInt4Bf16FromRows) return "vdpbf16ps";
+#endif
+#if defined(ASERVE_VNNI_ROWS)
+    return "vpdpwssd";
+#endif
+  }
+  return "fma";
+#endif
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
@@ -939,6 +1146,7 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("int8_linear(Tensor x, Tensor tiled, Tensor scales, int out_features) -> Tensor");
   m.def("int8_untile(Tensor tiled, int out_features, Tensor like) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor tiled, Tensor scales_zeros, int group, int out_features) -> Tensor");
+  m.def("int4_row_products(ScalarType dtype, int rows) -> str", &int4_row_products);  // no tensor to dispatch on
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
