@@ -794,6 +794,19 @@ def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(bf16_produc
             assert again[3].isnan().all() and torch.equal(again[:3], got[:3].bfloat16()), (in_features, bad)
 
 
+def _assert_int4_rows_keep_their_bits(x, tiles, sz, group: int, out_features: int, batch, row_counts) -> None:
+    """int4_linear of x's first rows, for each count, is the same bits as those rows of `batch` (x's product); a NaN
+    or an infinity in row 4 of 6 makes that row's outputs NaN and leaves the other rows' bits alone."""
+    for rows in row_counts:
+        got = torch.ops.aserve.int4_linear(x[:rows], tiles, sz, group, out_features)
+        assert torch.equal(got, batch[:rows]), (x.shape[1], rows)
+    for bad in (float("nan"), float("inf")):
+        broken = x[:6].clone()
+        broken[4, 5] = bad
+        again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
+        assert again[4].isnan().all() and torch.equal(again[[0, 1, 2, 3, 5]], batch[[0, 1, 2, 3, 5]]), bad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_rows_on_vpmaddwd_are_16_bit_integers_sharing_a_spans_exponent(dtype):
     """On AVX2-only CPUs int4_linear multiplies fp32 and bf16 rows alike as 16-bit integers on vpmaddwd, one exponent
@@ -828,14 +841,7 @@ def test_int4_rows_on_vpmaddwd_are_16_bit_integers_sharing_a_spans_exponent(dtyp
         exact = x.double() @ weight.t()
         assert (exact[1] - expected[1]).abs().max() > 0.1 * float(expected[1].abs().max()), "no input was rounded"
         torch.testing.assert_close(batch[0].double(), exact[0], rtol=2 ** -7, atol=1e-3 * float(exact[0].abs().max()))
-        for rows in (1, 2, 3, 5, 8, 9, 13):
-            got = torch.ops.aserve.int4_linear(x[:rows], tiles, sz, group, out_features)
-            assert torch.equal(got, batch[:rows]), (in_features, rows)
-        for bad in (float("nan"), float("inf")):
-            broken = x[:6].clone()
-            broken[4, 5] = bad
-            again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
-            assert again[4].isnan().all() and torch.equal(again[[0, 1, 2, 3, 5]], batch[[0, 1, 2, 3, 5]]), bad
+        _assert_int4_rows_keep_their_bits(x, tiles, sz, group, out_features, batch, (1, 2, 3, 5, 8, 9, 13))
 
 
 def test_int4_bf16_rows_on_vdpbf16ps_multiply_x_as_it_is(bf16_products):
@@ -864,14 +870,7 @@ def test_int4_bf16_rows_on_vdpbf16ps_multiply_x_as_it_is(bf16_products):
         batch = torch.ops.aserve.int4_linear(x, tiles, sz, group, out_features)
         assert ((batch.double() - exact).abs() <= bound).all(), in_features
         assert (batch[1].double() - exact[1]).abs().max() <= 0.05 * float(exact[1].abs().max()), in_features
-        for rows in (3, 4, 5, 8, 9, 13):
-            got = torch.ops.aserve.int4_linear(x[:rows], tiles, sz, group, out_features)
-            assert torch.equal(got, batch[:rows]), (in_features, rows)
-        for bad in (float("nan"), float("inf")):
-            broken = x[:6].clone()
-            broken[4, 5] = bad
-            again = torch.ops.aserve.int4_linear(broken, tiles, sz, group, out_features)
-            assert again[4].isnan().all() and torch.equal(again[[0, 1, 2, 3, 5]], batch[[0, 1, 2, 3, 5]])
+        _assert_int4_rows_keep_their_bits(x, tiles, sz, group, out_features, batch, (3, 4, 5, 8, 9, 13))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 6])

@@ -157,6 +157,20 @@ constexpr int tiles_at_once(int M) {
   return 1;
 }
 
+// M rows in even blocks of at most four (whose sums fill the registers): run(integral_constant<rows>, m0) for each
+// block in turn, first to last.
+template <typename Run> inline void by_row_blocks(int64_t M, Run run) {
+  const int64_t blocks = (M + 3) / 4, block = (M + blocks - 1) / blocks;
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    switch (std::min(block, M - m0)) {
+      case 1: run(std::integral_constant<int, 1>{}, m0); break;
+      case 2: run(std::integral_constant<int, 2>{}, m0); break;
+      case 3: run(std::integral_constant<int, 3>{}, m0); break;
+      default: run(std::integral_constant<int, 4>{}, m0); break;
+    }
+  }
+}
+
 // Each thread takes an equal run of the tiles (not of whole groups: 36 tiles are 9 groups of 4, 5 for one thread and
 // 4 for the other) and calls run(integral_constant<R>, t) on them R at a time: kTiles, then what is left 2 and 1.
 template <int kTiles, typename Run> inline void by_tile_runs(int64_t tiles, Run run) {
@@ -947,30 +961,22 @@ void int4_linear_bf16(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  const int64_t ldx = x.stride(0), pairs = K / 2, blocks = (M + 3) / 4, block = (M + blocks - 1) / blocks;
+  const int64_t ldx = x.stride(0), pairs = K / 2;
   parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t += 2) {
       const int64_t count = std::min<int64_t>(2, end - t);
-      for (int64_t m0 = 0; m0 < M; m0 += block) {
+      by_row_blocks(M, [&](auto m, int64_t m0) {
+        constexpr int kRows = decltype(m)::value;
         // the first block fetches the thread's next tiles; the later ones find this pair in L1
         const uint8_t* next = m0 == 0 && t + count < end ? w + (t + count) * pairs * kInt8Tile : nullptr;
         const c10::BFloat16* xr = xp + m0 * ldx;
         const float* sums = xsums + m0 * groups;
         c10::BFloat16* rows = o + m0 * N;
-        const auto run = [&](auto m) {
-          constexpr int kRows = decltype(m)::value;
-          if (count == 2)
-            int4_tiles_bf16<kRows, 2>(w, xr, ldx, sums, K, group, sz, rows, N, t, next);
-          else
-            int4_tiles_bf16<kRows, 1>(w, xr, ldx, sums, K, group, sz, rows, N, t, next);
-        };
-        switch (std::min(block, M - m0)) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: run(std::integral_constant<int, 4>{}); break;
-        }
-      }
+        if (count == 2)
+          int4_tiles_bf16<kRows, 2>(w, xr, ldx, sums, K, group, sz, rows, N, t, next);
+        else
+          int4_tiles_bf16<kRows, 1>(w, xr, ldx, sums, K, group, sz, rows, N, t, next);
+      });
     }
   });
 }
@@ -1018,27 +1024,17 @@ constexpr int64_t kInt4Bf16FromRows = 3;
 template <typename T>
 void int4_linear_madd(const at::Tensor& x, const at::Tensor& tiled, const at::Tensor& scales_zeros, int64_t group,
                       at::Tensor& out) {
-  const int M = static_cast<int>(x.size(0));
-  const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0), pairs = K / 2, groups = K / group;
-  const int blocks = (M + 3) / 4, block = (M + blocks - 1) / blocks;
-  const FixedPointRows xs = rows_as_fixed_point<T>(x, M, K, group);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), tiles = tiled.size(0), pairs = K / 2, groups = K / group;
+  const FixedPointRows xs = rows_as_fixed_point<T>(x, static_cast<int>(M), K, group);
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   const T* sz = scales_zeros.data_ptr<T>();
   T* o = out.data_ptr<T>();
   parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int m0 = 0; m0 < M; m0 += block) {
+    for (int64_t t = begin; t < end; ++t)
+      by_row_blocks(M, [&](auto m, int64_t m0) {
         const uint8_t* next = m0 == 0 && t + 1 < end ? w + (t + 1) * pairs * kInt8Tile : nullptr;
-        const FixedPointRows rows = xs.from_row(m0, K, groups);
-        const auto run = [&](auto m) { int4_tile_madd<decltype(m)::value, T>(w, rows, K, group, sz, o + m0 * N, N, t, next); };
-        switch (std::min(block, M - m0)) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: run(std::integral_constant<int, 4>{}); break;
-        }
-      }
-    }
+        int4_tile_madd<decltype(m)::value, T>(w, xs.from_row(m0, K, groups), K, group, sz, o + m0 * N, N, t, next);
+      });
   });
 }
 #endif
