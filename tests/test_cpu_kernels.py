@@ -812,9 +812,10 @@ def test_int4_rows_on_vpmaddwd_are_16_bit_integers_sharing_a_spans_exponent(dtyp
     """On AVX2-only CPUs int4_linear multiplies fp32 and bf16 rows alike as 16-bit integers on vpmaddwd, one exponent
     per span of 64 inputs: the product of the rounded x (an fp32 x to 2^-15 of its span's largest, and one just under
     a power of two capped at 2^15 - 1 units, not wrapped) to fp32's rounding of the sums, for groups of one span, of
-    two, of one short one and of less than a span. An input 16 binades below its span's largest is rounded; zeros
-    and values near fp32's smallest normal are exact; a row's output is the same bits at 1 to 16 rows (blocks of up
-    to 4 rows, each summed alike); a NaN or an infinity makes its row's outputs NaN and leaves the other rows alone."""
+    two, of one short one and of less than a span. An input 16 binades below its span's largest is rounded; a span
+    of zeros, and one of values near fp32's smallest normal, are read as the others are; a row's output is the same
+    bits at 1 to 16 rows (blocks of up to 4 rows, each summed alike); a NaN or an infinity makes its row's outputs NaN
+    and leaves the other rows alone."""
     from aserve.quantization.int4 import int4_row_products
 
     if not cpu_kernels.available() or int4_row_products(dtype) != "vpmaddwd":
