@@ -998,7 +998,6 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     return;
   }
 #endif
-#if !defined(ASERVE_MADD_ROWS)
   constexpr int kTiles = int4_tiles_at_once(M);
   const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
   const RowsAndSums xs = rows_and_group_sums<T>(x, M, K, group, true);
@@ -1009,7 +1008,6 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     int4_tiles<T, M, decltype(r)::value>(w, xs.rows, K, group, sz, xs.sums, o, N, t,
                                          next_run<decltype(r)::value>(w, t, end, K / 2));
   });
-#endif
 }
 
 constexpr int64_t kInt4MaxRows = 16;  // int4.KERNEL_MAX_ROWS_BF16: where the rows run on vdpbf16ps, layers use all 16
