@@ -57,8 +57,8 @@ KERNEL_MAX_ROWS = 8
 # gemm_int4 were level (gate | up 111.7 against 110.2 us), so 16.
 KERNEL_MAX_ROWS_BF16 = 16
 # On AVX2's vpmaddwd (AVX2-only CPUs), up to 16 rows too. The bench model's 120 int4 layers from DRAM, fp32, the two
-# kernels alternated in one process (AMD EPYC Zen 3, avx2 fma, no AVX-512, 2 threads, ms, int4_linear / gemm_int4):
-# 1 row 7.14 / 28.10, 4 rows 11.14 / 35.18, 8 rows 19.81 / 40.84, 16 rows 43.76 / 70.23.
+# kernels alternated in one process (AMD EPYC Zen 3, avx2 fma, no AVX-512, 2 threads, at 2500964, ms, int4_linear /
+# gemm_int4): 1 row 7.14 / 28.10, 4 rows 11.14 / 35.18, 8 rows 19.81 / 40.84, 16 rows 43.76 / 70.23.
 KERNEL_MAX_ROWS_MADD = 16
 
 
