@@ -672,7 +672,7 @@ def test_silu_and_mul_takes_gates_and_ups_in_alternate_blocks(dtype):
                                             (torch.bfloat16, "dpbf16"), (torch.bfloat16, "fma")])
 def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
     """GPTQ/AWQ layers on aserve's int4 kernels: int4_linear (1-16 rows) and gemm_int4 (any rows) equal x @ (q * s -
-    s * z)^T with the stored (dtype-rounded) s and s * z, for group sizes 24/32/64/128 and a whole row, output widths
+    s * z)^T with the stored (fp16) s and z, for group sizes 24/32/64/128 and a whole row, output widths
     that end mid-tile and mid-panel, inputs that end mid-way through 16 (72), a batch over one row block, inputs
     past the fp32 GEMM's k chunk, and several row slices over several panels a thread (the AMX GEMM's widening
     ahead, 200 x 576 and 130 x 1536); bf16 on each of the CPU's products (gemm_int4 on FMAs takes a tile at a time,
@@ -694,9 +694,8 @@ def test_int4_kernels_match_the_dequantized_product(request, dtype, products):
         codes = torch.randint(0, 16, (out_features, in_features), generator=gen)
         scales = torch.rand(groups, out_features, generator=gen) * 0.1
         zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
-        tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, dtype)
-        s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].float()
-        sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].float()
+        tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros)
+        s, sz_term = (t.float() for t in _stored_scales(sz, out_features))
         g = torch.arange(in_features) // group
         weight = codes.float() * s[g].t() - sz_term[g].t()
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
@@ -739,11 +738,17 @@ def _fixed_point(x: torch.Tensor, group: int, span: int = 64) -> torch.Tensor:
     return out
 
 
-def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, group: int,
-                                    dtype: torch.dtype = torch.bfloat16):
-    """A random int4 layer (scales in `dtype`) whose input 0 weighs 8 s - 8 s = 0 exactly (an outlier there leaves
-    the output to the small inputs): (codes, tiles, scales_zeros, s, s * z as stored (fp64), each input's group, the
-    weight (fp64))."""
+def _stored_scales(sz: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The s and s * z ([groups, out], fp64) of tile_scales_zeros' fp16 scales and zero points, as the kernels read
+    them."""
+    groups = sz.shape[1]
+    s, z = (sz[:, :, i].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double() for i in (0, 1))
+    return s, s * z
+
+
+def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, group: int):
+    """A random int4 layer whose input 0 weighs 8 s - 8 s = 0 exactly (an outlier there leaves the output to the
+    small inputs): (codes, tiles, scales_zeros, s, s * z as stored (fp64), each input's group, the weight (fp64))."""
     from aserve.quantization.int4 import tile_int4, tile_scales_zeros
 
     groups = in_features // group
@@ -752,9 +757,8 @@ def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, gr
     zeros = torch.randint(0, 16, (groups, out_features), generator=gen).float()
     zeros[0] = 8
     codes[:, 0] = 8
-    tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros, dtype)
-    s = sz[:, :, 0].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
-    sz_term = sz[:, :, 1].permute(1, 0, 2).reshape(groups, -1)[:, :out_features].double()
+    tiles, sz = tile_int4(codes), tile_scales_zeros(scales, zeros)
+    s, sz_term = _stored_scales(sz, out_features)
     g = torch.arange(in_features) // group
     return codes, tiles, sz, s, sz_term, g, codes.double() * s[g].t() - sz_term[g].t()
 
@@ -824,7 +828,7 @@ def test_int4_rows_on_vpmaddwd_are_16_bit_integers_sharing_a_spans_exponent(dtyp
     out_features = 40
     for in_features, group in ((128, 128), (192, 96), (72, 24), (256, 64)):
         codes, tiles, sz, s, sz_term, g, weight = _int4_layer_with_a_silent_input(gen, out_features, in_features,
-                                                                                  group, dtype)
+                                                                                  group)
         x = torch.randn(16, in_features, generator=gen)
         x[1, 1:] *= 2.0 ** -6  # 16 binades below the outlier: rounded in its span, exact in the others
         x[1, 0] = 2.0 ** 10

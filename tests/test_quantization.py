@@ -201,6 +201,33 @@ def test_int4_layers_dequantize_exactly_without_the_kernel(checkpoints, monkeypa
         torch.testing.assert_close(layer.weight, ref[name].weight, rtol=0, atol=1e-6)
 
 
+def test_int4_scales_that_fp16_does_not_hold_run_dense(checkpoints, tmp_path, caplog):
+    """aserve's int4 kernels keep scales and zero points in fp16 (GPTQ's and AWQ's own): a checkpoint whose fp32
+    scales need more bits is not rounded to fit. With aserve's kernels there in fp32, its layers load dense, with the
+    exact weights, and the start-up log says why; the checkpoint's fp16 scales take the kernels."""
+    from safetensors.torch import load_file, save_file
+
+    if not cpu_kernels.available():
+        pytest.skip("aserve's CPU kernels cannot be built here")
+    quantized_dir, reference_dir = checkpoints["gptq-g32"]
+    tensors = load_file(quantized_dir / "model.safetensors")
+    finer = tmp_path / "finer-scales"
+    shutil.copytree(quantized_dir, finer)
+    name = next(k for k in tensors if k.endswith("o_proj.scales"))
+    tensors[name] = tensors[name].float() * (1 + 2.0 ** -20)  # between two fp16 values
+    save_file(tensors, finer / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("INFO", logger="aserve"):
+        quant = linears(load_model(finer, dtype="float32").model)
+    ref = linears(load_model(reference_dir, dtype="float32").model)
+    for layer_name, layer in quant.items():
+        if name.endswith(f"{layer_name}.scales"):
+            assert layer.method is UNQUANTIZED
+            torch.testing.assert_close(layer.weight, ref[layer_name].weight, rtol=2.0 ** -19, atol=1e-7)
+        else:
+            assert type(layer.method) is int4.AserveInt4Method, layer_name
+    assert "fp16 does not hold its scales exactly" in caplog.text
+
+
 @pytest.mark.parametrize("case", ["gptq-desc-act", "awq-g64"])
 def test_int4_bf16_kernel_is_within_bf16_rounding(checkpoints, monkeypatch, case):
     """bf16 activations, scales and zero terms, on aserve's kernels where they take bf16 (3 rows and 20) and on

@@ -3,7 +3,8 @@ a scale s and an integer zero point z, the weight being w = (q - z) * s.
 
 On the CPU, where aserve's kernels are built and the activations are fp32 (or bf16 with AVX512-BF16), they run on
 aserve's own (`AserveInt4Method`): the codes tiled 16 outputs side by side in 64-byte blocks of 8 inputs
-(`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and s * z; up to 8 rows
+(`tile_int4`: [ceil(out/16), in/2, 16] bytes), and per tile and group the 16 scales s and zero points z in fp16
+(GPTQ's and AWQ's own scales, exactly: a layer whose scales fp16 does not hold runs as below); up to 8 rows
 (`KERNEL_MAX_ROWS`, 16 where bf16 runs on vdpbf16ps and on AVX2: `kernel_rows`) `int4_linear` (csrc/int8_linear.cpp)
 sums x * q per group in registers and folds in s * sum(x q) - s * z * sum(x). bf16 from 3 rows where aserve's GEMMs
 multiply on vdpbf16ps (AMD's cores): each code made the bf16 128 + q, exactly, and multiplied by x as it is, 32
@@ -142,7 +143,7 @@ class Int4KernelMethod(LinearMethod):
 class AserveInt4Method(LinearMethod):
     """A GPTQ or AWQ layer on aserve's int4 kernels (csrc/int8_linear.cpp's int4_linear for up to kernel_rows rows,
     cpu_gemm.cpp's gemm_int4 above): codes tiled in 64-byte blocks of 8 inputs (tile_int4) and, per tile and
-    group, the 16 outputs' scales then scale * zero ([ceil(out/16), groups, 2, 16], in the model's dtype)."""
+    group, the 16 outputs' scales then zero points ([ceil(out/16), groups, 2, 16], fp16: tile_scales_zeros)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -163,7 +164,7 @@ class AserveInt4Method(LinearMethod):
         puts it back in order). Without it a GPTQ step ran a separate silu_and_mul a layer: at 16 x 128/128 other
         ops took 7% of the bench model's run against dense's 5% (AMD EPYC Zen 5)."""
         if (not gated or layer.int4_gated or layer.bias is not None or dtype != torch.bfloat16
-                or layer.scales_zeros.dtype != dtype or layer.out_features % (2 * cpu_gemm.GATE_ROWS)):
+                or layer.int4_dtype != dtype or layer.out_features % (2 * cpu_gemm.GATE_ROWS)):
             return False
         tiles = layer.qweight.shape[0]
         order = torch.arange(tiles).view(2, tiles // 2).t().reshape(-1)  # gate tile j, then up tile j
@@ -187,7 +188,7 @@ class AserveInt4Method(LinearMethod):
 
     def native_projection(self, layer):
         return NativeProjection(INT4, layer.qweight, layer.scales_zeros, layer.bias, layer.perm, layer.int4_group,
-                                layer.out_features, kernel_rows(layer.scales_zeros.dtype),
+                                layer.out_features, kernel_rows(layer.int4_dtype),
                                 cpu_gemm.SILU_AND_MUL if layer.int4_gated else 0)
 
 
@@ -235,15 +236,23 @@ def tile_int4(codes: torch.Tensor) -> torch.Tensor:
     return words.permute(0, 2, 1, 3).contiguous().view(torch.uint8).view(-1, inp // 2, 16)
 
 
-def tile_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[groups, out] scales and zero points -> [ceil(out/16), groups, 2, 16]: each tile's scales, then scale * zero."""
+def tile_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """[groups, out] scales and zero points -> fp16 [ceil(out/16), groups, 2, 16]: each tile's scales, then its zero
+    points (the kernels multiply s * z in fp32, exactly). A scale that fp16 does not hold is rounded to it: `finish`
+    only tiles layers whose scales it holds (scales_fit_fp16)."""
     groups, out = scales.shape
     pad = -out % 16
-    s, z = scales.float(), zeros.float()
+    s, z = scales.half(), zeros.half()
     if pad:
         s, z = torch.cat([s, s.new_zeros(groups, pad)], 1), torch.cat([z, z.new_zeros(groups, pad)], 1)
-    both = torch.stack([s, s * z], 1)  # [groups, 2, out]
-    return both.view(groups, 2, -1, 16).permute(2, 0, 1, 3).contiguous().to(dtype)
+    both = torch.stack([s, z], 1)  # [groups, 2, out]
+    return both.view(groups, 2, -1, 16).permute(2, 0, 1, 3).contiguous()
+
+
+def scales_fit_fp16(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether fp16 holds every scale and zero point exactly, as aserve's int4 kernels store them: always for GPTQ's and
+    AWQ's fp16 scales and integer zero points; a bf16 or fp32 scale may need more bits or range."""
+    return bool(torch.equal(scales.half().float(), scales.float()) and torch.equal(zeros.half().float(), zeros.float()))
 
 
 class PackedInt4Method(LinearMethod):
@@ -283,7 +292,11 @@ def finish(layer: nn.Module, codes: torch.Tensor, zeros: torch.Tensor, scales: t
     if g_idx is None:
         g_idx = consecutive
     ours = aserve_kernel_refusal(layer, group_size, dtype, device) is None
+    unfit = ours and not scales_fit_fp16(scales, zeros)
+    ours = ours and not unfit
     refusal = None if ours else kernel_refusal(layer, group_size, dtype, device)
+    if unfit and refusal is not None:
+        refusal = f"fp16 does not hold its scales exactly (aserve's int4 kernels), and {refusal}"
     perm = None
     if refusal is None and not torch.equal(g_idx.int(), consecutive):
         perm = torch.argsort(g_idx, stable=True)
@@ -301,10 +314,10 @@ def finish(layer: nn.Module, codes: torch.Tensor, zeros: torch.Tensor, scales: t
     group = layer.in_features if group_size == -1 else group_size
     if ours:
         replace_params(layer, qweight=tile_int4(codes), qzeros=None, g_idx=None, scales=None,
-                       scales_zeros=tile_scales_zeros(scales, zeros, dtype))
+                       scales_zeros=tile_scales_zeros(scales, zeros))
         layer.register_buffer("perm", perm)
         layer.param_layouts = {"bias": layer.param_layouts["bias"]}
-        layer.int4_group, layer.method = group, AserveInt4Method(name)
+        layer.int4_group, layer.int4_dtype, layer.method = group, dtype, AserveInt4Method(name)
         layer.int4_gated = False  # prepack may reorder a gate | up's tiles for the SiLU-and-mul epilogue
         return None
     kernel_group = next(g for g in KERNEL_GROUP_SIZES if group % g == 0)

@@ -617,6 +617,12 @@ constexpr int64_t kRowsOnDpbf16 = 1;
 
 inline __m512 widen(const uint16_t* p) { return aserve_kernels::load_bf16_as_float(p); }
 
+// A tile and group's int4 scales and zero points (fp16 [2][16], int4_args.h) as the fp32 s and s * z (exact).
+inline void widen_scales_zeros(const uint16_t* record, __m512& s, __m512& sz) {
+  s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
+  sz = _mm512_mul_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 16))));
+}
+
 // A tile row's 32 fp32 sums rounded to bf16 (RNE) into c: `cols` of them (fewer than 32 only in the last panel).
 inline void store_row(__m512 lo, __m512 hi, uint16_t* c, int cols) {
   const __m256i l = reinterpret_cast<const __m256i&>(static_cast<const __m256bh&>(_mm512_cvtneps_pbh(lo)));
@@ -1275,8 +1281,9 @@ struct Int4Panels {
     const uint8_t* src = tiles + t * kp * 16;
     for (int64_t kk = k0; kk < k1;) {
       const int64_t g = kk * 2 / group, stop = std::min(k1, (g + 1) * group / 2);
-      const uint16_t* sz = scales_zeros + (t * groups + g) * 32;
-      const __m512 s16 = _mm512_mul_ps(widen(sz), _mm512_set1_ps(16.0f)), c = _mm512_add_ps(s16, widen(sz + 16));
+      __m512 s, sz;
+      widen_scales_zeros(scales_zeros + (t * groups + g) * 32, s, sz);
+      const __m512 s16 = _mm512_mul_ps(s, _mm512_set1_ps(16.0f)), c = _mm512_add_ps(s16, sz);
       for (; kk < stop; kk += 4) {  // a block: pair rows kk..kk+3
         const __m512i block = _mm512_loadu_si512(src + kk * 16);
         int4_pair_row<0>(block, s16, c, rows + kk * 2);
@@ -1356,13 +1363,14 @@ constexpr int64_t kTileAhead = 8;
 // (a block's pair row s: int4_pair_row's nibbles), dequantized with each group's s and s * z.
 struct Int4Tile {
   const uint8_t* codes;  // [K / 2][16]
-  const uint16_t* sz;    // [groups][2][16]
+  const uint16_t* sz;    // [groups][2][16] fp16 scales and zero points
   int64_t K, group;
   const char* next;      // the next tile's codes, fetched into L2 a line a block; or null
   template <class F> inline void pair_rows(F&& f) const {
     for (int64_t g = 0, kk = 0; g < K / group; ++g) {
-      const __m512 s16 = _mm512_mul_ps(widen(sz + g * 32), _mm512_set1_ps(16.0f));
-      const __m512 cz = _mm512_add_ps(s16, widen(sz + g * 32 + 16));
+      __m512 s, s_z;
+      widen_scales_zeros(sz + g * 32, s, s_z);
+      const __m512 s16 = _mm512_mul_ps(s, _mm512_set1_ps(16.0f)), cz = _mm512_add_ps(s16, s_z);
       const auto w = [&](__m512 code) { return _mm512_fmsub_ps(code, s16, cz); };
       for (const int64_t stop = (g + 1) * group / 2; kk < stop; kk += 4) {
         _mm_prefetch(reinterpret_cast<const char*>(codes + (kk + kTileAhead) * 16), _MM_HINT_T0);
@@ -1862,7 +1870,7 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
 // int4 tiles as fp32 panels ([K][16] rows), dequantized: row k holds q[k] * s - s * z of its group (fp32 s and s * z).
 struct Int4Panels {
   const uint8_t* tiles;
-  const float* scales_zeros;
+  const c10::Half* scales_zeros;
   int64_t K, group;
   static constexpr int64_t kBytesPerK = kNR / 2;
   const char* stored(int64_t p, int64_t k0) const {
@@ -1872,8 +1880,9 @@ struct Int4Panels {
     Line* lines = scratch_lines(slot, kc);
     const int64_t groups = K / group;
     const uint8_t* src = tiles + p * (K / 2) * kNR;
-    for (int64_t k = k0; k < k0 + kc; ++k) {  // k: pair row k / 2 = 4b + s of block b, half k & 1 of each word
-      const float* sz = scales_zeros + (p * groups + k / group) * 2 * kNR;
+    alignas(64) float sz[2 * kNR];  // the group's s, then s * z
+    for (int64_t k = k0, g = -1; k < k0 + kc; ++k) {  // k: pair row k / 2 = 4b + s of block b, half k & 1 of each word
+      if (k / group != g) g = k / group, aserve_kernels::load_scales_zeros(scales_zeros + (p * groups + g) * 2 * kNR, sz);
       const uint8_t* block = src + (k / 8) * 4 * kNR;
       const __m128i shift = _mm_cvtsi32_si128(static_cast<int>(16 * (k & 1) + 4 * ((k / 2) & 3)));
 #if defined(__AVX512F__)
@@ -1920,7 +1929,7 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
               x.scalar_type());
   const float* xp = args.rows.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const Int4Panels panels{tiled.data_ptr<uint8_t>(), scales_zeros.data_ptr<float>(), K, group};
+  const Int4Panels panels{tiled.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::Half>(), K, group};
   const auto* b = static_cast<const float*>(args.bias);
   gemm_fp32_panels(xp, args.rows.stride(0), args.M, K, panels, tiled.size(0), b, o, args.N, kNoActivation);
   return out;

@@ -27,6 +27,7 @@
 namespace {
 
 using namespace aserve_kernels;
+using Half = c10::Half;  // int4 scales and zero points (int4_args.h)
 
 constexpr int kInt8Tile = 16;
 
@@ -106,7 +107,7 @@ inline void prefetch_step(const B* next, int64_t step) {
 #endif
 }
 
-// Group g's scales and s * z ([2][16] of T, 64 or 128 bytes) of R tiles from t0 into L1. A group's fold reads a line
+// Group g's scales and zero points ([2][16] fp16, a line) of R tiles from t0 into L1. A group's fold reads a line
 // or two per tile from arrays the hardware does not see as streams: each fold waited on R misses. fp32 int4 at one row
 // (bench shapes x 30 layers, cold, Zen 5, 2 threads): 3.31 ms without this and the next run's prefetch, 2.23-2.34 with.
 template <int R, typename T>
@@ -621,10 +622,10 @@ constexpr int int4_tiles_at_once(int M) {  // out and two group sums for R tiles
   return 1;
 }
 
-// R tiles from t0 against M rows of x (fp32, K apart); sz: the tiles' scales and s * z ([tiles][groups][2][16]);
+// R tiles from t0 against M rows of x (fp32, K apart); sz: the tiles' scales and zero points ([tiles][groups][2][16]);
 // xsum [M][groups].
 template <typename T, int M, int R>
-inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t group, const T* sz, const float* xsum,
+inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t group, const Half* sz, const float* xsum,
                        T* o, int64_t N, int64_t t0, const uint8_t* prefetch) {
   constexpr int kAcc = R * M * kTileVecs;
   const int64_t groups = K / group, pairs = K / 2;
@@ -673,7 +674,7 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z, as fp32
-      load_row(sz + (((t0 + r) * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+      load_scales_zeros(sz + (((t0 + r) * groups + g) * 2) * kInt8Tile, s);
 #pragma GCC unroll 2
       for (int v = 0; v < kTileVecs; ++v) {
         const VecF sv = vec_load(s + v * kVecLanes), mv = vec_load(s + kInt8Tile + v * kVecLanes);
@@ -688,7 +689,7 @@ inline void int4_tiles(const uint8_t* w, const float* xf, int64_t K, int64_t gro
   store_tiles<T, M, R>(out, o, N, t0, [](float sum, int64_t) { return sum; });
 }
 
-// Tile t's scales and s * z, all its groups, into L2 (the thread's next tile, while this one multiplies).
+// Tile t's scales and zero points, all its groups, into L2 (the thread's next tile, while this one multiplies).
 template <typename T> inline void prefetch_tile_scales(const T* sz, int64_t t, int64_t groups) {
   const char* p = reinterpret_cast<const char*>(sz + t * groups * 2 * kInt8Tile);
   const int64_t bytes = groups * 2 * kInt8Tile * int64_t{sizeof(T)};
@@ -704,7 +705,7 @@ template <typename T> inline void prefetch_tile_scales(const T* sz, int64_t t, i
 // into fp32 with its unit and the group's scales, the outputs waiting in L1 between spans. `next`: the thread's next
 // tile, fetched meanwhile, with its scales.
 template <int M, typename T>
-inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group, const T* sz, T* o,
+inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group, const Half* sz, T* o,
                            int64_t N, int64_t t, const uint8_t* next) {
   const int64_t groups = K / group, pairs = K / 2;
   const uint8_t* tile = w + t * pairs * kInt8Tile;
@@ -715,7 +716,7 @@ inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
     alignas(32) float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
-    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+    load_scales_zeros(sz + ((t * groups + g) * 2) * kInt8Tile, s);
     for (int64_t j = 0; j < xs.spans; ++j) {
       const int64_t k0 = g * group + j * kSpan, k1 = std::min(k0 + kSpan, (g + 1) * group);
       __m256i acc[M][2];
@@ -788,7 +789,7 @@ inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K
 // its chain is divided by 16 at the fold; with two, shifted down first.
 template <int M>
 inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group,
-                           const c10::BFloat16* sz, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
+                           const Half* sz, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
   constexpr int CH = M <= 4 ? 4 : 2;
   const int64_t groups = K / group, pairs = K / 2;
   const uint8_t* tile = w + t * pairs * kInt8Tile;
@@ -802,7 +803,7 @@ inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
     float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
-    load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+    load_scales_zeros(sz + ((t * groups + g) * 2) * kInt8Tile, s);
     const __m512 sv = _mm512_loadu_ps(s), mv = _mm512_loadu_ps(s + kInt8Tile);
     for (int64_t j = 0; j < xs.spans; ++j) {
       const int64_t k0 = g * group + j * kSpan, k1 = std::min(k0 + kSpan, (g + 1) * group);
@@ -883,10 +884,10 @@ inline void int4_block_bf16(const uint8_t* at, __m512i (&rows)[4]) {
 }
 
 // Group g's fold into a tile's 16 outputs: out + s * sum(x (128 + q)) - (s z + 128 s) * sum(x).
-inline __m512 int4_fold_bf16(__m512 out, __m512 sums, const c10::BFloat16* sz, int64_t t, int64_t groups, int64_t g,
+inline __m512 int4_fold_bf16(__m512 out, __m512 sums, const Half* sz, int64_t t, int64_t groups, int64_t g,
                              float xsum) {
   float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
-  load_row(sz + ((t * groups + g) * 2) * kInt8Tile, s, 2 * kInt8Tile);
+  load_scales_zeros(sz + ((t * groups + g) * 2) * kInt8Tile, s);
   const __m512 sv = _mm512_loadu_ps(s);
   const __m512 offset = _mm512_fmadd_ps(sv, _mm512_set1_ps(128.f), _mm512_loadu_ps(s + kInt8Tile));
   return _mm512_fnmadd_ps(offset, _mm512_set1_ps(xsum), _mm512_fmadd_ps(sums, sv, out));
@@ -905,7 +906,7 @@ inline void store_tile_bf16(c10::BFloat16* o, int64_t N, int64_t t, __m512 out) 
 // alternated in one process) took 6.19 against 6.52 ms from DRAM, 5.14 against 5.60 with most of them in L3.
 template <int M, int R>
 inline void int4_tiles_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t ldx, const float* xsums, int64_t K,
-                            int64_t group, const c10::BFloat16* sz, c10::BFloat16* o, int64_t N, int64_t t,
+                            int64_t group, const Half* sz, c10::BFloat16* o, int64_t N, int64_t t,
                             const uint8_t* next) {
   const int64_t groups = K / group, pairs = K / 2;
   alignas(64) float outs[R][M][kInt8Tile];
@@ -958,7 +959,7 @@ void int4_linear_bf16(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), tiles = tiled.size(0), groups = K / group;
   const float* xsums = group_sums_bf16(x, static_cast<int>(M), K, group);
   const uint8_t* w = tiled.data_ptr<uint8_t>();
-  const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
+  const Half* sz = scales_zeros.data_ptr<Half>();
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0), pairs = K / 2;
@@ -990,7 +991,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     const int64_t K = x.size(1), N = out.size(1), tiles = tiled.size(0);
     const FixedPointRows xs = rows_as_fixed_point(x, M, K, group);
     const uint8_t* w = tiled.data_ptr<uint8_t>();
-    const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
+    const Half* sz = scales_zeros.data_ptr<Half>();
     c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
     parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) int4_tile_vnni<M>(w, xs, K, group, sz, o, N, t, t + 1 == end);
@@ -1003,7 +1004,7 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const RowsAndSums xs = rows_and_group_sums<T>(x, M, K, group, true);
   const uint8_t* w = tiled.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
-  const T* sz = scales_zeros.data_ptr<T>();
+  const Half* sz = scales_zeros.data_ptr<Half>();
   by_tile_runs<kTiles>(tiles, [&](auto r, int64_t t, int64_t end) {
     int4_tiles<T, M, decltype(r)::value>(w, xs.rows, K, group, sz, xs.sums, o, N, t,
                                          next_run<decltype(r)::value>(w, t, end, K / 2));
@@ -1025,7 +1026,7 @@ void int4_linear_madd(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), tiles = tiled.size(0), pairs = K / 2, groups = K / group;
   const FixedPointRows xs = rows_as_fixed_point<T>(x, static_cast<int>(M), K, group);
   const uint8_t* w = tiled.data_ptr<uint8_t>();
-  const T* sz = scales_zeros.data_ptr<T>();
+  const Half* sz = scales_zeros.data_ptr<Half>();
   T* o = out.data_ptr<T>();
   parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
