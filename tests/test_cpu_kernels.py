@@ -746,6 +746,18 @@ def _stored_scales(sz: torch.Tensor, out_features: int) -> tuple[torch.Tensor, t
     return s, s * z
 
 
+def _rows_with_an_outlier(gen, rows: int, in_features: int, group: int) -> torch.Tensor:
+    """Random fp32 rows (at least 3) for the integer row kernels' tests: row 1 an outlier at input 0 and the rest 16
+    binades below it (rounded in the outlier's span, exact in the others), row 2 a span of zeros and then values near
+    fp32's smallest normal."""
+    x = torch.randn(rows, in_features, generator=gen)
+    x[1, 1:] *= 2.0 ** -6
+    x[1, 0] = 2.0 ** 10
+    x[2, :min(64, group)] = 0.0
+    x[2, min(64, group):] *= 1e-30
+    return x
+
+
 def _int4_layer_with_a_silent_input(gen, out_features: int, in_features: int, group: int):
     """A random int4 layer whose input 0 weighs 8 s - 8 s = 0 exactly (an outlier there leaves the output to the
     small inputs): (codes, tiles, scales_zeros, s, s * z as stored (fp64), each input's group, the weight (fp64))."""
@@ -776,11 +788,7 @@ def test_int4_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(bf16_produc
     for in_features, group in ((128, 128), (192, 96), (72, 24)):
         codes, tiles, sz, s, sz_term, g, weight = _int4_layer_with_a_silent_input(gen, out_features, in_features,
                                                                                   group)
-        x = torch.randn(4, in_features, generator=gen)
-        x[1, 1:] *= 2.0 ** -6  # 16 binades below the outlier: rounded in its span, exact in the others
-        x[1, 0] = 2.0 ** 10
-        x[2, :min(64, group)] = 0.0  # a span of zeros, then values near fp32's smallest normal
-        x[2, min(64, group):] *= 1e-30
+        x = _rows_with_an_outlier(gen, 4, in_features, group)
         x = x.bfloat16()
         rounded = _fixed_point(x.double(), group)
         expected = rounded @ weight.t()
@@ -829,11 +837,7 @@ def test_int4_rows_on_vpmaddwd_are_16_bit_integers_sharing_a_spans_exponent(dtyp
     for in_features, group in ((128, 128), (192, 96), (72, 24), (256, 64)):
         codes, tiles, sz, s, sz_term, g, weight = _int4_layer_with_a_silent_input(gen, out_features, in_features,
                                                                                   group)
-        x = torch.randn(16, in_features, generator=gen)
-        x[1, 1:] *= 2.0 ** -6  # 16 binades below the outlier: rounded in its span, exact in the others
-        x[1, 0] = 2.0 ** 10
-        x[2, :min(64, group)] = 0.0  # a span of zeros, then values near fp32's smallest normal
-        x[2, min(64, group):] *= 1e-30
+        x = _rows_with_an_outlier(gen, 16, in_features, group)
         x[3, 1] = 2.0 - 2.0 ** -23  # fp32: 2^15 units, capped at 2^15 - 1
         x = x.to(dtype)
         rounded = _fixed_point(x.double(), group)
@@ -894,11 +898,7 @@ def test_int8_bf16_rows_are_16_bit_integers_sharing_a_spans_exponent(rows):
     q[:, 0] = 0  # the outlier input weighs nothing: the output is the small inputs'
     scale = (torch.rand(out_features, generator=gen) * 0.01 + 0.001).bfloat16()
     weight = q.double() * scale.double()[:, None]
-    x = torch.randn(max(rows, 4), in_features, generator=gen)
-    x[1, 1:] *= 2.0 ** -6
-    x[1, 0] = 2.0 ** 10
-    x[2, :64] = 0.0
-    x[2, 64:] *= 1e-30
+    x = _rows_with_an_outlier(gen, max(rows, 4), in_features, in_features)
     x = x[:rows].bfloat16()
     rounded = _fixed_point(x.double(), in_features)
     expected = rounded @ weight.t()
