@@ -699,17 +699,24 @@ template <typename T> inline void prefetch_tile_scales(const T* sz, int64_t t, i
 #if defined(ASERVE_MADD_ROWS)
 // int4 on AVX2's vpmaddwd: pair row r of a 64-byte block, (q[2kk], q[2kk + 1]) in each 32-bit word, masked (and
 // shifted) into the 16-bit pairs vpmaddwd multiplies by (n[2kk], n[2kk + 1]), then added to the row's 32-bit sums:
-// 32 weights in two ymm, about seven vector ops at one row, where widening the codes to fp32 took ten beside four
-// FMAs (int4_tiles). Tile t (16 outputs) against M rows (up to 4: their sums, the block and the pair row fill the 16
+// 32 weights in two ymm, about six vector ops at one row, where widening the codes to fp32 took ten beside four FMAs
+// (int4_tiles). Tile t (16 outputs) against M rows (up to 4: their sums, the block and the pair row fill the 16
 // registers), one tile at a time so that each thread reads its run of tiles as one stream; each span's sums folded
 // into fp32 with its unit and the group's scales, the outputs waiting in L1 between spans. `next`: the thread's next
 // tile, fetched meanwhile, with its scales.
+//
+// Up to two rows, pair rows 1 and 3 are masked in place (16 q, from the words and the words shifted down a byte) into
+// a second chain of sums, divided by 16 (exactly: a shift) and added to the first at the fold: one shift a block
+// where there were three, and the same integer sums, so the same bits, as with more rows. |n| <= 2^15 and 16 q <= 240,
+// so a span's 16 such pair products stay below 2^28. Not inlined: inlined into int4_linear_madd's parallel loop, GCC
+// kept the sums on the stack, a load and a store a block on each chain.
 template <int M, typename T>
-inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group, const Half* sz, T* o,
-                           int64_t N, int64_t t, const uint8_t* next) {
+__attribute__((noinline)) void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group,
+                                              const Half* sz, T* o, int64_t N, int64_t t, const uint8_t* next) {
   const int64_t groups = K / group, pairs = K / 2;
   const uint8_t* tile = w + t * pairs * kInt8Tile;
-  const __m256i low = _mm256_set1_epi16(0x000F);
+  const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x00F0);
+  constexpr int C = M <= 2 ? 2 : 1;  // chains a row: [1] the odd pair rows' 16 q, where registers allow
   alignas(32) float out[M][kInt8Tile] = {};
   prefetch_scales<1>(sz, t, groups, 0);
   if (next != nullptr) prefetch_tile_scales(sz, t + 1, groups);
@@ -719,32 +726,44 @@ inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K
     load_scales_zeros(sz + ((t * groups + g) * 2) * kInt8Tile, s);
     for (int64_t j = 0; j < xs.spans; ++j) {
       const int64_t k0 = g * group + j * kSpan, k1 = std::min(k0 + kSpan, (g + 1) * group);
-      __m256i acc[M][2];
-#pragma GCC unroll 8
-      for (int i = 0; i < 2 * M; ++i) acc[i / 2][i % 2] = _mm256_setzero_si256();
+      __m256i acc[C][M][2];
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m)
+#pragma GCC unroll 2
+          for (int v = 0; v < 2; ++v) acc[c][m][v] = _mm256_setzero_si256();
 #pragma GCC unroll 2
       for (int64_t kk = k0 / 2; kk < k1 / 2; kk += 4) {  // a block: pair rows kk..kk+3
         if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + kk * kInt8Tile), _MM_HINT_T0);
         const __m256i* block = reinterpret_cast<const __m256i*>(tile + kk * kInt8Tile);  // outputs 0-7, then 8-15
+        __m256i words[2], words_down[2];  // pair rows 0-3 in each word's nibbles, low first; rows 2-3 shifted down
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; ++v) words[v] = _mm256_loadu_si256(block + v), words_down[v] = _mm256_srli_epi16(words[v], 8);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; ++r) {  // pair row r of both halves, each broadcast pair of x used at once by both
           __m256i rows[2];
 #pragma GCC unroll 2
           for (int v = 0; v < 2; ++v) {
-            const __m256i shifted = _mm256_srli_epi16(_mm256_loadu_si256(block + v), 4 * r);
-            rows[v] = r == 3 ? shifted : _mm256_and_si256(shifted, low);
+            const __m256i from = r < 2 ? words[v] : words_down[v];
+            if constexpr (C == 2)
+              rows[v] = _mm256_and_si256(from, r % 2 ? high : low);
+            else
+              rows[v] = r == 3 ? _mm256_srli_epi16(words[v], 12)
+                               : _mm256_and_si256(r == 1 ? _mm256_srli_epi16(words[v], 4) : from, low);
           }
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m) {
             int32_t pair;  // (n[2(kk + r)], n[2(kk + r) + 1])
             std::memcpy(&pair, xs.values + m * K + 2 * (kk + r), sizeof pair);
             const __m256i xv = _mm256_set1_epi32(pair);
+            const int c = C == 2 ? r % 2 : 0;
 #pragma GCC unroll 2
             for (int v = 0; v < 2; ++v) {
-              acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_madd_epi16(rows[v], xv));
+              acc[c][m][v] = _mm256_add_epi32(acc[c][m][v], _mm256_madd_epi16(rows[v], xv));
               // Each sum in its register here: else GCC reorders the (associative) integer adds into trees of
               // products, which hold more values than the 16 registers and spill every block.
-              asm("" : "+x"(acc[m][v]));
+              asm("" : "+x"(acc[c][m][v]));
             }
           }
         }
@@ -753,10 +772,13 @@ inline void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K
       for (int m = 0; m < M; ++m) {
         const __m256 unit = _mm256_set1_ps(xs.units[(m * groups + g) * xs.spans + j]);
 #pragma GCC unroll 2
-        for (int v = 0; v < 2; ++v)
-          _mm256_store_ps(out[m] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][v]),
+        for (int v = 0; v < 2; ++v) {
+          __m256i sum = acc[0][m][v];
+          if constexpr (C == 2) sum = _mm256_add_epi32(sum, _mm256_srai_epi32(acc[1][m][v], 4));  // exact: 16 q
+          _mm256_store_ps(out[m] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                                           _mm256_mul_ps(_mm256_load_ps(s + 8 * v), unit),
                                                           _mm256_load_ps(out[m] + 8 * v)));
+        }
       }
     }
 #pragma GCC unroll 4
