@@ -242,10 +242,10 @@ inline __m256 half_lanes_as_float(__m256i h) {
 template <typename C> inline void pair_lanes(const C* src, int count, fVec& even, fVec& odd) {
   alignas(32) C padded[16] = {};
   if (count < 8) std::memcpy(padded, src, 2 * count * sizeof(C)), src = padded;
-  if constexpr (std::is_same_v<C, float>) {  // tokens 0-3 and 4-7; shuffle_ps leaves 0 1 4 5 | 2 3 6 7
+  if constexpr (std::is_same_v<C, float>) {  // tokens 0-3 and 4-7, left by shuffle_ps in lanes 0 1 4 5 | 2 3 6 7
+    // (every pair alike, so pair_scores puts each head's sums in order once: a lane-crossing permute less a pair)
     const __m256 a = _mm256_loadu_ps(src), b = _mm256_loadu_ps(src + 8);
-    const auto order = [](__m256 x) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8)); };
-    even = order(_mm256_shuffle_ps(a, b, 0x88)), odd = order(_mm256_shuffle_ps(a, b, 0xDD));
+    even = _mm256_shuffle_ps(a, b, 0x88), odd = _mm256_shuffle_ps(a, b, 0xDD);
   } else if constexpr (std::is_same_v<C, BF16>) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -294,7 +294,11 @@ inline void pair_scores(const float* q, const C* pairs, int64_t pair_stride, int
     }
   }
   for (int h = 0; h < NH; ++h) {
-    const fVec sums = acc[h][0] + acc[h][1];
+    fVec sums = acc[h][0] + acc[h][1];
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<C, float>)  // pair_lanes' fp32 lanes hold tokens 0 1 4 5 2 3 6 7: in order
+      sums = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(sums), 0xD8));
+#endif
     if (count == fVec::size()) sums.store(out + h * out_stride); else sums.store(out + h * out_stride, count);
     running_max(sums, count, peaks + h * fVec::size());
   }
