@@ -739,7 +739,8 @@ __attribute__((noinline)) void int4_tile_madd(const uint8_t* w, const FixedPoint
         const __m256i* block = reinterpret_cast<const __m256i*>(tile + kk * kInt8Tile);  // outputs 0-7, then 8-15
         __m256i words[2], words_down[2];  // pair rows 0-3 in each word's nibbles, low first; rows 2-3 shifted down
 #pragma GCC unroll 2
-        for (int v = 0; v < 2; ++v) words[v] = _mm256_loadu_si256(block + v), words_down[v] = _mm256_srli_epi16(words[v], 8);
+        for (int v = 0; v < 2; ++v)
+          words[v] = _mm256_loadu_si256(block + v), words_down[v] = _mm256_srli_epi16(words[v], 8);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; ++r) {  // pair row r of both halves, each broadcast pair of x used at once by both
           __m256i rows[2];
