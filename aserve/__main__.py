@@ -1,5 +1,5 @@
 """`python -m aserve ...` is the `aserve` command."""
-from aserve.cli import main
+from aserve.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -132,5 +132,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
+def run() -> None:
+    """The `aserve` command: main(), then the process ends without the interpreter's teardown (aserve.process_exit)."""
+    from aserve.process_exit import exit_code, exit_now
+
+    try:
+        main()
+    except SystemExit as exc:
+        exit_now(exit_code(exc))
+    exit_now(0)
+
+
 if __name__ == "__main__":
-    main()
+    run()

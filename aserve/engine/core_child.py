@@ -4,6 +4,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from aserve.engine.core_process import serve_core
+from aserve.process_exit import exit_now
 
 
 # The core keeps both cores busy; a slightly lower priority lets the front end's short bursts (a /health
@@ -18,6 +19,7 @@ def main() -> None:
         serve_core(conn)
     finally:
         conn.close()
+    exit_now(0)  # a core that died raised above: its traceback and status come the usual way
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import msgspec
 import torch
 
 from aserve.errors import RemoteError
+from aserve.process_exit import exit_now
 from aserve.worker.distributed import (DistributedPlan, PipelineLinks, broadcast_bytes, rank_device, rendezvous,
                                       threads_per_rank)
 from aserve.worker.tp_messages import (Failed, Kind, Message, Noop, RankFacts, RankStart, RankStatus, Ready, Result,
@@ -281,12 +282,7 @@ def main() -> None:
         sys.exit(1)
     code = run_rank(start, conn)
     conn.close()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown: with torch and a model loaded it took over a second per rank (measured),
-    # and nothing in it is needed once the process group is destroyed.
-    os._exit(code)
+    exit_now(code)  # nothing in the interpreter's teardown is needed once the process group is destroyed
 
 
 if __name__ == "__main__":
