@@ -554,6 +554,19 @@ def test_kernels_are_built_per_cpu_kind(monkeypatch):
     assert cpu_kernels.build_dir() != here
 
 
+def test_a_build_that_loaded_once_is_loaded_again_without_the_build_tools():
+    """Start-up: once a build has loaded (the conftest's session start loads it), a new process loads its library
+    directly, without torch.utils.cpp_extension (setuptools) or a ninja run; the kernels work."""
+    assert cpu_kernels.available() and (cpu_kernels.build_dir() / "built").exists()
+    script = ("import sys, torch\nfrom aserve.ops import cpu_kernels\nassert cpu_kernels.available()\n"
+              "assert 'torch.utils.cpp_extension' not in sys.modules, 'the build tools were imported'\n"
+              "x = torch.randn(3, 64)\n"
+              "torch.testing.assert_close(torch.ops.aserve.rms_norm(x, torch.ones(64), 1e-6),\n"
+              "                           x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_no_compiler_falls_back_to_the_torch_path(tmp_path):
     """Without a working compiler the build fails once, with one warning, and the engine runs on the torch path."""
     script = ("import logging; logging.basicConfig(level=logging.WARNING)\n"

@@ -8,7 +8,7 @@ weights in int8_linear's tiles (csrc/cpu_gemm.cpp, see ops.cpu_gemm), and the ba
 roofline` (csrc/memory_stream.cpp). All are one extension, compiled with -march=native, so the build is cached
 per CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
 The first use on a machine compiles it (about a minute of compiler time, spread over the cores); later start-ups
-load the cached library. Where no compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and
+load the cached library directly (a `built` mark beside it says it loaded once). Where no compiler is found, or with ASERVE_CPU_KERNELS=0, `available()` is False and
 every caller keeps its torch path.
 """
 from __future__ import annotations
@@ -80,10 +80,14 @@ def available() -> bool:
     if os.environ.get("ASERVE_CPU_KERNELS", "1").lower() in ("0", "false", "off"):
         return False
     try:
+        folder = build_dir()
+        library, built = folder / "aserve_cpu_kernels.so", folder / "built"
+        if built.exists() and library.exists():  # this build loaded before: skip cpp_extension's import and ninja
+            torch.ops.load_library(str(library))
+            return True
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         load(name="aserve_cpu_kernels", sources=[str(source) for source in SOURCES], extra_cflags=cflags(),
@@ -92,6 +96,7 @@ def available() -> bool:
         took = time.perf_counter() - start
         if took > 1.0:
             log.info("built aserve's CPU kernels in %.1fs (cached in %s)", took, folder)
+        built.touch()
         return True
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
