@@ -37,27 +37,26 @@ def test_bench_throughput_with_random_lora_adapters(model_dirs):
     assert m and float(m.group(1)) > 0, lines[-1]
 
 
-@pytest.mark.parametrize("rounds", [1, 2])
-def test_bench_embed_against_sentence_transformers(model_dirs, rounds):
+def test_bench_embed_against_sentence_transformers(model_dirs):
+    """Two alternated rounds (one run: the comparison loads sentence-transformers, seconds of the suite): each
+    round's three lines, then their median."""
     pytest.importorskip("sentence_transformers")
     proc = run("bench", "embed", "--model", str(model_dirs["qwen3"]), "--num-prompts", "12", "--min-len", "4",
                "--max-len", "30", "--batch-size", "4", "--kv-cache-memory", "8MiB", "--compare-sentence-transformers",
-               "--rounds", str(rounds))
+               "--rounds", "2")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 + 3 * 2 + 1, lines
     ratios = []
-    for r in range(rounds):  # each round: aserve, sentence-transformers, their ratio
+    for r in range(2):  # each round: aserve, sentence-transformers, their ratio
         ours, theirs, ratio = lines[1 + 3 * r:4 + 3 * r]
         assert ours.startswith("aserve: ") and "sentences/s" in ours and "12 prompts of 4-30 tokens" in ours
         assert theirs.startswith("sentence-transformers: ") and "(batch size 4)" in theirs
         m = re.fullmatch(r"sentences/s ratio aserve/sentence-transformers = ([0-9.]+)", ratio)
         assert m and float(m.group(1)) > 0, ratio
         ratios.append(m.group(1))
-    if rounds > 1:
-        m = re.fullmatch(r"median ratio over 2 rounds = ([0-9.]+) \((.+)\)", lines[-1])
-        assert m and m.group(2) == " / ".join(ratios), lines[-1]
-    else:
-        assert len(lines) == 4
+    m = re.fullmatch(r"median ratio over 2 rounds = ([0-9.]+) \((.+)\)", lines[-1])
+    assert m and m.group(2) == " / ".join(ratios), lines[-1]
 
 
 def test_default_command_generates_on_the_embedded_model():

@@ -50,23 +50,35 @@ def assert_cpus_given_back() -> None:
     assert ray.available_resources().get("CPU", 0) == 4
 
 
+@pytest.fixture(scope="module")
+def seeded_by_tp(pp_models, reference):
+    """Seeded tokens of the multi-process backend by tensor-parallel size, computed once: pipeline stages pass
+    their hidden states on exactly, so the split into stages does not change them, while the split into
+    tensor-parallel halves does."""
+    cache = {1: reference["qwen3"]["seeded"]}
+
+    def seeded(tp: int) -> list:
+        if tp not in cache:
+            local = LLM(str(pp_models["qwen3"]), tensor_parallel_size=tp, **OPTIONS)
+            try:
+                cache[tp] = generate(local, SEEDED)
+            finally:
+                local.engine.executor.shutdown()
+        return cache[tp]
+    return seeded
+
+
 @pytest.mark.parametrize("shape, cpus, nodes", [
     (dict(pipeline_parallel_size=2), 2, 2),  # a stage a node (each rank takes a whole node's 2 CPUs)
     (dict(tensor_parallel_size=2), 1, 1),  # packed onto one node
     (dict(tensor_parallel_size=2, pipeline_parallel_size=2), 1, 2),
 ])
-def test_ray_ranks_equal_one_rank(cluster, pp_models, reference, shape, cpus, nodes):
-    """Greedy tokens equal one rank's; seeded ones equal the multi-process backend's with the same split. Tensor
-    parallelism sums a layer's halves in another order than one rank does (logprobs within ~1e-6 on these tiny
-    models, whose distributions are nearly flat), so a seeded draw may land on the other side of a boundary."""
-    if shape.get("tensor_parallel_size", 1) > 1:
-        local = LLM(str(pp_models["qwen3"]), **shape, **OPTIONS)
-        try:
-            seeded = generate(local, SEEDED)
-        finally:
-            local.engine.executor.shutdown()
-    else:
-        seeded = reference["qwen3"]["seeded"]
+def test_ray_ranks_equal_one_rank(cluster, pp_models, reference, seeded_by_tp, shape, cpus, nodes):
+    """Greedy tokens equal one rank's; seeded ones equal the multi-process backend's with the same tensor-parallel
+    split. Tensor parallelism sums a layer's halves in another order than one rank does (logprobs within ~1e-6 on
+    these tiny models, whose distributions are nearly flat), so a seeded draw may land on the other side of a
+    boundary."""
+    seeded = seeded_by_tp(shape.get("tensor_parallel_size", 1))
     llm = LLM(str(pp_models["qwen3"]), distributed_executor_backend="ray", ray_cpus_per_rank=cpus, **shape,
               **OPTIONS)
     try:
@@ -135,33 +147,25 @@ def test_data_parallel_replicas_placed_by_ray(cluster, pp_models, reference):
     assert_cpus_given_back()
 
 
-def test_a_lost_node_ends_the_engine(loopback, pp_models):
-    """A cluster of its own (the node is gone for good): the worker node, holding one stage, is removed; the engine
-    ends with an error naming the rank."""
-    from ray.cluster_utils import Cluster
-
+def test_a_lost_node_ends_the_engine(cluster, pp_models):
+    """The worker node, holding one stage, is removed for good; the engine ends with an error naming the rank.
+    Last in this module: it takes the module's cluster's second node away (starting a cluster of its own cost
+    seconds of the suite)."""
     from aserve import SamplingParams
 
-    ray.shutdown()  # from the module's cluster (the tests before this one are done with it)
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    worker = nodes.add_node(num_cpus=2)
-    ray.init(address=nodes.address, log_to_driver=False)
-    try:
-        llm = LLM(str(pp_models["llama-gqa-tied"]), distributed_executor_backend="ray", pipeline_parallel_size=2,
-                  ray_cpus_per_rank=2, distributed_timeout=20, **OPTIONS)
-        core = llm.engine
-        on_worker = [rank for rank, (proc, _) in core.executor.ranks.items() if proc.node_id == worker.node_id]
-        assert len(on_worker) == 1
-        core.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-        for _ in range(3):
+    [worker] = cluster.worker_nodes
+    llm = LLM(str(pp_models["llama-gqa-tied"]), distributed_executor_backend="ray", pipeline_parallel_size=2,
+              ray_cpus_per_rank=2, distributed_timeout=20, **OPTIONS)
+    core = llm.engine
+    on_worker = [rank for rank, (proc, _) in core.executor.ranks.items() if proc.node_id == worker.node_id]
+    assert len(on_worker) == 1
+    core.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    cluster.remove_node(worker)
+    lost_at = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank"):
+        while True:
             core.step()
-        nodes.remove_node(worker)
-        lost_at = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank"):
-            while True:
-                core.step()
-        assert time.monotonic() - lost_at < 25
-        core.executor.shutdown()
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
+    assert time.monotonic() - lost_at < 25
+    core.executor.shutdown()
