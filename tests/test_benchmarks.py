@@ -12,6 +12,8 @@ BENCH = ROOT / "benchmarks"
 
 
 def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(tmp_path):
+    """The maker's model loads and runs in every weight format weight_formats.py compares (the `aserve bench
+    throughput` report itself is checked on a tiny model in test_cli)."""
     out = tmp_path / "bench-model"
     made = subprocess.run([sys.executable, str(BENCH / "make_bench_model.py"), str(out), "--layers", "1",
                            "--corpus-bytes", "100000"], capture_output=True, text=True, timeout=600)
@@ -20,12 +22,6 @@ def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
             config["vocab_size"], config["num_hidden_layers"]) == (576, 9, 3, 49152, 1)
     assert config["torch_dtype"] == "bfloat16" and config["rope_theta"] == 10000.0
-    ran = subprocess.run([sys.executable, "-m", "aserve", "bench", "throughput", "--model", str(out), "--num-prompts",
-                          "2", "--input-len", "8", "--output-len", "4", "--dtype", "float32",
-                          "--kv-cache-memory", "16MiB"], capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 0, ran.stderr
-    assert re.search(r"Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s",
-                     ran.stdout.splitlines()[-1])
     formats = subprocess.run([sys.executable, str(BENCH / "weight_formats.py"), "--model", str(out), "--rounds", "1",
                               "--batch", "2", "--input-len", "8", "--output-len", "4", "--dtype", "float32",
                               "--formats", "dense,gptqh@4k,gptq4h@3steps", "--probe", "0"],
