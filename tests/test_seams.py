@@ -30,14 +30,24 @@ def test_the_core_and_the_settings_import_no_torch():
 
 def test_the_command_refuses_a_bad_flag_before_importing_torch(tmp_path):
     """`aserve` builds every subcommand's parser (the benchmarks' too) and checks the engine options without torch:
-    a wrong folder or policy is a fraction of a second, not the seconds torch takes to import."""
+    a wrong folder or policy is a fraction of a second, not the seconds torch takes to import. The server and
+    every benchmark that loads a model alike."""
+    missing = str(tmp_path / "missing")
+    commands = [["--model", missing], ["bench", "throughput", "--model", missing],
+                ["bench", "embed", "--model", missing], ["bench", "roofline", "--model", missing],
+                ["bench", "throughput", "--policy", "nope"], ["bench", "policies", "--policies", "fcfs,nope"]]
     code = ("import sys\nfrom aserve import cli\n"
-            f"try:\n    cli.main(['--model', {str(tmp_path / 'missing')!r}])\nexcept SystemExit as exit:\n"
-            "    assert exit.code == 2, exit.code\nelse:\n    raise AssertionError('the missing folder was accepted')\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+            f"for argv in {commands!r}:\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit as exit:\n"
+            "        assert exit.code == 2, (argv, exit.code)\n"
+            "    else:\n        raise AssertionError(f'{argv} was accepted')\n"
+            "    assert 'torch' not in sys.modules, f'{argv}: torch was imported'\n")
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
-    assert "does not exist" in ran.stderr
+    errors = ran.stderr.strip().splitlines()
+    assert len(errors) == len(commands) and all(line.startswith("aserve: error: ") for line in errors), errors
+    assert sum("does not exist" in line for line in errors) == 4
+    assert sum("unknown policy 'nope'" in line for line in errors) == 2
 
 
 def assert_plain(value, where="SchedulerOutput"):

@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from aserve.config import add_engine_arguments, engine_options
+from aserve.config import EngineConfig, add_engine_arguments, engine_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,10 +127,12 @@ def served(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> None:
     if args.base_url:
         return served(args)
+    options = {**engine_options(args), "runner": "pooling"}
+    EngineConfig.from_kwargs(**options).verify()  # a wrong folder or policy: an error before torch loads
     from aserve import LLM
     from aserve.hardware import cpu_info
 
-    llm = LLM(**{**engine_options(args), "runner": "pooling"})
+    llm = LLM(**options)
     engine = llm.engine
     print(f"aserve bench embed: {cpu_info().describe()}, dtype {str(engine.dtype).replace('torch.', '')}", flush=True)
     prompts = random_lengths_prompts(args, engine.vocab_size,

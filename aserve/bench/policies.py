@@ -152,14 +152,14 @@ def print_table(results: dict[str, dict]) -> None:
 
 def main(args: argparse.Namespace) -> None:
     from aserve.config import DEFAULT_MODEL_DIR, EngineConfig, check_before_loading
-    from aserve.engine.engine_core import EngineCore
-    from aserve.models.loader import load_tokenizer
 
     options = engine_options(args)
     model_dir = options["model"] = options["model"] or str(DEFAULT_MODEL_DIR)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    for policy in policies:  # every policy, and the model folder, before anything loads
+    for policy in policies:  # every policy, and the model folder, before anything (torch) loads
         check_before_loading(model_dir, policy)
+    from aserve.engine.engine_core import EngineCore
+    from aserve.models.loader import load_tokenizer
     vocab_size = len(load_tokenizer(model_dir))
     workload = load_trace(args.trace, vocab_size, args.seed) if args.trace else synthetic(args, vocab_size)
     if options["kv_cache_memory"] == "auto":

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from aserve.config import add_engine_arguments, engine_options
+from aserve.config import EngineConfig, add_engine_arguments, engine_options
 
 # torch is imported where it is used: the `aserve` command imports this module to build its parser, and a command
 # that fails on its arguments should say so before spending seconds importing torch.
@@ -436,11 +436,12 @@ def report(run: Run, peaks: Peaks) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
+    options = engine_options(args)
+    EngineConfig.from_kwargs(**options).verify()  # a wrong folder or policy: an error before torch loads
     from aserve import LLM, SamplingParams
     from aserve.bench.throughput import random_prompts, report as throughput_line
     from aserve.hardware import cpu_info
 
-    options = engine_options(args)
     if options.get("tensor_parallel_size", 1) > 1 or options.get("pipeline_parallel_size", 1) > 1 \
             or options.get("data_parallel_size", 1) > 1:
         raise SystemExit("aserve bench roofline: measures one process (no tensor, pipeline or data parallelism)")

@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 
-from aserve.config import add_engine_arguments, engine_options
+from aserve.config import EngineConfig, add_engine_arguments, engine_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +79,7 @@ def run_transformers(model_dir: str, prompts: list[list[int]], output_len: int, 
 
 
 def main(args: argparse.Namespace) -> None:
+    EngineConfig.from_kwargs(**engine_options(args)).verify()  # a wrong folder or policy: an error before torch loads
     from aserve import LLM, SamplingParams
     from aserve.hardware import cpu_info
 
