@@ -23,8 +23,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aserve"
 FLOORS = [
     ("ground", "plain data, errors and facts every room may use",
      ["aserve.errors", "aserve.plugins", "aserve.hardware", "aserve.process_exit", "aserve.outputs",
-      "aserve.sampling_params", "aserve.request", "aserve.structured_output.params", "aserve.lora.__init__", "aserve.lora.request",
-      "aserve.lora.registry", "aserve.pooling.__init__", "aserve.pooling.params"]),
+      "aserve.sampling_params", "aserve.request", "aserve.structured_output.params", "aserve.lora.__init__",
+      "aserve.lora.request", "aserve.lora.registry", "aserve.pooling.__init__", "aserve.pooling.params"]),
     ("settings", "engine options and the checks that read only config files and class names: no weights",
      ["aserve.config", "aserve.policy", "aserve.models.registry", "aserve.quantization.__init__",
       "aserve.spec_decode.__init__", "aserve.spec_decode.config"]),
