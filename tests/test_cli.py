@@ -143,6 +143,19 @@ def test_benchmarks_refuse_a_bad_policy_before_loading(tmp_path):
     assert_one_line_error(run("bench", "policies", "--policies", "fcfs,nope"), "unknown policy 'nope'", "fcfs-swap")
 
 
+def test_the_command_ends_with_the_status_asked_for_after_the_atexit_handlers(tmp_path):
+    """`aserve` leaves without the interpreter's teardown (aserve.process_exit): a SystemExit's message still
+    reaches stderr with status 1, and atexit handlers still run before the process ends with its status."""
+    refused = run("bench", "roofline", "--tensor-parallel-size", "2")
+    assert refused.returncode == 1 and "measures one process" in refused.stderr, refused.stderr
+    mark = tmp_path / "ran"
+    code = ("import atexit, pathlib\nfrom aserve.process_exit import exit_now\n"
+            f"atexit.register(pathlib.Path({str(mark)!r}).write_text, 'atexit ran')\n"
+            "print('flushed', end='')\nexit_now(3)\n")
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 3 and ended.stdout == "flushed" and mark.read_text() == "atexit ran"
+
+
 def test_python_dash_m_aserve_is_the_aserve_command():
     by_module = subprocess.run([sys.executable, "-m", "aserve", "policies"], capture_output=True, text=True, timeout=120)
     by_cli = run("policies")

@@ -437,16 +437,15 @@ def report(run: Run, peaks: Peaks) -> None:
 
 def main(args: argparse.Namespace) -> None:
     options = engine_options(args)
-    EngineConfig.from_kwargs(**options).verify()  # a wrong folder or policy: an error before torch loads
-    from aserve import LLM, SamplingParams
-    from aserve.bench.throughput import random_prompts, report as throughput_line
-    from aserve.hardware import cpu_info
-
     if options.get("tensor_parallel_size", 1) > 1 or options.get("pipeline_parallel_size", 1) > 1 \
             or options.get("data_parallel_size", 1) > 1:
         raise SystemExit("aserve bench roofline: measures one process (no tensor, pipeline or data parallelism)")
     if options.get("speculative_config"):
         raise SystemExit("aserve bench roofline: counts plain decoding (no speculative_config)")
+    EngineConfig.from_kwargs(**options).verify()  # a wrong folder or policy: an error before torch loads
+    from aserve import LLM, SamplingParams
+    from aserve.bench.throughput import random_prompts, report as throughput_line
+    from aserve.hardware import cpu_info
     llm = LLM(**options)
     engine = llm.engine
     dtype = engine.dtype
