@@ -7,7 +7,7 @@ csrc/vec_helpers.h), aserve's GEMMs for packed fp32 weights and, on CPUs with AV
 weights in int8_linear's tiles (csrc/cpu_gemm.cpp, see ops.cpu_gemm), and the bandwidth probe of `aserve bench
 roofline` (csrc/memory_stream.cpp). All are one extension, compiled with -march=native, so the build is cached
 per CPU feature set, torch version and source (a library built on an AVX-512 machine would crash on an AVX2 one).
-The first use on a machine compiles it (about a minute of compiler time, spread over the cores); later start-ups
+The first use on a machine compiles it (2-3 minutes on 2 cores, spread over them by ninja); later start-ups
 load the cached library directly (a `built` mark beside it says it loaded once). Where no compiler is found, or
 with ASERVE_CPU_KERNELS=0, `available()` is False and every caller keeps its torch path.
 """
