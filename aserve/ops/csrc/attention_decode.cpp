@@ -104,9 +104,13 @@ inline void prefetch(const void* row, int64_t bytes) {
 // The next work item's key and value rows, fetched into the L2 cache while this item is computed. One
 // request's rows lie in 2 KB runs (a block of one kv head) anywhere in the cache: too short for the hardware
 // prefetchers to get ahead of the loads, so each item used to start with its rows in DRAM and the kernel ran at
-// half the memory bandwidth. Both passes call step() every 16 tokens or so, which fetches the next item's rows at a
-// pace that spreads them over this item's two passes (a burst would fill the line-fill buffers and stall the
-// loads this item needs). Into L2 (hint 2): fetching into L1 evicted the current item's rows and was slower.
+// half the memory bandwidth. Both passes call step() (the key pass once per group of tokens, each value pass every
+// 16 tokens: ahead_steps counts the calls), and each call fetches the next item's rows over the count of calls, so
+// that they spread evenly over this item's two passes: a burst fills the line-fill buffers and stalls the loads
+// this item needs. (A pace of 9 rows a call suited AVX-512's count of calls; with AVX2's 8-token key groups and
+// a value pass per head it fetched the rows in the first third of the item, in bursts of 72 lines: evenly, decode
+// attention from DRAM ran 1.1-1.2x as fast, bench model at batch 64, AMD EPYC Zen 3, avx2 fma, fp32.) Into L2
+// (hint 2): fetching into L1 evicted the current item's rows and was slower.
 struct Ahead {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -114,9 +118,9 @@ struct Ahead {
   int64_t n = 0, pos = 0, elem = 0, row_bytes = 0, per_step = 0;
   Ahead() = default;
   Ahead(const void* k_head, const void* v_head, const int64_t* offsets, int64_t n, int64_t elem, int64_t row_bytes,
-        int64_t current_n)
+        int64_t steps)
       : k(static_cast<const char*>(k_head)), v(static_cast<const char*>(v_head)), offsets(offsets), n(n),
-        elem(elem), row_bytes(row_bytes), per_step(n * 8 / std::max<int64_t>(current_n, 1) + 1) {}
+        elem(elem), row_bytes(row_bytes), per_step(std::max<int64_t>(1, n / std::max<int64_t>(steps, 1))) {}
   void step() {
     for (const int64_t stop = std::min(n, pos + per_step); pos < stop; ++pos) {
       const int64_t at = offsets[pos] * elem;
@@ -354,16 +358,36 @@ void key_scores(const float* q, int64_t heads, int64_t head_dim, const C* k_head
   }
 }
 
+// The query heads one value pass sums at once (HeadDim > 0): as many as fill half the vector registers with their
+// sums. Bf16Values: a bf16 cache on AVX-512 (value_sum_bf16), two 16-lane vectors per 32 dims of each head: 4
+// heads at 64 dims, 2 at 128, 1 at 256.
+template <int HeadDim, bool Bf16Values> constexpr int value_pass_heads() {
+  if constexpr (Bf16Values) {
+    return HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);
+  } else {
+    constexpr int C = HeadDim / fVec::size(), registers = fVec::size() == 16 ? 32 : 16;
+    return std::min(4, C >= registers / 2 ? 1 : registers / 2 / C);
+  }
+}
+
+// How often an item of n tokens calls Ahead::step(): about once per key group of a vector's width of tokens,
+// and every 16 tokens of each value pass (one pass per value_pass_heads heads; one pass where HeadDim is 0).
+template <int HeadDim, bool Bf16Values> int64_t ahead_steps(int64_t n, int64_t heads) {
+  int64_t passes = 1;
+  if constexpr (HeadDim > 0) {
+    constexpr int per_pass = value_pass_heads<HeadDim, Bf16Values>();
+    passes = (heads + per_pass - 1) / per_pass;
+  }
+  return (n + fVec::size() - 1) / fVec::size() + passes * ((n + 15) / 16);
+}
+
 // acc[g] = sum_i p[g][i] * v[i]. The unrolled path walks the values once per group of heads whose sums fit in
 // half the vector registers (re-reads hit the L1/L2 cache).
 template <typename T, int HeadDim>
 void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head, const int64_t* offsets,
                int64_t n, float* acc, float* scratch, Ahead& ahead) {
   if constexpr (HeadDim > 0) {
-    constexpr int C = HeadDim / fVec::size();
-    constexpr int registers = fVec::size() == 16 ? 32 : 16;
-    constexpr int HG = std::min(4, C >= registers / 2 ? 1 : registers / 2 / C);
-    head_groups<HG>(heads, [&](auto nh, int64_t g) {
+    head_groups<value_pass_heads<HeadDim, false>()>(heads, [&](auto nh, int64_t g) {
       value_pass<T, HeadDim, decltype(nh)::value>(p + g * n, n, v_head, offsets, acc + g * HeadDim, ahead);
     });
   } else {
@@ -549,8 +573,7 @@ void value_pass_fma(const float* p, int64_t stride, int64_t n, const BF16* v_hea
 template <int HeadDim, typename P>
 void value_sum_bf16(const P* p, int64_t stride, int64_t heads, const BF16* v_head, const int64_t* offsets, int64_t n,
                     float* acc, Ahead& ahead) {
-  constexpr int HG = HeadDim / 16 >= 16 ? 1 : 16 / (HeadDim / 16);  // 4 heads at 64 dims, 2 at 128, 1 at 256
-  head_groups<HG>(heads, [&](auto nh, int64_t g) {
+  head_groups<value_pass_heads<HeadDim, true>()>(heads, [&](auto nh, int64_t g) {
     constexpr int NH = decltype(nh)::value;
     if constexpr (std::is_same_v<P, float>)
       value_pass_fma<HeadDim, NH>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
@@ -705,7 +728,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       rows_of(next, w.next_offsets);
       w.ready = next;
       ahead = Ahead(k_ptr + following.kvh * head_stride, v_ptr + following.kvh * head_stride, w.next_offsets.data(),
-                    following.stop - following.first, sizeof(C), head_dim * sizeof(C), n);
+                    following.stop - following.first, sizeof(C), head_dim * sizeof(C),
+                    ahead_steps<HeadDim, bf16_dot>(n, group));
     }
     for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
     float* peaks = w.peaks.data();  // each head's running maximum, lane by lane
