@@ -202,11 +202,11 @@ inline void micro_kernel(const float* a, const W* b, int64_t kc, __m256 (&acc)[k
 // One MR x 16 tile of out: starts from the bias (first chunk) or what earlier chunks summed, adds this chunk.
 // `cols` < 16 only in the last panel, whose padding columns are computed but not stored.
 //
-// On the first chunk the tile's output lines are fetched for writing (prefetchw) before its k steps: each line is
-// written by this one tile and read by none before, and the stores' reads for ownership, from DRAM once the output
-// outgrows the caches, otherwise stalled the tile's end. Rows x in x out alternated in one process, median of 15
-// (AMD EPYC Zen 3, avx2, 2 threads): 512 x 576 x 3072 1.06x, 512 x 576 x 960 1.06x, 512 x 1536 x 576 1.03x,
-// 64 x 576 x 3072 1.03x.
+// On the first chunk the tile's output lines are fetched for writing (prefetchw where -march has PRFCHW, else
+// prefetcht0) before its k steps: each line is written by this one tile and read by none before, and the stores'
+// reads for ownership, from DRAM once the output outgrows the caches, otherwise stalled the tile's end. Rows x in x
+// out alternated in one process, median of 15 (AMD EPYC Zen 3, avx2, 2 threads): 512 x 576 x 3072 1.06x, 512 x 576 x
+// 960 1.06x, 512 x 1536 x 576 1.03x, 64 x 576 x 3072 1.03x.
 template <int MR, typename W>
 void tile(const float* a, const W* b, int64_t kc, float* c, int64_t ldc, int cols, const float* bias,
           bool first, const char* pf, int64_t lines) {
