@@ -384,10 +384,19 @@ inline void micro_kernel(const float* a, const W* b0, const W* b1, int64_t kc, _
 }
 
 // MR rows x (16 NP) columns of out, `cols` of them real (the last panel's padding is computed, not stored): from the
-// bias (first chunk of k) or what earlier chunks summed, plus this chunk.
+// bias (first chunk of k) or what earlier chunks summed, plus this chunk. On the first chunk its output lines are
+// fetched for writing first, as the AVX2 tile's are: the bench model's 120 fp32 layers (bf16 panels), both ways
+// alternated in one process, 15 rounds (AMD EPYC Zen 4, avx512f, 2 threads): 16 rows 1.020x, 64 rows 1.013-1.025x,
+// 128 rows 1.013x, 512 rows 1.019x.
 template <int MR, int NP, typename W>
 void tile(const float* a, const W* b0, const W* b1, int64_t kc, float* c, int64_t ldc, int cols,
           const float* bias, bool first, const char* pf, int64_t lines) {
+  if (first)  // the tile's output lines, fetched for writing as the AVX2 tile's are
+    for (int i = 0; i < MR; ++i) {
+      __builtin_prefetch(c + i * ldc, 1, 3);
+      if (cols > 16) __builtin_prefetch(c + i * ldc + 16, 1, 3);
+      __builtin_prefetch(c + i * ldc + cols - 1, 1, 3);
+    }
   __m512 acc[kMR][2];
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1) : 0;
