@@ -76,9 +76,9 @@ inline int64_t block_bytes() {
 // without. Intel's prefetchers do not keep up alone: on a Xeon with AVX512-BF16 and no AMX tiles (2 threads, the
 // engine's own weights in their huge pages, six rounds alternated) 1 row ran 9.55 ms without against 8.63 with,
 // 2 rows 12.2 against 9.8, 4 rows 15.3 against 12.6; 8 and 16 rows level. The same holds on Zen 4 (the bench
-// model's 120 bf16 layers from DRAM, a scratch switch alternated in one process, 15 rounds, medians, 2 threads): with
-// the prefetches 1 row ran 1.08x the time, 2 rows 1.12x, 4 rows 1.03x; without them 6 rows level, 8 rows 1.06x,
-// 12 rows 1.13x, 16 rows 1.08x.
+// model's 120 bf16 layers and its head from DRAM, a scratch switch alternated in one process, 15 rounds, medians, 2
+// threads): with the prefetches 1 row ran 1.08x the time, 2 rows 1.12x, 4 rows 1.03x; without them 6 rows level,
+// 8 rows 1.06x, 12 rows 1.13x, 16 rows 1.08x.
 constexpr int64_t kRowsWithoutPrefetch = 4;
 inline int64_t rows_without_prefetch() { return aserve_kernels::cpu_is_amd() ? kRowsWithoutPrefetch : 0; }
 
@@ -388,8 +388,8 @@ inline void micro_kernel(const float* a, const W* b0, const W* b1, int64_t kc, _
 
 // MR rows x (16 NP) columns of out, `cols` of them real (the last panel's padding is computed, not stored): from the
 // bias (first chunk of k) or what earlier chunks summed, plus this chunk. On the first chunk its output lines are
-// fetched for writing first, as the AVX2 tile's are: the bench model's 120 fp32 layers (bf16 panels), both ways
-// alternated in one process, 15 rounds (AMD EPYC Zen 4, avx512f, 2 threads): 16 rows 1.020x, 64 rows 1.013-1.025x,
+// fetched for writing first, as the AVX2 tile's are: the bench model's 120 fp32 layers and its head (bf16 panels), both
+// ways alternated in one process, 15 rounds (AMD EPYC Zen 4, avx512f, 2 threads): 16 rows 1.020x, 64 rows 1.013-1.025x,
 // 128 rows 1.013x, 512 rows 1.019x.
 template <int MR, int NP, typename W>
 void tile(const float* a, const W* b0, const W* b1, int64_t kc, float* c, int64_t ldc, int cols,
@@ -727,10 +727,10 @@ inline void finish_tile(__m512 (&acc)[kMR][2], const uint16_t* init, const float
 }
 
 // One MR x 32 tile of out (bf16), from the bias or zero (start_sums), finished by finish_tile. Its output lines are
-// fetched for writing first (prefetchw), as the AVX2 fp32 tile's are: the bench model's 120 layers, both ways
-// alternated in one process, 21 rounds (AMD EPYC Zen 4, avx512_bf16, 2 threads): 64 rows 1.025x, 128 rows 1.030x,
-// 512 rows 1.028x (1.045x in 15 other rounds); 16 rows level. End to end, offline 64 x 128/128, 1.013x over 10
-// rounds (0.96-1.06: within the VM's spread).
+// fetched for writing first (prefetchw), as the AVX2 fp32 tile's are: the bench model's 120 layers and its head, both
+// ways alternated in one process, 21 rounds (AMD EPYC Zen 4, avx512_bf16, 2 threads): 64 rows 1.025x, 128 rows 1.030x,
+// 512 rows 1.028x (1.045x in 15 other rounds); 16 rows level. End to end, offline 64 x 128/128, 1.013x over 10 rounds
+// (0.96-1.06: within the VM's spread).
 template <int MR, class Source>
 void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, int64_t ldc, int cols,
              const uint16_t* bias, const float* scale, const char* pf, int64_t lines, int64_t act) {
