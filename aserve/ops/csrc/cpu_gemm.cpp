@@ -202,22 +202,30 @@ inline void micro_kernel(const float* a, const W* b, int64_t kc, __m256 (&acc)[k
   for (int i = 0; i < MR; ++i) acc[i][0] = r[i][0], acc[i][1] = r[i][1];
 }
 
+// Fetches for writing (prefetchw where -march has PRFCHW, else prefetcht0) every 64-byte line of `rows` output rows
+// of `n` elements each, `ld` elements apart: what every GEMM tile here does before its k steps (below).
+template <typename T>
+inline void fetch_rows_for_writing(T* c, int64_t ld, int rows, int n) {
+  for (int i = 0; i < rows; ++i) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(c + i * ld) & ~uintptr_t{63};
+    const uintptr_t last = reinterpret_cast<uintptr_t>(c + i * ld + n - 1);
+    for (uintptr_t line = first; line <= last; line += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 3);
+  }
+}
+
 // One MR x 16 tile of out: starts from the bias (first chunk) or what earlier chunks summed, adds this chunk.
 // `cols` < 16 only in the last panel, whose padding columns are computed but not stored.
 //
-// On the first chunk the tile's output lines are fetched for writing (prefetchw where -march has PRFCHW, else
-// prefetcht0) before its k steps: each line is written by this one tile and read by none before, and the stores'
-// reads for ownership, from DRAM once the output outgrows the caches, otherwise stalled the tile's end. Rows x in x
-// out alternated in one process, median of 15 (AMD EPYC Zen 3, avx2, 2 threads): 512 x 576 x 3072 1.06x, 512 x 576 x
-// 960 1.06x, 512 x 1536 x 576 1.03x, 64 x 576 x 3072 1.03x.
+// On the first chunk the tile's output lines are fetched for writing (fetch_rows_for_writing) before its k steps:
+// each line is written by this one tile and read by none before, and the stores' reads for ownership, from DRAM once
+// the output outgrows the caches, otherwise stalled the tile's end. Rows x in x out alternated in one process, median
+// of 15 (AMD EPYC Zen 3, avx2, 2 threads): 512 x 576 x 3072 1.06x, 512 x 576 x 960 1.06x, 512 x 1536 x 576 1.03x,
+// 64 x 576 x 3072 1.03x.
 template <int MR, typename W>
 void tile(const float* a, const W* b, int64_t kc, float* c, int64_t ldc, int cols, const float* bias,
           bool first, const char* pf, int64_t lines) {
-  if (first)
-    for (int i = 0; i < MR; ++i) {
-      __builtin_prefetch(c + i * ldc, 1, 3);
-      __builtin_prefetch(c + i * ldc + kNR - 1, 1, 3);  // the row's second line, where it is not 64-byte aligned
-    }
+  if (first) fetch_rows_for_writing(c, ldc, MR, cols);
   __m256 acc[kMR][2];
   alignas(32) float edge[kNR];
   for (int i = 0; i < MR; ++i) {
@@ -394,12 +402,7 @@ inline void micro_kernel(const float* a, const W* b0, const W* b1, int64_t kc, _
 template <int MR, int NP, typename W>
 void tile(const float* a, const W* b0, const W* b1, int64_t kc, float* c, int64_t ldc, int cols,
           const float* bias, bool first, const char* pf, int64_t lines) {
-  if (first)  // the tile's output lines, fetched for writing as the AVX2 tile's are
-    for (int i = 0; i < MR; ++i) {
-      __builtin_prefetch(c + i * ldc, 1, 3);
-      if (cols > 16) __builtin_prefetch(c + i * ldc + 16, 1, 3);
-      __builtin_prefetch(c + i * ldc + cols - 1, 1, 3);
-    }
+  if (first) fetch_rows_for_writing(c, ldc, MR, cols);
   __m512 acc[kMR][2];
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1) : 0;
@@ -734,8 +737,7 @@ inline void finish_tile(__m512 (&acc)[kMR][2], const uint16_t* init, const float
 template <int MR, class Source>
 void tile_of(const uint32_t* a, const Source& source, int64_t kp, uint16_t* c, int64_t ldc, int cols,
              const uint16_t* bias, const float* scale, const char* pf, int64_t lines, int64_t act) {
-  const int last = (act == kSiluMul ? kNR / 2 : cols) - 1;  // a row's last output here
-  for (int i = 0; i < MR; ++i) __builtin_prefetch(c + i * ldc, 1, 3), __builtin_prefetch(c + i * ldc + last, 1, 3);
+  fetch_rows_for_writing(c, ldc, MR, act == kSiluMul ? kNR / 2 : cols);  // (SiLU-and-mul: 16 outputs a row)
   __m512 acc[kMR][2];
   alignas(64) uint16_t edge[kNR] = {};
   const uint16_t* init = whole_bias(bias, cols, edge);
