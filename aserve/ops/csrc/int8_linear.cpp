@@ -192,6 +192,24 @@ inline const B* next_run(const B* w, int64_t t, int64_t end, int64_t rows) {
   return t + R < end ? w + (t + R) * rows * kInt8Tile : nullptr;
 }
 
+// How far ahead of the line it reads a thread's run of tiles, read one tile at a time, is prefetched into L1 (each
+// tile kernel fetches `ahead + k * row bytes` as it reads row k, so the distance carries across the tiles' ends).
+// It used to be the next tile, which made the distance the tile's size: 9 KB for the bench model's K = 576 int8
+// projections, 24 KB for its down projection (K = 1536). The bench model at batch 1, 8 steps a scheduling, every
+// projection's TSC time summed over a run (AMD EPYC Zen 4; avx512f avx512_bf16 avx512_vnni; 2 threads; the
+// distance switched round by round in one process, 8-10 rounds a run): int8 weights and head, bf16, 2, 3, 4, 6 and
+// 8 KB against the next tile took 0.96-1.03, 0.91-0.96, 0.90-0.96 (four runs), 0.93 and 0.98 of the projections'
+// time (no software prefetch at all: 0.95), the down projection's own 0.83-0.86 at 4 KB; GPTQ int4 with its head
+// 0.97 at 4 KB (none: 1.04); int8 at 4 rows 0.97, int8 in fp32 0.96; the AVX2 build (-march=haswell on the same
+// machine, fp32) int8 0.94, GPTQ 1.00 and 1.02.
+constexpr int64_t kFetchAhead = 4096;
+
+// What a tile starting at `at` prefetches as it goes (above), in a run of tiles ending at `stop`: nothing once the
+// lines ahead are past the run.
+template <typename B> inline const B* fetch_ahead(const B* at, const B* stop) {
+  return at + kFetchAhead < stop ? at + kFetchAhead : nullptr;
+}
+
 // x's M rows of K inputs as fp32, in this thread's scratch (reused by the next call: no allocation a call).
 template <typename T> inline float* rows_as_float(const at::Tensor& x, int M, int64_t K) {
   thread_local std::vector<float> rows;
@@ -351,7 +369,8 @@ inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K,
 #endif
 
 // One row: one tile at a time, its k in four interleaved sums (k mod 4, added as (0 + 1) + (2 + 3) at the end), the
-// thread's next tile pulled into L1 a line every four k steps: each thread reads its run of tiles as one stream, as
+// line kFetchAhead bytes ahead (`next`) pulled into L1 every four k steps: each thread reads its run of tiles as one
+// stream, as
 // int4_tile_vnni does. Four tiles at once (int8_tiles at M = 1) read four streams a tile apart: the bench model's
 // 120 int8 layers at one row, caches flushed before each pass (Intel Xeon without AMX tiles, bf16, 2 threads, both
 // ways in shuffled order in one process, 16-30 passes each, three runs), took 7.91 -> 7.29, 8.09 -> 7.72 and 7.69 ->
@@ -392,7 +411,8 @@ inline void int8_tile_one_row(const int8_t* w, const float* xf, int64_t K, const
 // interleaved by one vpermw into the pairs (w[k][n], w[k + 1][n]) vpdpwssd multiplies by (n[k], n[k + 1]): two
 // shuffles and M vpdpwssd a 32 weights, against two widening ops and M FMAs a 16 (int8_tile_one_row, int8_tiles).
 // Pairs go to CH chains a row (four at one row, to hide vpdpwssd's latency); each span's sums are folded into fp32
-// with its unit, and the outputs scaled once at the end. Whole spans only (K a multiple of kSpan).
+// with its unit, and the outputs scaled once at the end. Whole spans only (K a multiple of kSpan). `next`: the line
+// kFetchAhead bytes ahead, pulled into L1 at the pace rows are read.
 template <int M>
 inline void int8_tile_vnni(const int8_t* w, const FixedPointRows& xs, int64_t K, const c10::BFloat16* sc,
                            c10::BFloat16* o, int64_t N, int64_t t, const int8_t* next) {
@@ -451,7 +471,7 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
       c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
       parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
-          int8_tile_vnni<M>(w, xs, K, sc, o, N, t, t + 1 < end ? w + (t + 1) * K * kInt8Tile : nullptr);
+          int8_tile_vnni<M>(w, xs, K, sc, o, N, t, fetch_ahead(w + t * K * kInt8Tile, w + end * K * kInt8Tile));
       });
       return;
     }
@@ -464,7 +484,7 @@ void int8_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   if constexpr (M == 1) {
     parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        int8_tile_one_row<T>(w, xf, K, sc, o, N, t, t + 1 < end ? w + (t + 1) * K * kInt8Tile : nullptr);
+        int8_tile_one_row<T>(w, xf, K, sc, o, N, t, fetch_ahead(w + t * K * kInt8Tile, w + end * K * kInt8Tile));
     });
     return;
   }
@@ -702,8 +722,8 @@ template <typename T> inline void prefetch_tile_scales(const T* sz, int64_t t, i
 // 32 weights in two ymm, about six vector ops at one row, where widening the codes to fp32 took ten beside four FMAs
 // (int4_tiles). Tile t (16 outputs) against M rows (up to 4: their sums, the block and the pair row fill the 16
 // registers), one tile at a time so that each thread reads its run of tiles as one stream; each span's sums folded
-// into fp32 with its unit and the group's scales, the outputs waiting in L1 between spans. `next`: the thread's next
-// tile, fetched meanwhile, with its scales.
+// into fp32 with its unit and the group's scales, the outputs waiting in L1 between spans. `next`: the line
+// kFetchAhead bytes ahead, pulled into L1 as blocks are read; with `fetch_scales`, the next tile's scales too.
 //
 // Up to two rows, pair rows 1 and 3 are masked in place (16 q, from the words and the words shifted down a byte) into
 // a second chain of sums, divided by 16 (exactly: a shift) and added to the first at the fold: one shift a block
@@ -712,14 +732,15 @@ template <typename T> inline void prefetch_tile_scales(const T* sz, int64_t t, i
 // kept the sums on the stack, a load and a store a block on each chain.
 template <int M, typename T>
 __attribute__((noinline)) void int4_tile_madd(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group,
-                                              const Half* sz, T* o, int64_t N, int64_t t, const uint8_t* next) {
+                                              const Half* sz, T* o, int64_t N, int64_t t, const uint8_t* next,
+                                              bool fetch_scales) {
   const int64_t groups = K / group, pairs = K / 2;
   const uint8_t* tile = w + t * pairs * kInt8Tile;
   const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x00F0);
   constexpr int C = M <= 2 ? 2 : 1;  // chains a row: [1] the odd pair rows' 16 q, where registers allow
   alignas(32) float out[M][kInt8Tile] = {};
   prefetch_scales<1>(sz, t, groups, 0);
-  if (next != nullptr) prefetch_tile_scales(sz, t + 1, groups);
+  if (fetch_scales) prefetch_tile_scales(sz, t + 1, groups);
   for (int64_t g = 0; g < groups; ++g) {
     if (g + 1 < groups) prefetch_scales<1>(sz, t, groups, g + 1);
     alignas(32) float s[2 * kInt8Tile];  // the group's 16 scales, then 16 s * z
@@ -809,14 +830,14 @@ __attribute__((noinline)) void int4_tile_madd(const uint8_t* w, const FixedPoint
 // (eight tiles at once, eight streams 4.6 KB apart, read the bench model's int4 layers 30% slower from DRAM on Zen 5).
 // Pair row s of a block goes to chain s % CH of its row: four chains a row for up to four rows (the vpdpwssd latency
 // hidden at one row), two above (their registers). With four chains pair row 1 is its bits masked in place, 16 q, and
-// its chain is divided by 16 at the fold; with two, shifted down first.
+// its chain is divided by 16 at the fold; with two, shifted down first. `next`: the line kFetchAhead bytes ahead,
+// pulled into L1 as blocks are read; `last`: the run's last tile (no next tile's scales to fetch).
 template <int M>
 inline void int4_tile_vnni(const uint8_t* w, const FixedPointRows& xs, int64_t K, int64_t group,
-                           const Half* sz, c10::BFloat16* o, int64_t N, int64_t t, bool last) {
+                           const Half* sz, c10::BFloat16* o, int64_t N, int64_t t, const uint8_t* next, bool last) {
   constexpr int CH = M <= 4 ? 4 : 2;
   const int64_t groups = K / group, pairs = K / 2;
   const uint8_t* tile = w + t * pairs * kInt8Tile;
-  const uint8_t* next = last ? nullptr : tile + pairs * kInt8Tile;  // the thread's next tile, fetched meanwhile
   const __m512i low = _mm512_set1_epi16(0x000F), second = _mm512_set1_epi16(0x00F0);
   __m512 out[M];
 #pragma GCC unroll 8
@@ -1016,8 +1037,11 @@ void int4_linear_impl(const at::Tensor& x, const at::Tensor& tiled, const at::Te
     const uint8_t* w = tiled.data_ptr<uint8_t>();
     const Half* sz = scales_zeros.data_ptr<Half>();
     c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+    const int64_t pairs = K / 2;
     parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) int4_tile_vnni<M>(w, xs, K, group, sz, o, N, t, t + 1 == end);
+      for (int64_t t = begin; t < end; ++t)
+        int4_tile_vnni<M>(w, xs, K, group, sz, o, N, t,
+                          fetch_ahead(w + t * pairs * kInt8Tile, w + end * pairs * kInt8Tile), t + 1 == end);
     });
     return;
   }
@@ -1053,9 +1077,10 @@ void int4_linear_madd(const at::Tensor& x, const at::Tensor& tiled, const at::Te
   T* o = out.data_ptr<T>();
   parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      by_row_blocks(M, [&](auto m, int64_t m0) {
-        const uint8_t* next = m0 == 0 && t + 1 < end ? w + (t + 1) * pairs * kInt8Tile : nullptr;
-        int4_tile_madd<decltype(m)::value, T>(w, xs.from_row(m0, K, groups), K, group, sz, o + m0 * N, N, t, next);
+      by_row_blocks(M, [&](auto m, int64_t m0) {  // the first block fetches ahead, the later ones find the tile in L1
+        const uint8_t* ahead = m0 == 0 ? fetch_ahead(w + t * pairs * kInt8Tile, w + end * pairs * kInt8Tile) : nullptr;
+        int4_tile_madd<decltype(m)::value, T>(w, xs.from_row(m0, K, groups), K, group, sz, o + m0 * N, N, t, ahead,
+                                              m0 == 0 && t + 1 < end);
       });
   });
 }
