@@ -370,12 +370,11 @@ inline FixedPointRows rows_as_fixed_point(const at::Tensor& x, int M, int64_t K,
 
 // One row: one tile at a time, its k in four interleaved sums (k mod 4, added as (0 + 1) + (2 + 3) at the end), the
 // line kFetchAhead bytes ahead (`next`) pulled into L1 every four k steps: each thread reads its run of tiles as one
-// stream, as
-// int4_tile_vnni does. Four tiles at once (int8_tiles at M = 1) read four streams a tile apart: the bench model's
-// 120 int8 layers at one row, caches flushed before each pass (Intel Xeon without AMX tiles, bf16, 2 threads, both
-// ways in shuffled order in one process, 16-30 passes each, three runs), took 7.91 -> 7.29, 8.09 -> 7.72 and 7.69 ->
-// 7.47 ms (medians), its int8 head 1.43-1.51 -> 1.38-1.43 ms. (Prefetching two tiles ahead into L2 as well was no
-// faster.)
+// stream, as int4_tile_vnni does. Four tiles at once (int8_tiles at M = 1) read four streams a tile apart: the bench
+// model's 120 int8 layers at one row, caches flushed before each pass (Intel Xeon without AMX tiles, bf16, 2 threads,
+// both ways in shuffled order in one process, 16-30 passes each, three runs), took 7.91 -> 7.29, 8.09 -> 7.72 and
+// 7.69 -> 7.47 ms (medians), its int8 head 1.43-1.51 -> 1.38-1.43 ms, each tile then fetching the next one whole.
+// (Prefetching two tiles ahead into L2 as well was no faster.)
 template <typename T>
 inline void int8_tile_one_row(const int8_t* w, const float* xf, int64_t K, const T* sc, T* o, int64_t N, int64_t t,
                               const int8_t* next) {
