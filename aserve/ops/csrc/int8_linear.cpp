@@ -944,14 +944,20 @@ inline void store_tile_bf16(c10::BFloat16* o, int64_t N, int64_t t, __m512 out) 
 
 // R (1 or 2) tiles from t against a block of M (up to 4) rows of x, ldx apart: each broadcast pair of x feeds both
 // tiles, pair row s of a block into chain s % 2 of its row and tile (16 chains at 2 tiles x 4 rows), the outputs
-// waiting in L1 between groups (the sums, pair rows and constants fill the registers). `next`: the tiles after,
-// fetched meanwhile. Against one tile at a time in four chains, the bench model's 120 int4 layers at 16 rows (Zen 5,
-// alternated in one process) took 6.19 against 6.52 ms from DRAM, 5.14 against 5.60 with most of them in L3.
+// waiting in L1 between groups (the sums, pair rows and constants fill the registers). Against one tile at a time in
+// four chains, the bench model's 120 int4 layers at 16 rows (Zen 5, alternated in one process) took 6.19 against
+// 6.52 ms from DRAM, 5.14 against 5.60 with most of them in L3. Each tile's stream is fetched into L1 kFetchAhead
+// bytes of the R tiles' reads ahead, into `next` (the thread's R tiles after these) past the tiles' end: against
+// fetching the next tiles at the pace these are read (two tiles ahead), the same 120 layers cold with the int4
+// head's shapes left out (AMD EPYC Zen 4, avx512_bf16, 2 threads, a scratch switch alternated in one process, 12
+// rounds) ran 1.02x as fast at 16 rows, 1.07x at 8 and 1.02x at 4, and GPTQ with its int4 head at batch 16 in the
+// engine 1.02-1.04x (three runs of 8-10 rounds).
 template <int M, int R>
 inline void int4_tiles_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t ldx, const float* xsums, int64_t K,
                             int64_t group, const Half* sz, c10::BFloat16* o, int64_t N, int64_t t,
                             const uint8_t* next) {
   const int64_t groups = K / group, pairs = K / 2;
+  constexpr int64_t kAheadRows = kFetchAhead / (R * kInt8Tile);  // pair rows: kFetchAhead bytes of the R tiles' reads
   alignas(64) float outs[R][M][kInt8Tile];
 #pragma GCC unroll 8
   for (int i = 0; i < R * M; ++i) _mm512_store_ps(outs[i / M][i % M], _mm512_setzero_ps());
@@ -965,8 +971,11 @@ inline void int4_tiles_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t ld
       __m512i rows[R][4];
 #pragma GCC unroll 2
       for (int i = 0; i < R; ++i) {
-        if (next != nullptr)
-          _mm_prefetch(reinterpret_cast<const char*>(next + (i * pairs + kk) * kInt8Tile), _MM_HINT_T0);
+        const int64_t ahead = kk + kAheadRows;  // in tile t + i, or past its end in the next group's tile i
+        if (ahead < pairs)
+          _mm_prefetch(reinterpret_cast<const char*>(w + ((t + i) * pairs + ahead) * kInt8Tile), _MM_HINT_T0);
+        else if (next != nullptr)
+          _mm_prefetch(reinterpret_cast<const char*>(next + (i * pairs + ahead - pairs) * kInt8Tile), _MM_HINT_T0);
         int4_block_bf16(w + ((t + i) * pairs + kk) * kInt8Tile, rows[i]);
       }
 #pragma GCC unroll 4
