@@ -121,8 +121,24 @@ inline void prefetch_scales(const T* sz, int64_t t0, int64_t groups, int64_t g) 
 #endif
 }
 
-// R tiles (t0..t0+R-1) against the M rows of x (as fp32): R * M independent sums. `prefetch` (the next tiles this
-// thread reads, or null) is pulled into L1 a line at a time as fast as these are consumed (R * 16 bytes a k step).
+// How far ahead of the line it reads a thread's run of tiles is prefetched into L1: the kernels of one tile at a time
+// fetch `ahead + k * row bytes` as they read row k (fetch_ahead), so the distance carries across the tiles' ends; those
+// of R tiles at once fetch each tile's stream this many bytes of their reads ahead. It used to be the next tile, which
+// made the distance the tile's size: 9 KB for the bench model's K = 576 int8 projections, 24 KB for its down projection
+// (K = 1536). The bench model at batch 1, 8 steps a scheduling, every projection's TSC time summed over a run (AMD EPYC
+// Zen 4; avx512f avx512_bf16 avx512_vnni; 2 threads; the distance switched round by round in one process, 8-10 rounds a
+// run): int8 weights and head, bf16, 2, 3, 4, 6 and 8 KB against the next tile took 0.96-1.03, 0.91-0.96, 0.90-0.96
+// (four runs), 0.93 and 0.98 of the projections' time (no software prefetch at all: 0.95), the down projection's own
+// 0.83-0.86 at 4 KB; GPTQ int4 with its head 0.97 at 4 KB (none: 1.04); int8 at 4 rows 0.97, int8 in fp32 0.96; the
+// AVX2 build (-march=haswell on the same machine, fp32) int8 0.94, GPTQ 1.00 and 1.02.
+constexpr int64_t kFetchAhead = 4096;
+
+// R tiles (t0..t0+R-1) against the M rows of x (as fp32): R * M independent sums. Each tile's stream is fetched into
+// L1 kFetchAhead bytes of the R tiles' reads ahead, into `prefetch` (the next tiles this thread reads, or null) past
+// the tiles' end. Against fetching the next R tiles at the pace these were read (R tiles ahead), the bench model's
+// 120 int8 layers cold in fp32, alternated in one process (AMD EPYC Zen 4, 2 threads, 12 rounds, two runs) ran
+// 1.17x and 1.20x as fast at 2 rows, 1.08x and 1.16x at 4, 1.00x at 8; the AVX2 build on the same machine 1.23x,
+// 1.06x and 0.99x.
 template <typename T, int M, int R>
 inline void int8_tiles(const int8_t* w, const float* xf, int64_t K, const T* sc, T* o, int64_t N, int64_t t0,
                        const int8_t* prefetch = nullptr) {
@@ -131,8 +147,18 @@ inline void int8_tiles(const int8_t* w, const float* xf, int64_t K, const T* sc,
 #pragma GCC unroll 32
   for (int i = 0; i < kAcc; ++i) acc[i] = vec_zero();
   const int8_t* tile = w + t0 * K * kInt8Tile;
+  constexpr int64_t kAheadRows = kFetchAhead / (R * kInt8Tile);  // kFetchAhead bytes of the R tiles' reads
   for (int64_t k = 0; k < K; ++k) {
-    if (prefetch != nullptr) prefetch_step<R * kInt8Tile>(prefetch, k);
+    if (k % 4 == 0) {  // a line of each tile every four rows: kAheadRows on, or past its end in the next group's
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t ahead = k + kAheadRows;
+        if (ahead < K)
+          _mm_prefetch(reinterpret_cast<const char*>(tile + (r * K + ahead) * kInt8Tile), _MM_HINT_T0);
+        else if (prefetch != nullptr)
+          _mm_prefetch(reinterpret_cast<const char*>(prefetch + (r * K + ahead - K) * kInt8Tile), _MM_HINT_T0);
+      }
+    }
     VecF xk[M];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) xk[m] = vec_broadcast(xf[m * K + k]);
@@ -191,18 +217,6 @@ template <int R, typename B>
 inline const B* next_run(const B* w, int64_t t, int64_t end, int64_t rows) {
   return t + R < end ? w + (t + R) * rows * kInt8Tile : nullptr;
 }
-
-// How far ahead of the line it reads a thread's run of tiles, read one tile at a time, is prefetched into L1 (each
-// tile kernel fetches `ahead + k * row bytes` as it reads row k, so the distance carries across the tiles' ends).
-// It used to be the next tile, which made the distance the tile's size: 9 KB for the bench model's K = 576 int8
-// projections, 24 KB for its down projection (K = 1536). The bench model at batch 1, 8 steps a scheduling, every
-// projection's TSC time summed over a run (AMD EPYC Zen 4; avx512f avx512_bf16 avx512_vnni; 2 threads; the
-// distance switched round by round in one process, 8-10 rounds a run): int8 weights and head, bf16, 2, 3, 4, 6 and
-// 8 KB against the next tile took 0.96-1.03, 0.91-0.96, 0.90-0.96 (four runs), 0.93 and 0.98 of the projections'
-// time (no software prefetch at all: 0.95), the down projection's own 0.83-0.86 at 4 KB; GPTQ int4 with its head
-// 0.97 at 4 KB (none: 1.04); int8 at 4 rows 0.97, int8 in fp32 0.96; the AVX2 build (-march=haswell on the same
-// machine, fp32) int8 0.94, GPTQ 1.00 and 1.02.
-constexpr int64_t kFetchAhead = 4096;
 
 // What a tile starting at `at` prefetches as it goes (above), in a run of tiles ending at `stop`: nothing once the
 // lines ahead are past the run.
