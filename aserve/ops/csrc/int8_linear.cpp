@@ -133,6 +133,16 @@ inline void prefetch_scales(const T* sz, int64_t t0, int64_t groups, int64_t g) 
 // AVX2 build (-march=haswell on the same machine, fp32) int8 0.94, GPTQ 1.00 and 1.02.
 constexpr int64_t kFetchAhead = 4096;
 
+// For the kernels of R tiles at once: the line of row `row` (16-byte rows, `rows` a tile) of tile i of the group at
+// `tiles`, into L1; past the tile's end, the same row less `rows` of tile i of the thread's next group (`next`; none
+// where null).
+template <typename B> inline void fetch_row(const B* tiles, const B* next, int i, int64_t rows, int64_t row) {
+  if (row < rows)
+    prefetch_line<1>(tiles + (i * rows + row) * kInt8Tile);
+  else if (next != nullptr)
+    prefetch_line<1>(next + (i * rows + row - rows) * kInt8Tile);
+}
+
 // R tiles (t0..t0+R-1) against the M rows of x (as fp32): R * M independent sums. Each tile's stream is fetched into
 // L1 kFetchAhead bytes of the R tiles' reads ahead, into `prefetch` (the next tiles this thread reads, or null) past
 // the tiles' end. Against fetching the next R tiles at the pace these were read (R tiles ahead), the bench model's
@@ -151,13 +161,7 @@ inline void int8_tiles(const int8_t* w, const float* xf, int64_t K, const T* sc,
   for (int64_t k = 0; k < K; ++k) {
     if (k % 4 == 0) {  // a line of each tile every four rows: kAheadRows on, or past its end in the next group's
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int64_t ahead = k + kAheadRows;
-        if (ahead < K)
-          _mm_prefetch(reinterpret_cast<const char*>(tile + (r * K + ahead) * kInt8Tile), _MM_HINT_T0);
-        else if (prefetch != nullptr)
-          _mm_prefetch(reinterpret_cast<const char*>(prefetch + (r * K + ahead - K) * kInt8Tile), _MM_HINT_T0);
-      }
+      for (int r = 0; r < R; ++r) fetch_row(tile, prefetch, r, K, k + kAheadRows);
     }
     VecF xk[M];
 #pragma GCC unroll 8
@@ -985,11 +989,7 @@ inline void int4_tiles_bf16(const uint8_t* w, const c10::BFloat16* x, int64_t ld
       __m512i rows[R][4];
 #pragma GCC unroll 2
       for (int i = 0; i < R; ++i) {
-        const int64_t ahead = kk + kAheadRows;  // in tile t + i, or past its end in the next group's tile i
-        if (ahead < pairs)
-          _mm_prefetch(reinterpret_cast<const char*>(w + ((t + i) * pairs + ahead) * kInt8Tile), _MM_HINT_T0);
-        else if (next != nullptr)
-          _mm_prefetch(reinterpret_cast<const char*>(next + (i * pairs + ahead - pairs) * kInt8Tile), _MM_HINT_T0);
+        fetch_row(w + t * pairs * kInt8Tile, next, i, pairs, kk + kAheadRows);
         int4_block_bf16(w + ((t + i) * pairs + kk) * kInt8Tile, rows[i]);
       }
 #pragma GCC unroll 4
