@@ -184,6 +184,42 @@ def test_decode_attention_widens_every_fp8_pattern_exactly(fmt, head_dim):
     assert torch.equal(fp8_out, fp32_out)
 
 
+@pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
+@pytest.mark.parametrize("head_dim,heads,block_size", [(64, (9, 3), 16), (128, (4, 2), 1), (256, (2, 1), 32)])
+def test_decode_attention_reads_fp8_as_a_bf16_cache_of_its_values(fmt, head_dim, heads, block_size):
+    """A bf16 query over FP8 bytes gives the bits it gives over a bf16 cache of their values, windows and
+    soft-capping included: with AVX512-BF16 and VBMI the bytes become those values' bf16 patterns (times a power of
+    two the sums drop again) for vdpbf16ps, elsewhere both caches are widened to fp32. Every finite pattern occurs;
+    outputs below 1e-20 may differ, where the bf16 cache's products fall to fp32's denormals and vdpbf16ps flushes
+    them, while the FP8 path's lifted ones stay normal."""
+    packs = torch.ops.aserve.gemm_packs_bf16()
+    if packs and "avx512vbmi" not in cpu_kernels._cpu_flags().split():
+        pytest.skip("an FP8 cache meets vdpbf16ps only with AVX512-VBMI; a bf16 cache does without it")
+    before = torch.ops.aserve.gemm_bf16_products()
+    gen = torch.Generator().manual_seed(head_dim)
+    f = FP8_FORMATS[fmt]
+    lengths = [300, 17, 16, 1, 2, 15, 33, 129]
+    query, k_cache, _, tables, lens, _ = paged_case(lengths, block_size, heads, head_dim, torch.bfloat16, gen)
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[finite.view(f.dtype).float().isfinite()]
+    k_bits, v_bits = (finite[torch.randint(len(finite), k_cache.shape, generator=gen)] for _ in range(2))
+    k_scale, v_scale = 2.0 ** -9, 2.0 ** -6
+    k_values, v_values = dequantize(k_bits, k_scale, f, torch.bfloat16), dequantize(v_bits, v_scale, f, torch.bfloat16)
+    try:
+        if packs:
+            torch.ops.aserve.gemm_bf16_products("dpbf16")
+        for window, softcap in [(0, 0.0), (20, 0.0), (150, 20.0)]:
+            fp8_out, bf16_out = torch.empty_like(query), torch.empty_like(query)
+            with torch.inference_mode():
+                torch.ops.aserve.paged_decode_attention(fp8_out, query, k_bits, v_bits, tables, lens, 0.125, window,
+                                                        softcap, k_scale, v_scale, f.code)
+                torch.ops.aserve.paged_decode_attention(bf16_out, query, k_values, v_values, tables, lens, 0.125,
+                                                        window, softcap)
+            torch.testing.assert_close(fp8_out, bf16_out, rtol=0, atol=1e-20)
+    finally:
+        torch.ops.aserve.gemm_bf16_products(before)
+
+
 def prefill_case(chunks, block_size, heads, head_dim, dtype, gen):
     """Chunks (cached context, new tokens) over a scattered cache holding every chunk's context and tokens, with
     each query row's expansion as a decode query: its chunk's table and its own causal length."""

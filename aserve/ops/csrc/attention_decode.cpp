@@ -411,28 +411,133 @@ void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head,
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
+#if defined(__AVX512VBMI__)
+// An FP8 cache on vdpbf16ps too, where AVX512-VBMI permutes bytes: every e4m3 and e5m2 value is a bf16 value, so
+// its byte becomes a bf16 pattern exactly, through two 128-entry tables (the pattern's low and its high byte, by the
+// byte's seven magnitude bits: one vpermi2b each) with the sign put back. Widened to fp32 for FMAs instead, an FP8
+// cache ran slower than a bf16 one: half the bytes, but twice the instructions a value (decode attention at batch
+// 64, 30 layers of the bench model from DRAM, AMD EPYC Zen 4). The patterns are the values fp8_to_float reads
+// (e4m3's times 2^-8) times 2^-kFp8Drop, so that the subnormals (e4m3's 2^-17 after its 2^-8, e5m2's 2^-16) stay
+// normal bf16 values, as vdpbf16ps needs (it reads denormals as zero); the query and the probabilities are lifted
+// by 2^kFp8Lift to meet them, so that no product nears fp32's denormals either, and the sums are scaled back with
+// the scales. Powers of two throughout: the scores and outputs are the bits a bf16 cache of the same values gives.
+#define ASERVE_FP8_DOT 1
+#endif
+constexpr int kFp8Drop = 104, kFp8Lift = 52;
+
+// Reads a cache of C (bf16, or FP8 where ASERVE_FP8_DOT) as the 32-bit words of two bf16 values vdpbf16ps takes.
+template <typename C> struct Bf16Words {
+#ifdef ASERVE_FP8_DOT
+  __m512i lo0, lo1, hi0, hi1, sign, runs_order, rows_order[2];
+
+  Bf16Words() {
+    if constexpr (is_fp8<C>) {
+      struct alignas(64) Tables { uint8_t lo[128], hi[128], runs[64], rows[2][64]; };
+      static const Tables t = [] {
+        Tables t{};
+        for (int x = 0; x < 128; ++x) {
+          const float v = std::ldexp(fp8_to_float<C>(static_cast<uint8_t>(x)), -kFp8Drop);
+          uint32_t bits;
+          std::memcpy(&bits, &v, sizeof(bits));
+          t.lo[x] = static_cast<uint8_t>(bits >> 16), t.hi[x] = static_cast<uint8_t>(bits >> 24);
+        }
+        // fp8_words turns the bytes at 16L + j (L a 128-bit lane) into words 8L + j of its first vector for j < 8,
+        // of its second for j >= 8. Two key runs (a's bytes 0-31, b's 64-95 of the pair vpermi2b reads): a's in
+        // order in the first vector, b's in the second.
+        for (int L = 0; L < 4; ++L)
+          for (int j = 0; j < 8; ++j) t.runs[16 * L + j] = 8 * L + j, t.runs[16 * L + 8 + j] = 64 + 8 * L + j;
+        // Two value rows' 64-byte chunk (row a's bytes 0-63, b's 64-127): each 32-dim half h of it in the order of
+        // value_pass_bf16's unpacklo/unpackhi of bf16 rows, lane L of the first vector (a, b) at dims 8L .. 8L + 3,
+        // of the second at 8L + 4 .. 8L + 7.
+        for (int h = 0; h < 2; ++h)
+          for (int L = 0; L < 4; ++L)
+            for (int k = 0; k < 4; ++k) {
+              const int dim = 32 * h + 8 * L + k;
+              t.rows[h][16 * L + 2 * k] = dim, t.rows[h][16 * L + 2 * k + 1] = 64 + dim;
+              t.rows[h][16 * L + 8 + 2 * k] = dim + 4, t.rows[h][16 * L + 8 + 2 * k + 1] = 64 + dim + 4;
+            }
+        return t;
+      }();
+      lo0 = _mm512_load_si512(t.lo), lo1 = _mm512_load_si512(t.lo + 64);
+      hi0 = _mm512_load_si512(t.hi), hi1 = _mm512_load_si512(t.hi + 64);
+      sign = _mm512_set1_epi8(static_cast<char>(0x80));
+      runs_order = _mm512_load_si512(t.runs);
+      rows_order[0] = _mm512_load_si512(t.rows[0]), rows_order[1] = _mm512_load_si512(t.rows[1]);
+    }
+  }
+
+  // 64 FP8 bytes as bf16 patterns: bytes 16L + j into word 8L + j of `first` (j < 8) or of `second` (j >= 8), the
+  // order unpacklo/unpackhi leave.
+  void fp8_words(__m512i bytes, __m512i& first, __m512i& second) const {
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes, sign, 0xF8);
+    first = _mm512_unpacklo_epi8(lo, hi), second = _mm512_unpackhi_epi8(lo, hi);
+  }
+#endif
+
+  // Key runs a and b (a block's pair of dims, `count` tokens; zero after) as words, a token a lane.
+  template <bool Full> void runs(const C* a, const C* b, int count, __m512i& wa, __m512i& wb) const {
+    if constexpr (std::is_same_v<C, BF16>) {
+      wa = Full ? _mm512_loadu_si512(a) : load_words(a, count);
+      wb = Full ? _mm512_loadu_si512(b) : load_words(b, count);
+    } else {
+#ifdef ASERVE_FP8_DOT
+      const __mmask64 m = Full ? ~0ull : (1ull << (2 * count)) - 1;
+      const __m512i ra = Full ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)))
+                              : _mm512_maskz_loadu_epi8(m, a);
+      const __m512i rb = Full ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)))
+                              : _mm512_maskz_loadu_epi8(m, b);
+      fp8_words(_mm512_permutex2var_epi8(ra, runs_order, rb), wa, wb);
+#endif
+    }
+  }
+
+  // Two tokens' value rows a and b as value_pass_bf16 takes them: 32-dim chunk c as lo[c] (lane L: (a, b) at dims
+  // 32c + 8L .. 32c + 8L + 3) and hi[c] (the next four of each lane).
+  template <int HeadDim> void rows(const C* a, const C* b, __m512i (&lo)[HeadDim / 32], __m512i (&hi)[HeadDim / 32]) const {
+    if constexpr (std::is_same_v<C, BF16>) {
+      for (int c = 0; c < HeadDim / 32; ++c) {
+        const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
+        lo[c] = _mm512_unpacklo_epi16(ra, rb), hi[c] = _mm512_unpackhi_epi16(ra, rb);
+      }
+    } else {
+#ifdef ASERVE_FP8_DOT
+      for (int z = 0; z < HeadDim / 64; ++z) {
+        const __m512i ra = _mm512_loadu_si512(a + z * 64), rb = _mm512_loadu_si512(b + z * 64);
+        for (int h = 0; h < 2; ++h)
+          fp8_words(_mm512_permutex2var_epi8(ra, rows_order[h], rb), lo[2 * z + h], hi[2 * z + h]);
+      }
+#endif
+    }
+  }
+};
+
 // The key pass on vdpbf16ps: a pair's run of 16 tokens (one 32-bit word a token) meets each query head's pair of
 // dims, broadcast, in one instruction; the scale is applied to the sums. q: the heads' bf16 rows as 32-bit pairs.
 // Each head sums in Chains chains (pair p into chain p % Chains), so that vdpbf16ps' latency overlaps; the loop
 // over the pairs steps a chain's round at a time, every index known when compiled: indexed by p % 2 inside a loop
 // the compiler did not unroll, the sums lived on the stack and each product waited on a store and a load (the key
 // pass took 2/3 of hot decode attention, bench model, AMD EPYC Zen 5). Full: count is 16, loads need no mask.
-template <int HeadDim, int NH, bool Full>
-inline void pair_scores_bf16(const uint32_t* q, const BF16* pairs, int64_t pair_stride, int count, float scale,
-                             float* out, int64_t out_stride, float* peaks) {
-  constexpr int Pairs = HeadDim / 2, Chains = Pairs % 4 == 0 ? 4 : Pairs % 2 == 0 ? 2 : 1;
+template <typename C, int HeadDim, int NH, bool Full>
+inline void pair_scores_bf16(const Bf16Words<C>& words, const uint32_t* q, const C* pairs, int64_t pair_stride,
+                             int count, float scale, float* out, int64_t out_stride, float* peaks) {
+  constexpr int Pairs = HeadDim / 2, Chains = Pairs % 4 == 0 ? 4 : 2;
+  static_assert(Pairs % 2 == 0, "runs are read two at a time");
   if constexpr (Full) count = 16;
   __m512 acc[NH][Chains];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < Chains; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int p = 0; p < Pairs; p += Chains) {
+    __m512i w[Chains];
+#pragma GCC unroll 2
+    for (int c = 0; c < Chains; c += 2)
+      words.template runs<Full>(pairs + (p + c) * pair_stride, pairs + (p + c + 1) * pair_stride, count, w[c],
+                                w[c + 1]);
 #pragma GCC unroll 4
     for (int c = 0; c < Chains; ++c) {
-      const BF16* run = pairs + (p + c) * pair_stride;
-      const __m512bh w = as_bh(Full ? _mm512_loadu_si512(run) : load_words(run, count));
 #pragma GCC unroll 4
       for (int h = 0; h < NH; ++h)
-        acc[h][c] = _mm512_dpbf16_ps(acc[h][c], w,
+        acc[h][c] = _mm512_dpbf16_ps(acc[h][c], as_bh(w[c]),
                                      as_bh(_mm512_set1_epi32(static_cast<int>(q[h * Pairs + p + c]))));
     }
   }
@@ -445,40 +550,41 @@ inline void pair_scores_bf16(const uint32_t* q, const BF16* pairs, int64_t pair_
   }
 }
 
-template <int HeadDim>
-void key_scores_bf16(const BF16* q, int64_t heads, const BF16* k_head, const BF16* v_head, const int64_t* offsets,
+template <typename C, int HeadDim>
+void key_scores_bf16(const BF16* q, int64_t heads, const C* k_head, const C* v_head, const int64_t* offsets,
                      int64_t first, int64_t n, int64_t block_size, float scale, float* scores, float* peaks,
                      Ahead& ahead) {
-  const auto* words = reinterpret_cast<const uint32_t*>(q);
-  key_groups(k_head, v_head, offsets, first, n, block_size, HeadDim, ahead, [&](int64_t i, int count, const BF16* pairs) {
+  const auto* qw = reinterpret_cast<const uint32_t*>(q);
+  const Bf16Words<C> words;
+  key_groups(k_head, v_head, offsets, first, n, block_size, HeadDim, ahead, [&](int64_t i, int count, const C* pairs) {
     head_groups<4>(heads, [&](auto nh, int64_t g) {
       constexpr int NH = decltype(nh)::value;
-      const uint32_t* qg = words + g * HeadDim / 2;
+      const uint32_t* qg = qw + g * HeadDim / 2;
       float *out = scores + g * n + i, *top = peaks + g * 16;
       if (count == 16)
-        pair_scores_bf16<HeadDim, NH, true>(qg, pairs, 2 * block_size, count, scale, out, n, top);
+        pair_scores_bf16<C, HeadDim, NH, true>(words, qg, pairs, 2 * block_size, count, scale, out, n, top);
       else
-        pair_scores_bf16<HeadDim, NH, false>(qg, pairs, 2 * block_size, count, scale, out, n, top);
+        pair_scores_bf16<C, HeadDim, NH, false>(words, qg, pairs, 2 * block_size, count, scale, out, n, top);
     });
   });
 }
 
-// out[i] = exp(s[i] - peak) as bf16 bits, for i < n, and a zero after an odd n's last; returns the fp32 sum of the
-// exponentials (before rounding), the softmax's total.
-inline float exp_to_bf16(const float* s, float peak, int64_t n, uint16_t* out) {
-  const fVec log2e(kLog2e), top(peak);  // exp(x - peak) = 2^((x - peak) log2(e)), the difference exact
+// out[i] = exp(s[i] - peak) * lift as bf16 bits, for i < n, and a zero after an odd n's last; returns the fp32 sum
+// of the exponentials (before lifting and rounding), the softmax's total. lift: a power of two (Bf16Words').
+inline float exp_to_bf16(const float* s, float peak, int64_t n, uint16_t* out, float lift) {
+  const fVec log2e(kLog2e), top(peak), up(lift);  // exp(x - peak) = 2^((x - peak) log2(e)), the difference exact
   fVec total(0.f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const fVec e = exp2_bounded((fVec::loadu(s + i) - top) * log2e);
     total = total + e;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(e * up));
   }
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
     const fVec e = _mm512_maskz_mov_ps(m, exp2_bounded((fVec(_mm512_maskz_loadu_ps(m, s + i)) - top) * log2e));
     total = total + e;
-    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(e));
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(e * up));
   }
   if (n % 2 == 1) out[n] = 0;
   return at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, total);
@@ -499,31 +605,32 @@ inline void store_value_sums(const __m512 (&sums)[NH][HeadDim / 16], __m512i lo,
 // acc[h] = sum_t p[h][t] * v[t] for NH heads (p as bf16 bits, rows n apart), their sums in registers. Tokens go
 // in pairs; an odd last one is paired with a zero row. Lane i of chunk c's low/high sums holds dim
 // 32c + 8(i/4) + i%4 (+ 4 for the high ones), the order unpacklo/unpackhi leave, put back in order at the end.
-template <int HeadDim, int NH>
-void value_pass_bf16(const uint16_t* p, int64_t stride, int64_t n, const BF16* v_head, const int64_t* offsets,
+template <typename Cache, int HeadDim, int NH>
+void value_pass_bf16(const uint16_t* p, int64_t stride, int64_t n, const Cache* v_head, const int64_t* offsets,
                      float* acc, Ahead& ahead) {
   constexpr int C = HeadDim / 32;
-  alignas(64) static const BF16 zero_row[HeadDim] = {};
+  alignas(64) static const Cache zero_row[HeadDim] = {};
+  const Bf16Words<Cache> words;
   __m512 sums[NH][2 * C];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < 2 * C; ++c) sums[h][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 2) {
     if ((i & 15) == 0) ahead.step();
     const bool two = i + 1 < n;
-    const BF16* a = v_head + offsets[i];
-    const BF16* b = two ? v_head + offsets[i + 1] : zero_row;
+    const Cache* a = v_head + offsets[i];
+    const Cache* b = two ? v_head + offsets[i + 1] : zero_row;
     __m512i weights[NH];
     for (int h = 0; h < NH; ++h) {
       int32_t pair;
       std::memcpy(&pair, p + h * stride + i, sizeof(pair));
       weights[h] = _mm512_set1_epi32(pair);
     }
+    __m512i lo[C], hi[C];
+    words.template rows<HeadDim>(a, b, lo, hi);
     for (int c = 0; c < C; ++c) {
-      const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
-      const __m512bh lo = as_bh(_mm512_unpacklo_epi16(ra, rb)), hi = as_bh(_mm512_unpackhi_epi16(ra, rb));
       for (int h = 0; h < NH; ++h) {
-        sums[h][2 * c] = _mm512_dpbf16_ps(sums[h][2 * c], lo, as_bh(weights[h]));
-        sums[h][2 * c + 1] = _mm512_dpbf16_ps(sums[h][2 * c + 1], hi, as_bh(weights[h]));
+        sums[h][2 * c] = _mm512_dpbf16_ps(sums[h][2 * c], as_bh(lo[c]), as_bh(weights[h]));
+        sums[h][2 * c + 1] = _mm512_dpbf16_ps(sums[h][2 * c + 1], as_bh(hi[c]), as_bh(weights[h]));
       }
     }
   }
@@ -568,26 +675,27 @@ void value_pass_fma(const float* p, int64_t stride, int64_t n, const BF16* v_hea
                                 _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), acc);
 }
 
-// acc[g] = sum_t p[g][t] * v[t] over a bf16 cache, p as bf16 bits (vdpbf16ps) or fp32 (FMAs), rows `stride` apart:
-// the heads in passes whose sums fill half the registers.
-template <int HeadDim, typename P>
-void value_sum_bf16(const P* p, int64_t stride, int64_t heads, const BF16* v_head, const int64_t* offsets, int64_t n,
+// acc[g] = sum_t p[g][t] * v[t] over a cache of C, p as bf16 bits (vdpbf16ps, a bf16 or FP8 cache) or fp32 (FMAs, a
+// bf16 cache), rows `stride` apart: the heads in passes whose sums fill half the registers.
+template <int HeadDim, typename C, typename P>
+void value_sum_bf16(const P* p, int64_t stride, int64_t heads, const C* v_head, const int64_t* offsets, int64_t n,
                     float* acc, Ahead& ahead) {
   head_groups<value_pass_heads<HeadDim, true>()>(heads, [&](auto nh, int64_t g) {
     constexpr int NH = decltype(nh)::value;
     if constexpr (std::is_same_v<P, float>)
       value_pass_fma<HeadDim, NH>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
     else
-      value_pass_bf16<HeadDim, NH>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
+      value_pass_bf16<C, HeadDim, NH>(p + g * stride, stride, n, v_head, offsets, acc + g * HeadDim, ahead);
   });
 }
 #else  // declared only, so the branches that would call them compile away
-template <int HeadDim>
-void key_scores_bf16(const BF16*, int64_t, const BF16*, const BF16*, const int64_t*, int64_t, int64_t, int64_t, float,
+constexpr int kFp8Drop = 104, kFp8Lift = 52;
+template <typename C, int HeadDim>
+void key_scores_bf16(const BF16*, int64_t, const C*, const C*, const int64_t*, int64_t, int64_t, int64_t, float,
                      float*, float*, Ahead&);
-float exp_to_bf16(const float*, float, int64_t, uint16_t*);
-template <int HeadDim, typename P>
-void value_sum_bf16(const P*, int64_t, int64_t, const BF16*, const int64_t*, int64_t, float*, Ahead&);
+float exp_to_bf16(const float*, float, int64_t, uint16_t*, float);
+template <int HeadDim, typename C, typename P>
+void value_sum_bf16(const P*, int64_t, int64_t, const C*, const int64_t*, int64_t, float*, Ahead&);
 #endif
 
 // s[i] = exp(s[i] - peak) for i < n, in one pass that also returns their sum (the softmax's total).
@@ -686,9 +794,19 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #else
   constexpr bool bf16_dot = false;
 #endif
-  // bf16 products on fp32 FMAs rather than vdpbf16ps (the choice cpu_gemm's bf16 panels follow)
-  const bool fma_dot = bf16_dot && bf16_products() == Products::kFma;
-  const bool bf16_probs = bf16_dot && !fma_dot;  // probabilities rounded to bf16 pairs for vdpbf16ps
+#ifdef ASERVE_FP8_DOT
+  constexpr bool fp8_dot = std::is_same_v<T, BF16> && is_fp8<C> && HeadDim > 0;
+#else
+  constexpr bool fp8_dot = false;
+#endif
+  // bf16 products on fp32 FMAs rather than vdpbf16ps (the choice cpu_gemm's bf16 panels follow; an FP8 cache is
+  // then widened to fp32 as on other CPUs)
+  const bool fma_dot = (bf16_dot || fp8_dot) && bf16_products() == Products::kFma;
+  // probabilities rounded to bf16 pairs for vdpbf16ps
+  const bool bf16_probs = (bf16_dot || fp8_dot) && !fma_dot;
+  // the query's and the probabilities' lift to meet an FP8 cache's bf16 patterns, which the sums drop again
+  const float lift = fp8_dot ? std::ldexp(1.f, kFp8Lift) : 1.f;
+  const float unlift = fp8_dot ? std::ldexp(1.f, kFp8Drop - kFp8Lift) : 1.f;
   // One thread's scratch, and the items it runs in turn (the next one's rows found and prefetched meanwhile).
   struct Worker {
     std::vector<float> q, row, acc, scores, merged, totals, peaks;
@@ -700,7 +818,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   auto make_worker = [&]() -> Worker& {
     thread_local Worker w;
     w.q.resize(group * head_dim), w.row.resize(head_dim), w.acc.resize(group * head_dim);
-    w.merged.resize(head_dim), w.qb.resize(bf16_dot ? group * head_dim : 0), w.totals.resize(group);
+    w.merged.resize(head_dim), w.qb.resize(bf16_dot || fp8_dot ? group * head_dim : 0), w.totals.resize(group);
     w.peaks.resize(group * fVec::size());
     w.ready = -1;
     return w;
@@ -729,17 +847,23 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       w.ready = next;
       ahead = Ahead(k_ptr + following.kvh * head_stride, v_ptr + following.kvh * head_stride, w.next_offsets.data(),
                     following.stop - following.first, sizeof(C), head_dim * sizeof(C),
-                    ahead_steps<HeadDim, bf16_dot>(n, group));
+                    bf16_dot || bf16_probs ? ahead_steps<HeadDim, true>(n, group) : ahead_steps<HeadDim, false>(n, group));
     }
     for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
     float* peaks = w.peaks.data();  // each head's running maximum, lane by lane
     std::fill(w.peaks.begin(), w.peaks.end(), -std::numeric_limits<float>::infinity());
-    if constexpr (bf16_dot) {
-      if (!fma_dot) {
-        for (int64_t g = 0; g < group; ++g)
-          std::memcpy(w.qb.data() + g * head_dim, q_ptr + b * q_stride0 + (h0 + g) * q_stride1, head_dim * sizeof(T));
-        key_scores_bf16<HeadDim>(w.qb.data(), group, k_head, v_head, offsets, it.first, n, block_size, fscale, scores,
-                                 peaks, ahead);
+    if constexpr (bf16_dot || fp8_dot) {
+      if (bf16_probs) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = q_ptr + b * q_stride0 + (h0 + g) * q_stride1;
+          T* dst = w.qb.data() + g * head_dim;
+          if constexpr (fp8_dot)
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(static_cast<float>(src[d]) * lift);
+          else
+            std::memcpy(dst, src, head_dim * sizeof(T));
+        }
+        key_scores_bf16<C, HeadDim>(w.qb.data(), group, k_head, v_head, offsets, it.first, n, block_size,
+                                    fscale * unlift, scores, peaks, ahead);
       }
     }
     if (!bf16_probs) {
@@ -766,8 +890,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       float* s = scores + g * n;
       const float peak = at::vec::vec_reduce_all<float>(max_of, fVec::loadu(peaks + g * fVec::size()));
       float total;
-      if (bf16_probs) {  // (exp_to_bf16 is only declared where bf16_dot is false)
-        if constexpr (bf16_dot) total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride);
+      if (bf16_probs) {  // (exp_to_bf16 is only declared where bf16_dot and fp8_dot are false)
+        if constexpr (bf16_dot || fp8_dot) total = exp_to_bf16(s, peak, n, w.probs.data() + g * stride, lift);
       } else {
         total = exp_in_place(s, peak, n);
         if (!bf16_dot) scale_row(s, 1.f / total, n);  // bf16 caches divide the value sums instead
@@ -779,12 +903,14 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       }
     }
     float* sums = it.part >= 0 ? acc_out + it.part * group * head_dim : w.acc.data();
-    if constexpr (bf16_dot) {
-      if (fma_dot)
-        value_sum_bf16<HeadDim>(scores, n, group, v_head, offsets, n, sums, ahead);
-      else
-        value_sum_bf16<HeadDim>(w.probs.data(), stride, group, v_head, offsets, n, sums, ahead);
-      for (int64_t g = 0; g < group; ++g) scale_row(sums + g * head_dim, vscale / totals[g], head_dim);
+    if (bf16_probs || bf16_dot) {
+      if constexpr (bf16_dot || fp8_dot) {
+        if (bf16_probs)
+          value_sum_bf16<HeadDim>(w.probs.data(), stride, group, v_head, offsets, n, sums, ahead);
+        else if constexpr (bf16_dot)
+          value_sum_bf16<HeadDim>(scores, n, group, v_head, offsets, n, sums, ahead);
+      }
+      for (int64_t g = 0; g < group; ++g) scale_row(sums + g * head_dim, vscale * unlift / totals[g], head_dim);
     } else {
       value_sum<C, HeadDim>(scores, group, head_dim, v_head, offsets, n, sums, w.row.data(), ahead);
       if (vscale != 1.f) scale_row(sums, vscale, group * head_dim);
