@@ -494,7 +494,8 @@ template <typename C> struct Bf16Words {
 
   // Two tokens' value rows a and b as value_pass_bf16 takes them: 32-dim chunk c as lo[c] (lane L: (a, b) at dims
   // 32c + 8L .. 32c + 8L + 3) and hi[c] (the next four of each lane).
-  template <int HeadDim> void rows(const C* a, const C* b, __m512i (&lo)[HeadDim / 32], __m512i (&hi)[HeadDim / 32]) const {
+  template <int HeadDim>
+  void rows(const C* a, const C* b, __m512i (&lo)[HeadDim / 32], __m512i (&hi)[HeadDim / 32]) const {
     if constexpr (std::is_same_v<C, BF16>) {
       for (int c = 0; c < HeadDim / 32; ++c) {
         const __m512i ra = _mm512_loadu_si512(a + c * 32), rb = _mm512_loadu_si512(b + c * 32);
@@ -502,6 +503,7 @@ template <typename C> struct Bf16Words {
       }
     } else {
 #ifdef ASERVE_FP8_DOT
+      static_assert(HeadDim % 64 == 0, "FP8 rows are read 64 bytes at a time");
       for (int z = 0; z < HeadDim / 64; ++z) {
         const __m512i ra = _mm512_loadu_si512(a + z * 64), rb = _mm512_loadu_si512(b + z * 64);
         for (int h = 0; h < 2; ++h)
@@ -845,9 +847,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       const Item& following = items[next];
       rows_of(next, w.next_offsets);
       w.ready = next;
+      const int64_t steps = bf16_dot || bf16_probs ? ahead_steps<HeadDim, true>(n, group)
+                                                   : ahead_steps<HeadDim, false>(n, group);
       ahead = Ahead(k_ptr + following.kvh * head_stride, v_ptr + following.kvh * head_stride, w.next_offsets.data(),
-                    following.stop - following.first, sizeof(C), head_dim * sizeof(C),
-                    bf16_dot || bf16_probs ? ahead_steps<HeadDim, true>(n, group) : ahead_steps<HeadDim, false>(n, group));
+                    following.stop - following.first, sizeof(C), head_dim * sizeof(C), steps);
     }
     for (int64_t j = 0; j < std::min<int64_t>(n, 32); ++j) prefetch(k_head + offsets[j], head_dim * sizeof(C));
     float* peaks = w.peaks.data();  // each head's running maximum, lane by lane
