@@ -142,8 +142,13 @@ def test_decode_attention_over_a_bf16_cache_on_either_product(bf16_products, pro
 @pytest.mark.parametrize("fmt", sorted(FP8_FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 40])  # the unrolled sizes' vector widening and the scalar one
-def test_decode_attention_reads_an_fp8_cache(fmt, dtype, head_dim):
-    """FP8 bytes with per-tensor scales, dequantized in the kernel: the torch path on the dequantized cache."""
+@pytest.mark.parametrize("products", [None, "fma"])  # the CPU's choice; bf16 products on FMAs (widened to fp32)
+def test_decode_attention_reads_an_fp8_cache(fmt, dtype, head_dim, products):
+    """FP8 bytes with per-tensor scales, dequantized in the kernel: the torch path on the dequantized cache. A bf16
+    query meets them on vdpbf16ps where the CPU has AVX512-BF16 and VBMI, widened to fp32 with FMA products."""
+    packs = torch.ops.aserve.gemm_packs_bf16()
+    if products is not None and not (packs and dtype == torch.bfloat16):
+        pytest.skip("bf16 products are chosen only for bf16 queries on a CPU with AVX512-BF16")
     gen = torch.Generator().manual_seed(head_dim)
     f = FP8_FORMATS[fmt]
     lengths = [1, 16, 17, 70, 31, 260]
@@ -152,9 +157,16 @@ def test_decode_attention_reads_an_fp8_cache(fmt, dtype, head_dim):
     k_bits, v_bits = quantize(k_cache, k_scale, f), quantize(v_cache * 1.5, v_scale, f)
     query = query.to(dtype)
     out = torch.empty_like(query)
-    with torch.inference_mode():
-        torch.ops.aserve.paged_decode_attention(out, query, k_bits, v_bits, tables, lens, head_dim ** -0.5, 0, 0.0,
-                                                k_scale, v_scale, f.code)
+    before = torch.ops.aserve.gemm_bf16_products() if packs else None
+    try:
+        if products is not None:
+            torch.ops.aserve.gemm_bf16_products(products)
+        with torch.inference_mode():
+            torch.ops.aserve.paged_decode_attention(out, query, k_bits, v_bits, tables, lens, head_dim ** -0.5, 0,
+                                                    0.0, k_scale, v_scale, f.code)
+    finally:
+        if packs:
+            torch.ops.aserve.gemm_bf16_products(before)
     k_ref, v_ref = (dequantize(b, sc, f, torch.float32) for b, sc in ((k_bits, k_scale), (v_bits, v_scale)))
     expected = reference(query, k_ref, v_ref, tables, lens, num_physical, 16, head_dim ** -0.5, None, None)
     torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=TOL[dtype])
