@@ -45,7 +45,8 @@ GROUPS = (  # (label, substrings of profiler op names), first match wins; the re
     ("attention", ("paged_decode_attention", "paged_prefill_attention", "write_kv", "scaled_dot_product_attention",
                    "aten::bmm", "index_copy", "_softmax")),
 )
-CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
+CPU_FLAGS_SHOWN = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512vbmi", "avx512_fp16", "amx_bf16",
+                   "amx_int8")  # avx512vbmi: FP8 decode attention on vdpbf16ps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
