@@ -7,6 +7,7 @@ sample are projected to logits.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -102,7 +103,10 @@ class ModelRunner:
                          else torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
         if on_cpu and prefault_tokens and model.shape.causal:  # the pool hands out blocks 0, 1, 2, ... first
             count = min(self.num_blocks, -(-prefault_tokens // block_size), PREFAULT_MAX_BYTES // per_block)
+            started = time.perf_counter()
             self.kv_cache.narrow(self.block_dim, 0, count).zero_()
+            log.info("KV cache: the first %d blocks' memory (%.0f MiB) faulted in at start-up in %.2f s "
+                     "(kv_cache_prefault_tokens)", count, count * per_block / 2**20, time.perf_counter() - started)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         # The host swap pool: pinned memory for non-blocking copies on CUDA, a separate host tensor on the CPU.
         self.num_host_blocks = swap_space // per_block
