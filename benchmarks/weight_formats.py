@@ -9,13 +9,15 @@ output rate and its ratio to the first format's, and every round's ratios. Every
 engines' prefix caches (prompt_sets), so each round prefills its prompts as the first one does. A format named with
 "@4k" (dense@4k) is the same engine with its weights left in 4 KiB pages (ASERVE_HUGE_PAGE_WEIGHTS=0 while it
 loads), to measure what the 2 MiB pages give; with "@8steps" (gptq4h@8steps) it decodes 8 steps a scheduling
-(num_scheduler_steps=8). Both may follow one name (dense@4k@8steps).
+(num_scheduler_steps=8); with "@fp8kv" (dense@fp8kv) its KV cache is FP8 (kv_cache_dtype="fp8"), to set an FP8
+cache against the model's dtype in one process. Any of them may follow one name (dense@4k@8steps).
 
     python benchmarks/weight_formats.py --model /tmp/bench-model [--gptq DIR] [--rounds 5] [--formats dense,gptqh]
     python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,int8
     python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@4k,gptqh,gptqh@4k
     python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense,dense@8steps,gptq4h,gptq4h@8steps
     python benchmarks/weight_formats.py --model /tmp/bench-model --formats dense@8steps,gptq4h@8steps --probe 60
+    python benchmarks/weight_formats.py --model /tmp/bench-model --batch 64 --output-len 128 --formats dense,dense@fp8kv
 
 Without --gptq (--gptq-head), a round-to-nearest GPTQ copy (with its head) is written to a temporary folder first
 (aserve.bench.quantize_rtn, as `aserve bench quality` writes it; group size 64 for the bench model).
@@ -39,33 +41,36 @@ FORMATS = {  # name: (the checkpoint it loads, engine options)
 }
 
 
-def parse_format(name: str) -> tuple[str, bool, int] | None:
-    """A format's name as (the FORMATS entry, weights in 4 KiB pages, decode steps a scheduling); None where it is
-    not one."""
+def parse_format(name: str) -> tuple[str, bool, int, str] | None:
+    """A format's name as (the FORMATS entry, weights in 4 KiB pages, decode steps a scheduling, the KV cache's
+    dtype); None where it is not one."""
     base, *suffixes = name.split("@")
-    small_pages, steps = False, 1
+    small_pages, steps, kv = False, 1, "auto"
     for suffix in suffixes:
         if suffix == "4k" and not small_pages:
             small_pages = True
         elif suffix.endswith("steps") and suffix[:-5].isdigit() and int(suffix[:-5]) >= 1 and steps == 1:
             steps = int(suffix[:-5])
+        elif suffix == "fp8kv" and kv == "auto":
+            kv = "fp8"
         else:
             return None
-    return (base, small_pages, steps) if base in FORMATS else None
+    return (base, small_pages, steps, kv) if base in FORMATS else None
 
 
 def load(name: str, checkpoints: dict[str, str], dtype: str):
     """The engine of format `name` on its checkpoint (model, gptq or gptq_head: a folder); with "@4k", its weights
-    left in 4 KiB pages; with "@Nsteps", N decode steps a scheduling."""
+    left in 4 KiB pages; with "@Nsteps", N decode steps a scheduling; with "@fp8kv", an FP8 KV cache."""
     from aserve import LLM
 
-    base, small_pages, steps = parse_format(name)
+    base, small_pages, steps, kv = parse_format(name)
     checkpoint, options = FORMATS[base]
     before = os.environ.get("ASERVE_HUGE_PAGE_WEIGHTS")
     if small_pages:
         os.environ["ASERVE_HUGE_PAGE_WEIGHTS"] = "0"
     try:
-        return LLM(checkpoints[checkpoint], dtype=dtype, disable_log_stats=True, num_scheduler_steps=steps, **options)
+        return LLM(checkpoints[checkpoint], dtype=dtype, disable_log_stats=True, num_scheduler_steps=steps,
+                   kv_cache_dtype=kv, **options)
     finally:
         if before is None:
             os.environ.pop("ASERVE_HUGE_PAGE_WEIGHTS", None)
@@ -101,8 +106,8 @@ def main() -> None:
     names = args.formats.split(",")
     unknown = [n for n in names if parse_format(n) is None]
     if unknown:
-        parser.error(f"unknown format {unknown[0]!r}; choose from {', '.join(FORMATS)} (each also with @4k and "
-                     f"@Nsteps)")
+        parser.error(f"unknown format {unknown[0]!r}; choose from {', '.join(FORMATS)} (each also with @4k, "
+                     f"@Nsteps and @fp8kv)")
 
     from aserve import SamplingParams
     from aserve.bench.roofline import bandwidth_buffer, read_rate

@@ -24,12 +24,12 @@ def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(
     assert config["torch_dtype"] == "bfloat16" and config["rope_theta"] == 10000.0
     formats = subprocess.run([sys.executable, str(BENCH / "weight_formats.py"), "--model", str(out), "--rounds", "1",
                               "--batch", "2", "--input-len", "8", "--output-len", "4", "--dtype", "float32",
-                              "--formats", "dense,gptqh@4k,gptq4h@3steps", "--probe", "0"],
+                              "--formats", "dense,gptqh@4k,gptq4h@3steps,dense@fp8kv", "--probe", "0"],
                              capture_output=True, text=True, timeout=600)
     assert formats.returncode == 0, formats.stderr
     assert formats.stdout.startswith("weight_formats: CPU capability") and "2 x 8/4, 1 rounds" in formats.stdout
     assert re.search(r"^median output tok/s \(ratio to dense\): dense [0-9.]+ \(1.00x\), gptqh@4k [0-9.]+ \([0-9.]+x\), "
-                     r"gptq4h@3steps [0-9.]+ \([0-9.]+x\)", formats.stdout, re.M)
+                     r"gptq4h@3steps [0-9.]+ \([0-9.]+x\), dense@fp8kv [0-9.]+ \([0-9.]+x\)", formats.stdout, re.M)
     assert re.search(r"bandwidth [0-9.]+ GB/s before, [0-9.]+ after", formats.stdout)
     assert re.search(r"^the 1 rounds at >= 0 GB/s: median output tok/s \(ratio to dense\): dense", formats.stdout, re.M)
 
@@ -40,9 +40,11 @@ def test_weight_formats_names_take_their_suffixes():
     spec = importlib.util.spec_from_file_location("weight_formats", BENCH / "weight_formats.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.parse_format("gptq4h") == ("gptq4h", False, 1)
-    assert module.parse_format("dense@4k@8steps") == module.parse_format("dense@8steps@4k") == ("dense", True, 8)
-    for bad in ("gptq5", "dense@2k", "dense@0steps", "dense@4k@4k", "dense@2steps@3steps", "dense@steps"):
+    assert module.parse_format("gptq4h") == ("gptq4h", False, 1, "auto")
+    assert module.parse_format("dense@4k@8steps") == module.parse_format("dense@8steps@4k") == ("dense", True, 8, "auto")
+    assert module.parse_format("int8h@fp8kv@2steps") == ("int8h", False, 2, "fp8")
+    for bad in ("gptq5", "dense@2k", "dense@0steps", "dense@4k@4k", "dense@2steps@3steps", "dense@steps",
+                "dense@fp8kv@fp8kv", "dense@fp8"):
         assert module.parse_format(bad) is None, bad
 
 
@@ -71,3 +73,25 @@ def test_comparison_scripts_parse_and_ask_for_vllm_when_it_is_missing(tmp_path):
     assert proc.returncode == 2
     assert "benchmarks/setup_vllm_cpu.sh" in proc.stderr
     assert proc.stdout.startswith("CPU: ")  # every figure carries the machine it came from
+
+
+def test_decode_attention_benchmark_times_each_cache():
+    """benchmarks/decode_attention.py runs the op over every cache format it offers and prints a line for each."""
+    from aserve.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        import pytest
+
+        pytest.skip("aserve's CPU kernels are not built here")
+    common = [sys.executable, str(BENCH / "decode_attention.py"), "--batch", "2", "--context", "16", "--layers", "2",
+              "--rounds", "1"]
+    for dtype, plain in (("bfloat16", "bf16"), ("float32", "float32")):
+        run = subprocess.run(common + ["--dtype", dtype, "--caches", f"{plain},fp8_e4m3,fp8_e5m2"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.startswith("decode_attention: CPU capability")
+        for name in (plain, "fp8_e4m3", "fp8_e5m2"):
+            assert re.search(rf"^{name}: cold [0-9.]+ ms a layer .* hot [0-9.]+ .*time against {plain}: cold "
+                             r"[0-9.]+x, hot [0-9.]+x$", run.stdout, re.M), run.stdout
+    wrong = subprocess.run(common + ["--caches", "float32"], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "in the queries' dtype" in wrong.stderr
