@@ -84,6 +84,21 @@ def test_gemm_ceiling_is_the_gemms_at_the_peak_plus_the_rest_as_it_was():
     assert roofline.gemm_ceiling(run, 200.0) == pytest.approx(1.0)
 
 
+def test_attention_ceiling_puts_attention_at_its_k_v_reads():
+    """The run above, its attention reading 40 GB of K/V: at 20 GB/s its floor is 2 s of the 3 it took under the
+    profiler (3.6 s of the timed wall outside the GEMMs, of which attention's share is 2.4 s): the GEMMs' 6 s, the
+    floor's 2 and the other 1.2 s reach 6 / 9.2 of the peak; at a bandwidth that makes the floor nothing, 6 / 7.2."""
+    work = roofline.Work(gemm_flops=1200e9, step_costs=[(0.0, 0.0, 0.0, 40e9)])
+    run = roofline.Run(10.0, 100, work, split={"GEMM": 8.0, "attention": 3.0, "other ops": 1.0,
+                                               "Python and scheduling": 0.5}, profiled_wall=12.5)
+    assert work.kv_bytes == 40e9
+    assert roofline.attention_ceiling(run, 200.0, 20.0) == pytest.approx(6.0 / 9.2)
+    assert roofline.attention_ceiling(run, 200.0, 1e12) == pytest.approx(6.0 / 7.2, rel=1e-3)
+    assert roofline.attention_ceiling(run, 200.0, 20.0) > roofline.gemm_ceiling(run, 200.0)
+    # a bandwidth under what attention read at (K/V in the caches) leaves it the time it took: gemm_ceiling's
+    assert roofline.attention_ceiling(run, 200.0, 1.0) == pytest.approx(roofline.gemm_ceiling(run, 200.0))
+
+
 def test_probes_between_steps_stay_out_of_the_timing(model_dirs):
     """Probes with no interval read both peaks before every call of the executor (the 4 steps that run the model and
     the last, which only frees the requests), outside the run's timed wall; with a long one, once, before the first
@@ -133,7 +148,9 @@ def test_roofline_command_prints_every_figure(model_dirs, capsys):
                     r"memory \d+% of the bandwidth, \d+% of the limit", r"\d+% of the probes' median\)",
                     r"outside the GEMMs \(attention \d+%, other ops \d+%, Python and scheduling \d+% of the time\): "
                     r"with every GEMM at the peak, the run would reach \d+% of the peak "
-                    r"\(\d+% of the probes' median\)"):
+                    r"\(\d+% of the probes' median\)",
+                    r"inside attention: [\d.]+ GB of K/V at [\d.]+ GB/s = \d+% of the bandwidth .*with every GEMM at "
+                    r"the peak and attention reading its K/V at the bandwidth, the run would reach \d+% of the peak"):
         assert re.search(pattern, out), (pattern, out)
     assert re.search(r"Throughput: [0-9.]+ requests/s", out.splitlines()[-1])
     # both peaks are read again after the run, and the fractions use the higher reading of each

@@ -282,6 +282,11 @@ class Work:
         return sum(seconds for seconds, _ in bounds), sum(compute_bound for _, compute_bound in bounds)
 
     @property
+    def kv_bytes(self) -> float:
+        """The K/V the run's attention read (each query's context)."""
+        return sum(cost[3] for cost in self.step_costs)
+
+    @property
     def roofline_seconds(self) -> float:
         return self.bound(self.peaks)[0] if self.peaks is not None else 0.0
 
@@ -396,6 +401,18 @@ def gemm_ceiling(run: Run, gemm_gflops: float) -> float:
     return at_peak / (at_peak + max(rest, 0.0))
 
 
+def attention_ceiling(run: Run, gemm_gflops: float, bandwidth_gbs: float) -> float:
+    """gemm_ceiling with attention at its floor too: every GEMM at `gemm_gflops`, attention taking the time its K/V
+    take to read at `bandwidth_gbs` (or the share it took, where that was less: K/V found in the caches), and other
+    ops and Python the share of the time they took. Where the first ceiling is attention's, this one says how much
+    of it the K/V's bytes alone leave within reach."""
+    at_peak = run.work.gemm_flops / gemm_gflops / 1e9
+    took = run.split["attention"] / run.profiled_wall * run.wall
+    floor = min(run.work.kv_bytes / bandwidth_gbs / 1e9, took)
+    rest = (1.0 - (run.split["GEMM"] + run.split["attention"]) / run.profiled_wall) * run.wall
+    return at_peak / (at_peak + floor + max(rest, 0.0))
+
+
 def report(run: Run, peaks: Peaks) -> None:
     w = run.work
     gemm_speed = w.gemm_flops / run.wall / 1e9
@@ -434,6 +451,13 @@ def report(run: Run, peaks: Peaks) -> None:
             median = f" ({gemm_ceiling(run, gemm_median):.0%} of the probes' median)" if probes is not None else ""
             print(f"outside the GEMMs ({rest} of the time): with every GEMM at the peak, the run would reach "
                   f"{gemm_ceiling(run, peaks.gemm_gflops):.0%} of the peak{median}")
+        attention = run.split.get("attention", 0.0)
+        if gemm and attention and w.kv_bytes:
+            rate = w.kv_bytes / attention / 1e9
+            print(f"inside attention: {w.kv_bytes / 1e9:.2f} GB of K/V at {rate:.1f} GB/s = "
+                  f"{rate / peaks.bandwidth_gbs:.0%} of the bandwidth (its KV writes and prefill in its time); with "
+                  f"every GEMM at the peak and attention reading its K/V at the bandwidth, the run would reach "
+                  f"{attention_ceiling(run, peaks.gemm_gflops, peaks.bandwidth_gbs):.0%} of the peak")
 
 
 def main(args: argparse.Namespace) -> None:
