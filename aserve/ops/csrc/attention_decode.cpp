@@ -400,6 +400,10 @@ void value_sum(const float* p, int64_t heads, int64_t head_dim, const T* v_head,
   }
 }
 
+// The powers of two an FP8 cache's bf16 patterns are dropped by and the query and probabilities lifted by, where
+// its bytes meet vdpbf16ps (ASERVE_FP8_DOT below).
+constexpr int kFp8Drop = 104, kFp8Lift = 52;
+
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // A bf16 cache on a CPU with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 values and adds both products to
 // fp32 lanes, so a key pair's run of 16 tokens meets a query head in one instruction (the products are exact in
@@ -423,7 +427,6 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // the scales. Powers of two throughout: the scores and outputs are the bits a bf16 cache of the same values gives.
 #define ASERVE_FP8_DOT 1
 #endif
-constexpr int kFp8Drop = 104, kFp8Lift = 52;
 
 // Reads a cache of C (bf16, or FP8 where ASERVE_FP8_DOT) as the 32-bit words of two bf16 values vdpbf16ps takes.
 template <typename C> struct Bf16Words {
@@ -691,7 +694,6 @@ void value_sum_bf16(const P* p, int64_t stride, int64_t heads, const C* v_head, 
   });
 }
 #else  // declared only, so the branches that would call them compile away
-constexpr int kFp8Drop = 104, kFp8Lift = 52;
 template <typename C, int HeadDim>
 void key_scores_bf16(const BF16*, int64_t, const C*, const C*, const int64_t*, int64_t, int64_t, int64_t, float,
                      float*, float*, Ahead&);
