@@ -48,6 +48,43 @@ def test_streamed_deltas_add_up_to_the_final_output(engine_factory):
     asyncio.run(main())
 
 
+def test_every_output_carries_its_prompt_which_the_core_does_not_send(engine_factory):
+    """The core process leaves the prompt out of its outputs (they cross to the front end every step); the front
+    end puts back the one each request was sent with, for token-id and text prompts, each output kind and n > 1."""
+    async def main():
+        async with engine_factory() as engine:
+            seen = []
+            async for out in engine.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY):
+                seen.append(out)
+            async for out in engine.generate("a prompt in words", SamplingParams(temperature=0, max_tokens=4, n=2),
+                                             output_kind="cumulative"):
+                seen.append(out)
+            final = await engine.infer({"prompt_token_ids": PROMPTS[2]}, GREEDY)
+            text_ids = seen[-1].prompt_token_ids
+            assert len(seen) > 2 and final.prompt_token_ids == PROMPTS[2] and final.prompt is None
+            assert [(o.prompt, o.prompt_token_ids) for o in seen] == [
+                (None, PROMPTS[1]) if o.request_id == seen[0].request_id else ("a prompt in words", text_ids)
+                for o in seen]
+            assert text_ids and text_ids == engine.tokenizer.encode("a prompt in words")
+    asyncio.run(main())
+
+
+def test_the_core_leaves_prompts_out_of_the_outputs_it_sends():
+    from aserve.engine.output_processor import OutputProcessor
+    from aserve.request import Request
+
+    class Tokenizer:
+        def decode(self, ids, **kwargs):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    for carries in (True, False):
+        outputs = OutputProcessor(Tokenizer())
+        outputs.carries_prompts = carries
+        outputs.add_group("r", "the prompt", [5, 6, 7], [Request("r", [5, 6, 7], SamplingParams())], "cumulative")
+        out = outputs.make_output("r")
+        assert (out.prompt, out.prompt_token_ids) == (("the prompt", [5, 6, 7]) if carries else (None, None))
+
+
 def test_slow_consumer_gets_one_merged_output(engine_factory):
     async def main():
         async with engine_factory() as engine:

