@@ -300,6 +300,60 @@ def test_penalties_follow_the_reference_formula():
     assert torch.equal(penalized[2], logits[2])  # a row not asked for is left alone
 
 
+def dense_penalties(logits: torch.Tensor, reqs, rows: list[int]) -> None:
+    """The penalties over the whole vocabulary (counts and masks [rows, vocab]), as the sampler once applied them."""
+    vocab, sub = logits.shape[-1], [reqs[i] for i in rows]
+
+    def pad(lists):
+        width = max(len(r) for r in lists) or 1
+        return torch.tensor([r + [vocab] * (width - len(r)) for r in lists])
+    out_ids = pad([r.output_token_ids for r in sub])
+    counts = torch.zeros(len(sub), vocab + 1).scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool).scatter_(
+        1, pad([r.prompt_token_ids for r in sub]), True)[:, :vocab] | (counts > 0)
+    rep = torch.tensor([r.params.repetition_penalty for r in sub]).clamp_(max=torch.finfo(torch.float32).max)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub]).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in sub]).unsqueeze(1)
+    x = logits[rows]
+    x = torch.where(seen, torch.where(x > 0, x / rep.unsqueeze(1), x * rep.unsqueeze(1)), x)
+    logits[rows] = (x - freq * counts - pres * (counts > 0)).to(logits.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalties_at_the_seen_tokens_equal_them_over_the_vocabulary(dtype):
+    """The sampler's penalties touch only the tokens a row has seen; they give the same bits as over the whole
+    vocabulary, step after step as outputs grow (each request's tensors grow by its new tokens), after a beam takes
+    another history (replace_output), and for rows checking proposals (ProposalRow)."""
+    from aserve.worker.request_state import ProposalRow
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50
+
+    def ids(n):
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+    reqs = [RequestState("a", ids(40), SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7)),
+            RequestState("b", ids(5), SamplingParams(presence_penalty=-0.4, repetition_penalty=1e300)),
+            RequestState("c", ids(9), SamplingParams()),
+            RequestState("d", ids(17), SamplingParams(repetition_penalty=0.6, presence_penalty=1.5,
+                                                       frequency_penalty=-1.0))]
+    for step in range(6):
+        if step == 3:
+            reqs[3].replace_output(ids(4))  # another history of another length
+        rows = [0, 1, 3] if step != 4 else [3, 0]
+        batch = reqs + [ProposalRow(reqs[0], ids(3)), ProposalRow(reqs[3], [])]
+        rows += [4, 5]
+        logits = (torch.randn(len(batch), vocab, generator=gen) * 4).to(dtype)
+        logits[0, 7] = float("-inf")
+        ours, theirs = logits.clone(), logits.clone()
+        apply_penalties(ours, batch, rows)
+        dense_penalties(theirs, batch, rows)
+        assert torch.equal(ours, theirs), step
+        assert torch.equal(ours[2], logits[2])
+        for req in reqs:
+            req.append_token(ids(1)[0])
+
+
 def test_soft_preferences_never_leave_a_row_nothing_to_sample():
     """min_tokens and penalties are undone for a row they would empty (every logit -inf or NaN), and only there:
     the other rows keep them."""

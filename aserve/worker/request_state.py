@@ -28,6 +28,23 @@ class RequestState(TokenSequence):
         self.pool_first = None  # CLS pooling: the first position's hidden state
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were already computed (never twice)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._prompt_distinct: torch.Tensor | None = None  # penalty_tokens' prompt tokens, found once
+        self._outputs: tuple[list[int], torch.Tensor] | None = None  # its outputs' list and what of it is a tensor
+
+    def penalty_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's distinct tokens and the output tokens, as int64 tensors, for the sampler's penalties. The
+        prompt's are found once and the outputs grow by the new tokens a step, so a penalized request's step
+        costs O(its new tokens) here, not O(prompt + output) of Python lists. replace_output (a beam taking
+        another's history) makes a new list: then the tensor is built anew."""
+        if self._prompt_distinct is None:
+            self._prompt_distinct = torch.tensor(self.prompt_token_ids, dtype=torch.long).unique()
+        tokens = self.output_token_ids
+        if self._outputs is None or self._outputs[0] is not tokens or len(self._outputs[1]) > len(tokens):
+            self._outputs = (tokens, torch.tensor(tokens, dtype=torch.long))
+        elif len(self._outputs[1]) < len(tokens):
+            done = self._outputs[1]
+            self._outputs = (tokens, torch.cat([done, torch.tensor(tokens[len(done):], dtype=torch.long)]))
+        return self._prompt_distinct, self._outputs[1]
 
     draft_q = None  # a row checking a draft model's proposal: the draft's distribution (see ProposalRow)
 
@@ -70,3 +87,7 @@ class ProposalRow:
     @property
     def num_output_tokens(self) -> int:
         return len(self.state.output_token_ids) + len(self.proposed)
+
+    def penalty_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        prompt, outputs = self.state.penalty_tokens()
+        return prompt, torch.cat([outputs, torch.tensor(self.proposed, dtype=torch.long)]) if self.proposed else outputs

