@@ -200,6 +200,31 @@ def test_filters_leave_the_rows_that_ask_for_none_as_they_are():
     assert int(torch.isfinite(batch[1]).sum()) == 20  # top-k alone (top_p 1) keeps all k
 
 
+def test_filters_from_the_top_logits_keep_what_the_sorted_rows_keep(monkeypatch):
+    """top-k, top-p and min-p read a row's top 64 logits, then its top 1024, and sort the whole row only where its
+    kept tokens may go past those: the kept tokens are the ones the sorted rows keep (peaked and flat rows, -inf
+    logits, top-k at the boundary, vocabularies small and large). Ties are ranked as each way ranks them, so none
+    here."""
+    from aserve.worker import sampler
+
+    sorted_rows = []
+    real = sampler._filter_sorted
+    monkeypatch.setattr(sampler, "_filter_sorted", lambda x, *args: sorted_rows.append(len(x)) or real(x, *args))
+    gen = torch.Generator().manual_seed(0)
+    options = [{"top_p": 0.9}, {"top_k": 20}, {"top_k": 80}, {"min_p": 0.05}, {"top_p": 0.5, "top_k": 50},
+               {"top_p": 0.99, "min_p": 0.2}, {"top_k": 65}, {"top_k": 64}, {"top_p": 0.3}, {"top_k": 1}]
+    for spread, vocab in [(0.5, 300), (2, 4096), (6, 4096), (15, 32000), (2, 100)]:
+        logits = torch.randn(len(options), vocab, generator=gen) * spread
+        logits[2, :40] = float("-inf")
+        reqs = [RequestState(f"r{i}", [1], SamplingParams(temperature=0.8, **o)) for i, o in enumerate(options)]
+        ours = sampler._filter(logits, reqs)
+        k = torch.tensor([[min(r.params.top_k, vocab) or vocab] for r in reqs])
+        p = torch.tensor([[r.params.top_p] for r in reqs])
+        m = torch.tensor([[r.params.min_p] for r in reqs])
+        assert torch.equal(ours, real(logits, k, p, m)), (spread, vocab)
+    assert 0 < sum(sorted_rows) < 5 * len(options)  # some rows went past their top 64, most did not
+
+
 def test_n_samples_share_prompt_blocks(llm):
     engine = llm.engine
     prompt = PROMPTS[3] + PROMPTS[4]  # several full blocks
