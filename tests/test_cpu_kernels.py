@@ -1105,6 +1105,71 @@ def test_sample_inverse_cdf_reads_16_bit_logits_as_their_fp32_widening(dtype):
     assert drawn[3] == 1001 and (drawn[torch.arange(48) != 3] < 900).all()
 
 
+def stable_sort_filter(x: torch.Tensor, top_k, top_p, min_p) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's sorted path over a stable sort (equal values in their indices' order) in float64: each row's
+    kept tokens, and each token's distance from a cut (its exclusive running sum from top_p, its probability from
+    min_p's bound), so that a test can leave out the tokens within rounding of one."""
+    from aserve.worker.sampler import _drops
+
+    x = x.double()
+    ranked, order = x.sort(dim=-1, descending=True, stable=True)
+    col = lambda v, dtype: torch.tensor(v, dtype=dtype).unsqueeze(1)  # noqa: E731
+    k, p, m = col(top_k, torch.long), col(top_p, torch.float64), col(min_p, torch.float64)
+    kept_sorted, _, _ = _drops(ranked, k, p, m, None)
+    probs = ranked.masked_fill(torch.arange(x.shape[1]) >= k, float("-inf")).softmax(dim=-1)
+    margin = torch.minimum(torch.where(p < 1, ((probs.cumsum(-1) - probs) - p).abs(), 1.0),
+                           torch.where(m > 0, (probs - m * probs[:, :1]).abs(), 1.0))
+    kept = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, kept_sorted > float("-inf"))
+    return kept, torch.empty_like(margin).scatter_(1, order, margin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_filter_rows_keeps_what_a_stable_sort_keeps(dtype):
+    """filter_rows (top-k, top-p and min-p by radix select, no sort) keeps the tokens the sampler's sorted path keeps
+    over a stable sort: flat rows (most of the row kept), peaked ones, 16-bit rows full of equal values (ties at
+    every cut: the first ones by index, so top_k = 1 keeps argmax's token), -inf entries, top_k past the finite
+    values, vocabularies from 1 to 49152, strided rows. Tokens within 1e-5 of a cut's rounding are left out of
+    the comparison. A row with a NaN or no finite max comes back as it was."""
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(4)
+    options = [(None, 0.9, 0.0), (20, 1.0, 0.0), (1, 1.0, 0.0), (1500, 0.95, 0.0), (None, 0.5, 0.0),
+               (None, 1.0, 0.05), (300, 0.99, 0.01), (None, 1e-6, 0.0), (None, 0.999, 0.0), (7, 0.3, 0.2)]
+    compared = 0
+    for spread, vocab in [(0.05, 49152), (0.5, 32000), (3, 4096), (15, 1003), (1, 17), (1, 2), (1, 1)]:
+        wide = (torch.randn(len(options), vocab + 5, generator=gen) * spread).to(dtype)
+        x = wide[:, :vocab]  # rows `vocab + 5` apart
+        if vocab > 100:
+            x[3, :vocab // 2] = float("-inf")
+            x[4, 10:20] = x[4].max()  # tied maxima
+        top_k = [min(k or vocab, vocab) for k, _, _ in options]
+        top_p = [p for _, p, _ in options]
+        min_p = [m for _, _, m in options]
+        with torch.inference_mode():
+            out = torch.ops.aserve.filter_rows(x, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+        assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+        ours = torch.isfinite(out)
+        assert torch.equal(out[ours], x[ours])  # kept tokens keep their logits; the rest are -inf
+        kept, margin = stable_sort_filter(x.float(), top_k, top_p, min_p)
+        clear = margin > 1e-5
+        assert torch.equal(ours[clear], kept[clear]), (spread, vocab)
+        compared += int(clear.sum())
+        assert torch.isfinite(out[2]).sum() == 1 and out[2].argmax() == x[2].argmax()  # top_k = 1
+        assert int(torch.isfinite(out[1]).sum()) == min(20, int(torch.isfinite(x[1]).sum()))  # exactly k, ties too
+    assert compared > 0.99 * len(options) * (49152 + 32000 + 4096 + 1003 + 17 + 2 + 1)
+    odd = torch.zeros(3, 50, dtype=dtype)
+    odd[0] = float("-inf")
+    odd[1, 7] = float("nan")
+    odd[2, 3] = float("inf")
+    one = torch.ones(3)
+    with torch.inference_mode():
+        back = torch.ops.aserve.filter_rows(odd, torch.full((3,), 5), one * 0.5, one * 0)
+    assert torch.equal(back.isnan(), odd.isnan()) and torch.equal(back[~odd.isnan()], odd[~odd.isnan()])
+    with pytest.raises(RuntimeError, match="one value a row"):
+        torch.ops.aserve.filter_rows(odd, torch.full((2,), 5), one * 0.5, one * 0)
+    with pytest.raises(RuntimeError, match="top_k must be at least 1"):
+        torch.ops.aserve.filter_rows(odd, torch.zeros(3, dtype=torch.long), one * 0.5, one * 0)
+
+
 def test_sampler_draws_from_16_bit_logits_without_an_fp32_copy(monkeypatch):
     """Greedy rows and plain temperature-1 draws take bf16 logits as they are (the same tokens as from fp32); a
     batch with any row that rewrites its logits (temperature, penalties, logprobs, min_tokens) gets the fp32 copy."""

@@ -200,13 +200,16 @@ def test_filters_leave_the_rows_that_ask_for_none_as_they_are():
     assert int(torch.isfinite(batch[1]).sum()) == 20  # top-k alone (top_p 1) keeps all k
 
 
-def test_filters_from_the_top_logits_keep_what_the_sorted_rows_keep(monkeypatch):
-    """top-k, top-p and min-p read a row's top 64 logits, then its top 1024, and sort the whole row only where its
-    kept tokens may go past those: the kept tokens are the ones the sorted rows keep (peaked and flat rows, -inf
-    logits, top-k at the boundary, vocabularies small and large). Ties are ranked as each way ranks them, so none
-    here."""
+@pytest.mark.parametrize("kernels", [True, False])
+def test_filters_keep_what_the_sorted_rows_keep(monkeypatch, kernels):
+    """top-k, top-p and min-p keep the tokens the sorted rows keep (peaked and flat rows, -inf logits, top-k at the
+    boundary, vocabularies small and large): on the CPU by aserve's kernel, which sorts nothing; without it from a
+    row's top 64 logits, then its top 1024, sorting the whole row only where its kept tokens may go past those.
+    Ties are ranked as each way ranks them, so none here."""
     from aserve.worker import sampler
 
+    if not kernels:
+        monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *tensors: False)
     sorted_rows = []
     real = sampler._filter_sorted
     monkeypatch.setattr(sampler, "_filter_sorted", lambda x, *args: sorted_rows.append(len(x)) or real(x, *args))
@@ -217,12 +220,16 @@ def test_filters_from_the_top_logits_keep_what_the_sorted_rows_keep(monkeypatch)
         logits = torch.randn(len(options), vocab, generator=gen) * spread
         logits[2, :40] = float("-inf")
         reqs = [RequestState(f"r{i}", [1], SamplingParams(temperature=0.8, **o)) for i, o in enumerate(options)]
-        ours = sampler._filter(logits, reqs)
+        with torch.inference_mode():  # as the engine samples (the kernels take no autograd)
+            ours = sampler._filter(logits, reqs)
         k = torch.tensor([[min(r.params.top_k, vocab) or vocab] for r in reqs])
         p = torch.tensor([[r.params.top_p] for r in reqs])
         m = torch.tensor([[r.params.min_p] for r in reqs])
         assert torch.equal(ours, real(logits, k, p, m)), (spread, vocab)
-    assert 0 < sum(sorted_rows) < 5 * len(options)  # some rows went past their top 64, most did not
+    if kernels and sampler.cpu_kernels.available():
+        assert sorted_rows == []
+    else:
+        assert 0 < sum(sorted_rows) < 5 * len(options)  # some rows went past their top 64, most did not
 
 
 def test_n_samples_share_prompt_blocks(llm):

@@ -81,14 +81,19 @@ def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
     """top-k, top-p and min-p on temperature-scaled logits [R, V], all rows at once, each where its row asks for it:
     a running sum in fp32 can reach top_p = 1 before a row's last token, and that row would lose its tail.
 
-    Each rule drops a token only after the ones ranked before it, so a row whose 65th logit is dropped keeps only
-    tokens among its top 64: those rows are filtered from torch.topk, the others from their top 1024 the same way,
-    and only the rows left sort their whole row. Sorting 64 rows of 32000 logits took ~110 ms on 2 cores, more than
-    a decode step; their top 64 ~6 ms (AMD EPYC Zen 4)."""
+    On the CPU, aserve's kernel cuts each row at values found by a radix select, no sort (filter_rows,
+    csrc/sampling.cpp). Elsewhere: each rule drops a token only after the ones ranked before it, so a row whose 65th
+    logit is dropped keeps only tokens among its top 64: those rows are filtered from torch.topk, the others from
+    their top 1024 the same way, and only the rows left sort their whole row. Sorting 64 rows of 32000 logits took
+    ~110 ms on 2 cores, more than a decode step; their top 64 ~6 ms, the kernel ~4 ms whatever the rows (AMD EPYC
+    Zen 4). The kernel keeps the tokens a stable sort keeps (equal logits ranked by index); torch's sort and topk
+    may rank them otherwise."""
     vocab, device = logits.shape[-1], logits.device
     top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in reqs], device=device).unsqueeze(1)
     top_p = torch.tensor([r.params.top_p for r in reqs], device=device).unsqueeze(1)
     min_p = torch.tensor([r.params.min_p for r in reqs], device=device).unsqueeze(1)
+    if logits.stride(-1) == 1 and cpu_kernels.usable(logits):
+        return torch.ops.aserve.filter_rows(logits, top_k.view(-1), top_p.view(-1), min_p.view(-1))
     last = FILTER_CANDIDATES[-1]
     out, rest, to_sort = None, torch.arange(len(reqs), device=device), []  # rest: the rows not settled yet
     for count in FILTER_CANDIDATES:
