@@ -275,7 +275,7 @@ at::Tensor greedy_rows(const at::Tensor& logits) {
 inline uint32_t order_key(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);
 }
 
 // One row's scratch, kept by each thread from call to call.
@@ -289,32 +289,51 @@ struct FilterScratch {
 // The key c, among the values whose keys are >= floor, such that the weight of those above c (weight_above) is <
 // target and that of those at or above c is >= target, where each value weighs weight(i) (1 to count, its exp to
 // weigh); false where all of them together weigh less than target (rounding, at a top_p near 1: nothing is cut).
-// Three digits of the key, 12, 10 and 10 bits: a histogram of the top 12 over the row, then only the values in its
+// Three digits of the key, 11, 11 and 10 bits: a histogram of the top 11 over the row (four of them, a value's
+// index picking one, so that a run of values in one bucket does not wait on one sum), then only the values in its
 // chosen bucket.
 template <class Weight>
 bool select_cut(const uint32_t* keys, int64_t n, uint32_t floor, double target, const Weight& weight,
                 FilterScratch& s, uint32_t& cut, double& weight_above) {
-  constexpr int kShift[3] = {20, 10, 0};
-  constexpr uint32_t kMask[3] = {0xFFFu, 0x3FFu, 0x3FFu};
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr uint32_t kMask[3] = {0x7FFu, 0x7FFu, 0x3FFu};
+  constexpr int kSplit = 4;
   double above = 0.0;
   uint32_t prefix = 0;
   std::vector<int32_t>& cand = s.candidates;
+  std::vector<double>& hist = s.hist;
   for (int level = 0; level < 3; ++level) {
-    std::vector<double>& hist = s.hist;
-    hist.assign(kMask[level] + 1, 0.0);
+    const int64_t buckets = kMask[level] + 1;
     const int shift = kShift[level];
     if (level == 0) {
-      for (int64_t i = 0; i < n; ++i)
-        if (keys[i] >= floor) hist[keys[i] >> shift] += weight(i);
+      hist.assign(kSplit * buckets, 0.0);
+      double* h = hist.data();
+      int64_t i = 0;
+      for (; i + kSplit <= n; i += kSplit)
+        for (int j = 0; j < kSplit; ++j)
+          if (keys[i + j] >= floor) h[j * buckets + (keys[i + j] >> shift)] += weight(i + j);
+      for (; i < n; ++i)
+        if (keys[i] >= floor) h[keys[i] >> shift] += weight(i);
     } else {
+      hist.assign(buckets, 0.0);
       for (const int32_t i : cand) hist[(keys[i] >> shift) & kMask[level]] += weight(i);
     }
-    int64_t d = kMask[level];
+    const int split = level == 0 ? kSplit : 1;
+    int64_t d = buckets - 1, lowest = -1;
+    double above_lowest = 0.0;
     for (; d >= 0; --d) {
-      if (hist[d] > 0.0 && above + hist[d] >= target) break;
-      above += hist[d];
+      double here = 0.0;
+      for (int j = 0; j < split; ++j) here += hist[j * buckets + d];
+      if (here > 0.0) {
+        if (above + here >= target) break;
+        lowest = d, above_lowest = above;
+      }
+      above += here;
     }
-    if (d < 0) return false;
+    if (d < 0) {  // the sums fell short of target: nothing is cut, or (summed anew) the bucket's last value
+      if (level == 0) return false;
+      d = lowest, above = above_lowest;
+    }
     prefix |= static_cast<uint32_t>(d) << shift;
     const uint32_t high = ~((uint32_t{1} << shift) - 1);  // the bits decided so far
     if (level == 0) {
@@ -330,6 +349,20 @@ bool select_cut(const uint32_t* keys, int64_t n, uint32_t floor, double target, 
   return true;
 }
 
+// sum of e[i] over the keys above `cut` (all where cut is 0), in 16 running sums (so that the loop vectorizes). Each
+// e[i] is multiplied by 1 or 0: GCC 12 for AVX2 CPUs (-march=haswell, znver3) vectorized `part[j] += keys > cut ? e :
+// 0.f` into a loop that summed half of what it should (AVX-512 targets got it right).
+inline double mass_above(const float* e, const uint32_t* keys, int64_t n, uint32_t cut) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += e[i + j] * static_cast<float>(keys[i + j] > cut);
+  double total = 0.0;
+  for (; i < n; ++i) total += keys[i] > cut ? e[i] : 0.f;
+  for (int j = 0; j < 16; ++j) total += part[j];
+  return total;
+}
+
 // out = x with the tokens top-k, top-p and min-p drop set to -inf: those a stable sort's path drops (top-p over the
 // top-k tokens' softmax, min-p against the top token's probability, the top token always kept; tokens of equal value
 // in the order of their indices, so that top_k = 1 keeps argmax's token). A row with a NaN, or whose max is not
@@ -339,68 +372,68 @@ void filter_row(const T* x, T* out, int64_t n, int64_t k, float top_p, float min
   constexpr int W = fVec::size();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t whole = n / W * W;
-  fVec peak(neg_inf);
-  for (int64_t i = 0; i < whole; i += W) peak = max_of(peak, load_as_float(x + i));
-  float lanes[W];
-  peak.store(lanes);
-  float top = neg_inf;
-  for (int j = 0; j < W; ++j) top = std::max(top, lanes[j]);
-  for (int64_t i = whole; i < n; ++i) top = std::max(top, static_cast<float>(x[i]));
-  if (!std::isfinite(top)) {
-    std::copy(x, x + n, out);
-    return;
-  }
-  s.e.resize(n), s.keys.resize(n);
+  s.e.resize(n), s.keys.resize(n), s.candidates.clear();
   float* e = s.e.data();
   uint32_t* keys = s.keys.data();
+  for (int64_t i = 0; i < n; ++i) keys[i] = order_key(static_cast<float>(x[i]));
+  uint32_t lows[16], highs[16];  // the keys' range, in 16 lanes: a NaN's lies outside -inf's and +inf's
+  std::fill(lows, lows + 16, ~0u), std::fill(highs, highs + 16, 0u);
+  int64_t i16 = 0;
+  for (; i16 + 16 <= n; i16 += 16)
+    for (int j = 0; j < 16; ++j)
+      lows[j] = std::min(lows[j], keys[i16 + j]), highs[j] = std::max(highs[j], keys[i16 + j]);
+  for (; i16 < n; ++i16) lows[0] = std::min(lows[0], keys[i16]), highs[0] = std::max(highs[0], keys[i16]);
+  const uint32_t low = *std::min_element(lows, lows + 16), high = *std::max_element(highs, highs + 16);
+  const uint32_t inf_key = order_key(std::numeric_limits<float>::infinity());
+  if (high >= inf_key || low < order_key(neg_inf) || high == order_key(neg_inf)) {
+    std::copy(x, x + n, out);  // a NaN, +inf, or nothing above -inf
+    return;
+  }
+  float top;  // the key's value back
+  {
+    const uint32_t u = high & 0x80000000u ? high ^ 0x80000000u : ~high;
+    std::memcpy(&top, &u, sizeof(top));
+  }
   const fVec shift(top);
   for (int64_t i = 0; i < whole; i += W) (load_as_float(x + i) - shift).exp_u20().store(e + i);
   for (int64_t i = whole; i < n; ++i) e[i] = std::exp(static_cast<float>(x[i]) - top);
-  bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const auto v = static_cast<float>(x[i]);
-    nan |= v != v;
-    keys[i] = order_key(v);
-  }
-  if (nan) {
-    std::copy(x, x + n, out);
-    return;
-  }
   // cut: the lowest key kept; ties: how many tokens at the cut are kept, the first ones.
   uint32_t cut = 0;
   int64_t ties = n;
-  double total = 0.0;
+  double total;
   if (k < n) {
     double above = 0.0;
-    select_cut(keys, n, 0, static_cast<double>(k), [](int64_t) { return 1.0; }, s, cut, above);  // k in [1, n)
+    select_cut(keys, n, 0, static_cast<double>(k), [](int64_t) { return 1.f; }, s, cut, above);  // k in [1, n)
     ties = k - static_cast<int64_t>(above);
-    double tied = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (keys[i] > cut) total += e[i];
-      else if (keys[i] == cut) tied = e[i];
-    }
-    total += static_cast<double>(ties) * tied;
+    const auto at_cut = [&](int32_t i) { return keys[i] == cut; };
+    const int64_t at = *std::find_if(s.candidates.begin(), s.candidates.end(), at_cut);
+    total = mass_above(e, keys, n, cut) + static_cast<double>(ties) * e[at];
   } else {
-    for (int64_t i = 0; i < n; ++i) total += e[i];
+    total = mass_above(e, keys, n, 0);
   }
   uint32_t mass_cut;
   double above, target = static_cast<double>(top_p) * total;
-  if (top_p < 1.f &&
-      select_cut(keys, n, cut, target, [e](int64_t i) { return static_cast<double>(e[i]); }, s, mass_cut, above)) {
+  if (top_p < 1.f && select_cut(keys, n, cut, target, [e](int64_t i) { return e[i]; }, s, mass_cut, above)) {
     // tokens at the cut ranked j = 0, 1, ... (by index) are kept while above + j * their exp < target
-    float at_cut = 0.f;
-    for (int64_t i = 0; i < n; ++i)
-      if (keys[i] == mass_cut) { at_cut = e[i]; break; }
-    const auto kept = std::max<int64_t>(1, static_cast<int64_t>(std::ceil((target - above) / at_cut)));
+    const auto at_cut = [&](int32_t i) { return keys[i] == mass_cut; };
+    const int64_t at = *std::find_if(s.candidates.begin(), s.candidates.end(), at_cut);
+    const auto kept = std::max<int64_t>(1, static_cast<int64_t>(std::ceil((target - above) / e[at])));
     ties = mass_cut > cut ? kept : std::min(ties, kept);
     cut = mass_cut;
   }
-  const uint32_t top_key = order_key(top);
-  const int64_t first = std::find(keys, keys + n, top_key) - keys;  // the token a stable sort ranks first
-  for (int64_t i = 0; i < n; ++i) {
-    const bool keep = ((keys[i] > cut || (keys[i] == cut && ties-- > 0)) && e[i] >= min_p) || i == first;
-    out[i] = keep ? x[i] : static_cast<T>(neg_inf);
-  }
+  // Written as bits: a keep-or-(-inf) choice the compiler vectorizes in any dtype.
+  using Bits = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
+  const T dropped_value = static_cast<T>(neg_inf);
+  Bits dropped;
+  std::memcpy(&dropped, &dropped_value, sizeof(dropped));
+  const auto* xb = reinterpret_cast<const Bits*>(x);
+  auto* ob = reinterpret_cast<Bits*>(out);
+  for (int64_t i = 0; i < n; ++i) ob[i] = keys[i] > cut && e[i] >= min_p ? xb[i] : dropped;
+  // the cut's own tokens, the first `ties` of them (in index order: the selects' candidates keep it)
+  for (const int32_t i : s.candidates)
+    if (keys[i] == cut && ties-- > 0 && e[i] >= min_p) ob[i] = xb[i];
+  const int64_t first = std::find(keys, keys + n, high) - keys;  // the token a stable sort ranks first
+  ob[first] = xb[first];
 }
 
 at::Tensor filter_rows(const at::Tensor& logits, const at::Tensor& top_k, const at::Tensor& top_p,
