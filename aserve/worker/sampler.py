@@ -85,7 +85,7 @@ def _filter(logits: torch.Tensor, reqs: list[RequestState]) -> torch.Tensor:
     csrc/sampling.cpp). Elsewhere: each rule drops a token only after the ones ranked before it, so a row whose 65th
     logit is dropped keeps only tokens among its top 64: those rows are filtered from torch.topk, the others from
     their top 1024 the same way, and only the rows left sort their whole row. Sorting 64 rows of 32000 logits took
-    ~110 ms on 2 cores, more than a decode step; their top 64 ~6 ms, the kernel ~4 ms whatever the rows (AMD EPYC
+    ~110 ms on 2 cores, more than a decode step; their top 64 ~6 ms, the kernel 2-4 ms whatever the rows (AMD EPYC
     Zen 4). The kernel keeps the tokens a stable sort keeps (equal logits ranked by index); torch's sort and topk
     may rank them otherwise."""
     vocab, device = logits.shape[-1], logits.device
