@@ -1170,6 +1170,31 @@ def test_filter_rows_keeps_what_a_stable_sort_keeps(dtype):
         torch.ops.aserve.filter_rows(odd, torch.zeros(3, dtype=torch.long), one * 0.5, one * 0)
 
 
+def test_apply_penalties_refuses_what_would_write_outside_its_rows():
+    """The penalties kernel writes where its lists say: a token outside the vocabulary, a row out of range or twice,
+    or lengths that do not add up to the lists are refused before anything is written (the sampler's bits against
+    the whole-vocabulary formula are tests/test_engine.py's)."""
+    assert cpu_kernels.available()
+    logits = torch.zeros(3, 10)
+    penalty = torch.tensor([[1.5, 0.5, 0.25], [2.0, 0.0, 0.0]])
+
+    def call(rows=(0, 2), prompt=(1, 2, 9), prompt_lengths=(2, 1), output=(3, 3), output_lengths=(2, 0)):
+        t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        torch.ops.aserve.apply_penalties(logits, t(rows), t(prompt), t(prompt_lengths), t(output), t(output_lengths),
+                                         penalty)
+    for bad, match in [(dict(prompt=(1, 2, 10)), "outside the vocabulary"), (dict(output=(3, -1)), "outside"),
+                       (dict(rows=(0, 3)), "out of range"), (dict(rows=(2, 2)), "listed twice"),
+                       (dict(prompt_lengths=(2, 2)), "add up"), (dict(output_lengths=(2,)), "one length a row")]:
+        with pytest.raises(RuntimeError, match=match):
+            call(**bad)
+        assert not logits.any()
+    logits[0] = 1.0
+    call()
+    # row 0: tokens 1 and 2 from the prompt (1 / 1.5), token 3 twice in the output (1 / 1.5 - 0.5 * 2 - 0.25)
+    assert torch.equal(logits[0, :4], torch.tensor([1.0, 1 / 1.5, 1 / 1.5, 1 / 1.5 - 1.0 - 0.25]))
+    assert logits[2, 9] == 0.0 and not logits[1].any()
+
+
 def test_sampler_draws_from_16_bit_logits_without_an_fp32_copy(monkeypatch):
     """Greedy rows and plain temperature-1 draws take bf16 logits as they are (the same tokens as from fp32); a
     batch with any row that rewrites its logits (temperature, penalties, logprobs, min_tokens) gets the fp32 copy."""

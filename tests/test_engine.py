@@ -5,6 +5,7 @@ import ctypes
 import json
 import mmap
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -352,12 +353,25 @@ def dense_penalties(logits: torch.Tensor, reqs, rows: list[int]) -> None:
     logits[rows] = (x - freq * counts - pres * (counts > 0)).to(logits.dtype)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_penalties_at_the_seen_tokens_equal_them_over_the_vocabulary(dtype):
+def test_penalties_at_the_seen_tokens_equal_them_over_the_vocabulary(dtype, kernels, monkeypatch):
     """The sampler's penalties touch only the tokens a row has seen; they give the same bits as over the whole
     vocabulary, step after step as outputs grow (each request's tensors grow by its new tokens), after a beam takes
-    another history (replace_output), and for rows checking proposals (ProposalRow)."""
+    another history (replace_output), and for rows checking proposals (ProposalRow): on the CPU by aserve's kernel,
+    and by the torch path."""
+    from aserve.worker import sampler
     from aserve.worker.request_state import ProposalRow
+
+    calls = []
+    if kernels:
+        if not sampler.cpu_kernels.available():
+            pytest.skip("aserve's CPU kernels are not built here")
+        real = torch.ops.aserve.apply_penalties
+        counted = SimpleNamespace(apply_penalties=lambda *args: calls.append(1) or real(*args))
+        monkeypatch.setattr(torch.ops, "aserve", counted)
+    else:
+        monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *tensors: False)
 
     gen = torch.Generator().manual_seed(3)
     vocab = 50
@@ -378,12 +392,14 @@ def test_penalties_at_the_seen_tokens_equal_them_over_the_vocabulary(dtype):
         logits = (torch.randn(len(batch), vocab, generator=gen) * 4).to(dtype)
         logits[0, 7] = float("-inf")
         ours, theirs = logits.clone(), logits.clone()
-        apply_penalties(ours, batch, rows)
+        with torch.inference_mode():  # as the engine samples (the kernels take no autograd)
+            apply_penalties(ours, batch, rows)
         dense_penalties(theirs, batch, rows)
         assert torch.equal(ours, theirs), step
         assert torch.equal(ours[2], logits[2])
         for req in reqs:
             req.append_token(ids(1)[0])
+    assert len(calls) == (6 if kernels else 0)
 
 
 def test_soft_preferences_never_leave_a_row_nothing_to_sample():

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "step_team.h"
@@ -463,6 +464,80 @@ at::Tensor filter_rows(const at::Tensor& logits, const at::Tensor& top_k, const 
   return out;
 }
 
+// torch.ops.aserve.apply_penalties: repetition (prompt and output), frequency and presence (output) penalties, in
+// place, at the tokens each row has seen. The torch path finds the distinct (row, token) pairs by sorting them all
+// every step (64 rows of 2048-token prompts: ~150k pairs, most of its 8.6 ms a step); here each thread counts a row's
+// output tokens in a vocabulary-sized array of its own, marks the prompt's, applies each seen token once and clears
+// its mark, O(the row's tokens). The arithmetic is the torch path's, in fp32 and in its order (the logit divided or
+// multiplied by the repetition penalty, then the frequency penalty times the count and the presence penalty
+// subtracted), rounded once to the logits' dtype: the same bits.
+template <typename T>
+void penalize_row(T* x, const int64_t* prompt, int64_t prompt_len, const int64_t* output, int64_t output_len,
+                  const float* penalty, int32_t* count) {
+  for (int64_t i = 0; i < output_len; ++i) ++count[output[i]];
+  for (int64_t i = 0; i < prompt_len; ++i)
+    if (count[prompt[i]] == 0) count[prompt[i]] = -1;  // seen in the prompt only
+  const float rep = penalty[0], frequency = penalty[1], presence = penalty[2];
+  const auto apply = [&](int64_t t) {
+    const int32_t c = count[t];
+    if (c == 0) return;  // applied already (a repeated token)
+    float v = static_cast<float>(x[t]);
+    v = v > 0.f ? v / rep : v * rep;
+    if (c > 0) {
+      const float by_count = frequency * static_cast<float>(c);
+      v = v - by_count;
+      v = v - presence;
+    }
+    x[t] = static_cast<T>(v);
+    count[t] = 0;
+  };
+  for (int64_t i = 0; i < output_len; ++i) apply(output[i]);
+  for (int64_t i = 0; i < prompt_len; ++i) apply(prompt[i]);
+}
+
+void apply_penalties(at::Tensor logits, const at::Tensor& rows, const at::Tensor& prompt_tokens,
+                     const at::Tensor& prompt_lengths, const at::Tensor& output_tokens,
+                     const at::Tensor& output_lengths, const at::Tensor& penalties) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "apply_penalties: logits must be [rows, vocab] with unit "
+              "inner stride");
+  const int64_t n = rows.numel(), vocab = logits.size(1), stride = logits.stride(0);
+  for (const at::Tensor* t : {&rows, &prompt_tokens, &prompt_lengths, &output_tokens, &output_lengths})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                "apply_penalties: rows, tokens and lengths must be contiguous int64 vectors");
+  TORCH_CHECK(prompt_lengths.numel() == n && output_lengths.numel() == n, "apply_penalties: one length a row");
+  TORCH_CHECK(penalties.scalar_type() == at::kFloat && penalties.is_contiguous() && penalties.dim() == 2 &&
+                  penalties.size(0) == n && penalties.size(1) == 3,
+              "apply_penalties: penalties must be contiguous fp32 [rows, 3] (repetition, frequency, presence)");
+  TORCH_CHECK(vocab < (int64_t{1} << 31), "apply_penalties: a vocabulary of fewer than 2^31 tokens");
+  const int64_t *row = rows.data_ptr<int64_t>(), *plen = prompt_lengths.data_ptr<int64_t>();
+  const int64_t* olen = output_lengths.data_ptr<int64_t>();
+  std::vector<int64_t> pstart(n + 1, 0), ostart(n + 1, 0);  // each row's first token in the flat lists
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(row[r] >= 0 && row[r] < logits.size(0) && plen[r] >= 0 && olen[r] >= 0,
+                "apply_penalties: a row or length out of range");
+    pstart[r + 1] = pstart[r] + plen[r], ostart[r + 1] = ostart[r] + olen[r];
+  }
+  TORCH_CHECK(pstart[n] == prompt_tokens.numel() && ostart[n] == output_tokens.numel(),
+              "apply_penalties: the lengths must add up to the token lists");
+  const int64_t *prompt = prompt_tokens.data_ptr<int64_t>(), *output = output_tokens.data_ptr<int64_t>();
+  for (const auto& [tokens, count] : {std::pair{prompt, pstart[n]}, std::pair{output, ostart[n]}})
+    for (int64_t i = 0; i < count; ++i)
+      TORCH_CHECK(tokens[i] >= 0 && tokens[i] < vocab, "apply_penalties: token ", tokens[i], " outside the vocabulary");
+  for (int64_t a = 0; a < n; ++a)
+    for (int64_t b = a + 1; b < n; ++b) TORCH_CHECK(row[a] != row[b], "apply_penalties: a row listed twice");
+  const float* pen = penalties.data_ptr<float>();
+  auto run = [&](auto* x) {
+    parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<int32_t> count;  // all zero between rows
+      if (static_cast<int64_t>(count.size()) < vocab) count.assign(vocab, 0);
+      for (int64_t r = begin; r < end; ++r)
+        penalize_row(x + row[r] * stride, prompt + pstart[r], plen[r], output + ostart[r], olen[r], pen + 3 * r,
+                     count.data());
+    });
+  };
+  with_logits(logits, "apply_penalties", run);
+}
+
 at::Tensor sample_inverse_cdf(const at::Tensor& logits, const at::Tensor& uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1,
               "sample_inverse_cdf: logits must be [rows, vocab] with unit inner stride");
@@ -489,6 +564,8 @@ TORCH_LIBRARY_FRAGMENT(aserve, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("greedy_rows(Tensor logits) -> Tensor");
   m.def("filter_rows(Tensor logits, Tensor top_k, Tensor top_p, Tensor min_p) -> Tensor");
+  m.def("apply_penalties(Tensor(a!) logits, Tensor rows, Tensor prompt_tokens, Tensor prompt_lengths, "
+        "Tensor output_tokens, Tensor output_lengths, Tensor penalties) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(aserve, CPU, m) {
@@ -497,4 +574,5 @@ TORCH_LIBRARY_IMPL(aserve, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("greedy_rows", &greedy_rows);
   m.impl("filter_rows", &filter_rows);
+  m.impl("apply_penalties", &apply_penalties);
 }
