@@ -14,7 +14,7 @@ def run(*args):
 
 def test_bench_throughput_prints_vllm_format(model_dirs):
     proc = run("bench", "throughput", "--model", str(model_dirs["qwen2"]), "--num-prompts", "6", "--input-len", "12",
-               "--output-len", "5", "--kv-cache-memory", "8MiB")
+               "--output-len", "5", "--kv-cache-memory", "8MiB", "--top-p", "0.9", "--repetition-penalty", "1.2")
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"Throughput: ([0-9.]+) requests/s, ([0-9.]+) total tokens/s, ([0-9.]+) output tokens/s", last)

@@ -395,7 +395,8 @@ def test_bench_serve_reports_in_vllm_layout(server, tmp_path):
     out = tmp_path / "serve.json"
     proc = subprocess.run([sys.executable, "-m", "aserve.cli", "bench", "serve", "--base-url", server.url,
                            "--api-key", KEY, "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
-                           "--request-rate", "50", "--json", str(out)], capture_output=True, text=True, timeout=120)
+                           "--request-rate", "50", "--top-p", "0.9", "--top-k", "20", "--frequency-penalty", "0.5",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for label in ("Successful requests:", "Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 TPOT (ms):",
                   "Median ITL (ms):", "P90 E2EL (ms):"):
@@ -404,6 +405,7 @@ def test_bench_serve_reports_in_vllm_layout(server, tmp_path):
     assert result["successful_requests"] == 8 and result["failed_requests"] == 0
     assert result["total_output_tokens"] == 64 and result["total_input_tokens"] == 128
     assert result["ttft_ms"]["p99"] >= result["ttft_ms"]["median"] > 0 and "api_key" not in result["args"]
+    assert (result["args"]["top_p"], result["args"]["top_k"], result["args"]["frequency_penalty"]) == (0.9, 20, 0.5)
     wait_idle(server)
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from aserve.bench.throughput import add_sampling_arguments, sampling_options
 from aserve.config import EngineConfig, add_engine_arguments, engine_options
 
 # torch is imported where it is used: the `aserve` command imports this module to build its parser, and a command
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    add_sampling_arguments(parser)
     parser.add_argument("--bandwidth-mib", type=int, default=1024,
                         help="size of the buffer streamed to measure memory bandwidth (far larger than the caches)")
     parser.add_argument("--probe-interval", type=float, default=2.0,
@@ -488,7 +489,7 @@ def main(args: argparse.Namespace) -> None:
     avoid = set(engine.eos_token_ids) | set(engine.tokenizer.all_special_ids)
     prompts, profiled = (random_prompts(args.num_prompts, args.input_len, engine.vocab_size, avoid, seed)
                          for seed in (args.seed, args.seed + 1))
-    params = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(**sampling_options(args), ignore_eos=True, max_tokens=args.output_len)
     probes = Probes.make(args.probe_interval, dtype, peaks.gemm_shape, args.bandwidth_mib) if args.probe_interval > 0 \
         else None
     run = measure(llm, prompts, params, None, None if args.no_profile else profiled, probes)

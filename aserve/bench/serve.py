@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from aserve.bench.throughput import random_prompts
+from aserve.bench.throughput import add_sampling_arguments, random_prompts, sampling_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     parser.add_argument("--prompt-repeats", type=int, default=1, metavar="N",
                         help="each prompt a random passage of input-len / N tokens given N times (a prompt that "
                              "quotes itself: where speculative decoding pays)")
+    add_sampling_arguments(parser)
     parser.add_argument("--api-key", default=os.environ.get("ASERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
@@ -120,7 +120,7 @@ async def run(args: argparse.Namespace) -> dict:
         async def send(prompt):
             async with gate:
                 body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
-                        "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+                        **sampling_options(args), "stream": True, "stream_options": {"include_usage": True}}
                 return await _one(client, "/v1/completions", body, {})
 
         drafts_before = await _spec_counters(client)

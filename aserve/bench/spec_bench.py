@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+from aserve.bench.throughput import sampling_options
+
 ROUNDS = 2
 
 
@@ -18,7 +20,7 @@ def run(args, options: dict, prompts_for, report) -> None:
     from aserve import LLM, SamplingParams
 
     spec = options.pop("speculative_config")
-    params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(**sampling_options(args), ignore_eos=True, max_tokens=args.output_len)
     engines = {"without speculation: ": LLM(**options), "with speculation: ": LLM(**options, speculative_config=spec)}
     try:
         # a fresh set of prompts each round (one run of a round per engine), so that no run finds its prompts in

@@ -18,11 +18,35 @@ import time
 from aserve.config import EngineConfig, add_engine_arguments, engine_options
 
 
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                     "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every request's sampling parameters, by vLLM's `bench serve` names: top-k, top-p, min-p and the penalties
+    are paths of their own in the sampler, measured only where a benchmark asks for them."""
+    group = parser.add_argument_group("sampling (every request)")
+    group.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0, help="0 or -1: no limit")
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling arguments as SamplingParams' (and a request's) fields: the temperature, and the others where
+    they are not their defaults."""
+    return {name: getattr(args, name) for name, default in SAMPLING_DEFAULTS.items()
+            if name == "temperature" or getattr(args, name) != default}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    add_sampling_arguments(parser)
     parser.add_argument("--prompt-repeats", type=int, default=1, metavar="N",
                         help="each prompt a random passage of input-len / N tokens given N times (a prompt that "
                              "quotes itself)")
@@ -109,7 +133,7 @@ def main(args: argparse.Namespace) -> None:
     if args.beam_width:
         run_beam_search(llm, prompts, args.beam_width, args.output_len)
         return
-    params = SamplingParams(temperature=args.temperature, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(**sampling_options(args), ignore_eos=True, max_tokens=args.output_len)
     # warm-up, on the first prompt's first block reversed: that block itself, cached, would spare its prefill
     llm.generate([{"prompt_token_ids": prompts[0][:16][::-1]}], params.clone(max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
