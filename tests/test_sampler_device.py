@@ -131,7 +131,8 @@ def test_the_sampler_on_a_device_brings_back_only_its_results(monkeypatch, bad_r
 def test_on_the_cpu_the_draw_still_takes_the_cpu_kernel(monkeypatch):
     """The device-agnostic code leaves the CPU path as it was: the uniforms stay where they are drawn and the
     inverse-CDF draw is aserve's CPU kernel, not the torch path a GPU takes; so are the finite-logits check
-    before it, the greedy rows' argmax and the filtered rows' top-k, top-p and min-p."""
+    before it, the penalized rows' penalties, the greedy rows' argmax and the filtered rows' top-k, top-p and
+    min-p."""
     if not sampler.cpu_kernels.available():
         pytest.skip("aserve's CPU kernels are not built here")
     asked = []
@@ -139,7 +140,7 @@ def test_on_the_cpu_the_draw_still_takes_the_cpu_kernel(monkeypatch):
     monkeypatch.setattr(sampler.cpu_kernels, "usable", lambda *tensors: asked.append(usable(*tensors)) or asked[-1])
     with torch.inference_mode():  # as the model runner calls it
         assert len(run(logits_for_test())) == len(ROWS)
-    assert asked == [True, True, True, True]  # the check, the argmax, the filter, one draw: all on the kernels
+    assert asked == [True] * 5  # the check, the penalties, the argmax, the filter, one draw: all on the kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
