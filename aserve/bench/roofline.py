@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from aserve.bench.throughput import add_sampling_arguments, sampling_options
+from aserve.bench.sampling import add_sampling_arguments, sampling_options
 from aserve.config import EngineConfig, add_engine_arguments, engine_options
 
 # torch is imported where it is used: the `aserve` command imports this module to build its parser, and a command

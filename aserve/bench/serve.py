@@ -15,7 +15,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from aserve.bench.throughput import add_sampling_arguments, random_prompts, sampling_options
+from aserve.bench.sampling import add_sampling_arguments, sampling_options
+from aserve.bench.throughput import random_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

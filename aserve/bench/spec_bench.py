@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from aserve.bench.throughput import sampling_options
+from aserve.bench.sampling import sampling_options
 
 ROUNDS = 2
 
