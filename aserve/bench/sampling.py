@@ -9,15 +9,13 @@ DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetit
             "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
+HELP = {"temperature": "sampling temperature (0: greedy)", "top_k": "0 or -1: no limit"}
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (every request)")
-    group.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="0 or -1: no limit")
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
+    for name, default in DEFAULTS.items():
+        group.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, help=HELP.get(name))
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
