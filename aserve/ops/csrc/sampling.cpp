@@ -395,26 +395,33 @@ void filter_row(const T* x, T* out, int64_t n, int64_t k, float top_p, float min
     const uint32_t u = high & 0x80000000u ? high ^ 0x80000000u : ~high;
     std::memcpy(&top, &u, sizeof(top));
   }
-  const fVec shift(top);
-  for (int64_t i = 0; i < whole; i += W) (load_as_float(x + i) - shift).exp_u20().store(e + i);
-  for (int64_t i = whole; i < n; ++i) e[i] = std::exp(static_cast<float>(x[i]) - top);
+  // The exps only where top-p or min-p weighs the tokens: a top-k-only row (a generation_config's top_k = 50) is two
+  // passes of the row fewer.
+  const bool by_mass = top_p < 1.f, by_min = min_p > 0.f;
+  if (by_mass || by_min) {
+    const fVec shift(top);
+    for (int64_t i = 0; i < whole; i += W) (load_as_float(x + i) - shift).exp_u20().store(e + i);
+    for (int64_t i = whole; i < n; ++i) e[i] = std::exp(static_cast<float>(x[i]) - top);
+  }
   // cut: the lowest key kept; ties: how many tokens at the cut are kept, the first ones.
   uint32_t cut = 0;
   int64_t ties = n;
-  double total;
+  int64_t at = -1;  // a token at the cut
   if (k < n) {
     double above = 0.0;
     select_cut(keys, n, 0, static_cast<double>(k), [](int64_t) { return 1.f; }, s, cut, above);  // k in [1, n)
     ties = k - static_cast<int64_t>(above);
     const auto at_cut = [&](int32_t i) { return keys[i] == cut; };
-    const int64_t at = *std::find_if(s.candidates.begin(), s.candidates.end(), at_cut);
-    total = mass_above(e, keys, n, cut) + static_cast<double>(ties) * e[at];
-  } else {
-    total = mass_above(e, keys, n, 0);
+    at = *std::find_if(s.candidates.begin(), s.candidates.end(), at_cut);
   }
   uint32_t mass_cut;
-  double above, target = static_cast<double>(top_p) * total;
-  if (top_p < 1.f && select_cut(keys, n, cut, target, [e](int64_t i) { return e[i]; }, s, mass_cut, above)) {
+  double above, target = 0.0;
+  if (by_mass) {
+    const double total = at < 0 ? mass_above(e, keys, n, 0)
+                                : mass_above(e, keys, n, cut) + static_cast<double>(ties) * e[at];
+    target = static_cast<double>(top_p) * total;
+  }
+  if (by_mass && select_cut(keys, n, cut, target, [e](int64_t i) { return e[i]; }, s, mass_cut, above)) {
     // tokens at the cut ranked j = 0, 1, ... (by index) are kept while above + j * their exp < target
     const auto at_cut = [&](int32_t i) { return keys[i] == mass_cut; };
     const int64_t at = *std::find_if(s.candidates.begin(), s.candidates.end(), at_cut);
@@ -429,10 +436,13 @@ void filter_row(const T* x, T* out, int64_t n, int64_t k, float top_p, float min
   std::memcpy(&dropped, &dropped_value, sizeof(dropped));
   const auto* xb = reinterpret_cast<const Bits*>(x);
   auto* ob = reinterpret_cast<Bits*>(out);
-  for (int64_t i = 0; i < n; ++i) ob[i] = keys[i] > cut && e[i] >= min_p ? xb[i] : dropped;
+  if (by_min)
+    for (int64_t i = 0; i < n; ++i) ob[i] = keys[i] > cut && e[i] >= min_p ? xb[i] : dropped;
+  else
+    for (int64_t i = 0; i < n; ++i) ob[i] = keys[i] > cut ? xb[i] : dropped;
   // the cut's own tokens, the first `ties` of them (in index order: the selects' candidates keep it)
   for (const int32_t i : s.candidates)
-    if (keys[i] == cut && ties-- > 0 && e[i] >= min_p) ob[i] = xb[i];
+    if (keys[i] == cut && ties-- > 0 && (!by_min || e[i] >= min_p)) ob[i] = xb[i];
   const int64_t first = std::find(keys, keys + n, high) - keys;  // the token a stable sort ranks first
   ob[first] = xb[first];
 }
