@@ -264,15 +264,42 @@ def test_aserve_gemm_silu_and_mul_rows_and_range(aserve_gemm):
     assert torch.equal(packed_silu_and_mul(x[:40], pack_gated_weight(weight)), alone)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5, 13, 32, 131, 257])  # split panels (few rows) or claimed parts, row tails
+@pytest.mark.parametrize("inner,in_features", [(16, 33), (48, 576), (32, 2100)])  # one pair, K tail, K past one chunk
+@pytest.mark.parametrize("stored", ["fp32", "bf16"])  # fp32 panels, or bf16 values stored as bf16 (holds_bf16)
+def test_fp32_gemm_applies_silu_and_mul_as_it_writes(aserve_gemm, rows, inner, in_features, stored):
+    """fp32: a gate | up weight packed by pack_gated_weight (its panels in pairs, a gate panel and its up panel) gives
+    through the SiLU-and-mul epilogue the bits of the separate path (pack_weight's product, then silu_and_mul), with
+    the same exp; its plain product is pack_weight's, bit for bit. Past one chunk of K (2048) the product is written
+    whole first, then combined."""
+    from aserve.ops.cpu_gemm import pack_gated_weight, pack_weight, packed_linear, packed_silu_and_mul
+
+    gen = torch.Generator().manual_seed(rows * 7 + inner)
+    weight = torch.randn(2 * inner, in_features, generator=gen) * 2 / in_features ** 0.5
+    if stored == "bf16":
+        weight = weight.to(torch.bfloat16).float()
+    x = torch.randn(rows, in_features, generator=gen)
+    gated, plain = pack_gated_weight(weight), pack_weight(weight)
+    assert gated is not None and gated.gated and gated.data.dtype == plain.data.dtype
+    assert plain.data.dtype == (torch.bfloat16 if stored == "bf16" else torch.float32)
+    got = packed_silu_and_mul(x, gated)
+    assert got.dtype == torch.float32 and got.shape == (rows, inner)
+    assert torch.equal(got, torch.ops.aserve.silu_and_mul(packed_linear(x, plain, None)))
+    assert torch.equal(packed_linear(x, gated, None), packed_linear(x, plain, None))
+    product = torch.nn.functional.linear(x.double(), weight.double())
+    expected = torch.nn.functional.silu(product[:, :inner]) * product[:, inner:]
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_silu_and_mul_epilogue_is_refused_where_it_cannot_run(aserve_gemm):
-    """fp32 weights and gate | up halves not a multiple of 16 are packed plainly (pack_gated_weight says None); the op
-    itself refuses SiLU-and-mul on an fp32 pack."""
+    """gate | up halves not a multiple of 16 are packed plainly (pack_gated_weight says None), and the op itself
+    refuses SiLU-and-mul over a weight that is not whole pairs of 16-row panels."""
     from aserve.ops.cpu_gemm import SILU_AND_MUL, pack_gated_weight, pack_weight
 
-    assert pack_gated_weight(torch.randn(64, 8)) is None
+    assert pack_gated_weight(torch.randn(48, 8)) is None
     assert pack_gated_weight(torch.randn(48, 8, dtype=torch.bfloat16)) is None
-    with pytest.raises(RuntimeError, match="bf16 GEMM's only"):
-        torch.ops.aserve.gemm_packed(torch.randn(2, 8), pack_weight(torch.randn(64, 8)).data, None, 64, SILU_AND_MUL)
+    with pytest.raises(RuntimeError, match="whole pairs of 16-row panels"):
+        torch.ops.aserve.gemm_packed(torch.randn(2, 8), pack_weight(torch.randn(48, 8)).data, None, 48, SILU_AND_MUL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -686,8 +686,8 @@ def test_gemm_int8_applies_silu_and_mul_to_gated_tiles(rows, inner, in_features)
     """A gate | up weight's int8 codes and scales reordered 16 gates, then their 16 ups (cpu_gemm.interleave_gates):
     gemm_int8's SiLU-and-mul epilogue equals silu(gate) * up of the dequantized product in float64 to bf16 precision;
     the row kernel's product of the same tiles, combined by silu_and_mul's blocks of 16, is as near; the plain
-    product is the ungated tiles' with its columns interleaved, bit for bit. fp32 rows and gate | up widths that
-    are not whole panels are refused."""
+    product is the ungated tiles' with its columns interleaved, bit for bit. fp32 rows give the separate path's bits
+    (the plain product, then silu_and_mul's blocks of 16); gate | up widths that are not whole panels are refused."""
     from aserve.ops.cpu_gemm import GATE_ROWS, SILU_AND_MUL, interleave_gates
     from aserve.quantization.int8 import gemm_dtypes, quantize_per_channel, tile
 
@@ -709,9 +709,10 @@ def test_gemm_int8_applies_silu_and_mul_to_gated_tiles(rows, inner, in_features)
         torch.testing.assert_close(combined, expected, atol=4e-3, rtol=2 ** -6)
     plain = torch.ops.aserve.gemm_int8(x, tiles, scales, None, 2 * inner)
     assert torch.equal(plain, interleave_gates(torch.ops.aserve.gemm_int8(x, tile(q), scale, None, 2 * inner).t()).t())
-    with pytest.raises(RuntimeError, match="SiLU-and-mul needs bf16 rows"):
-        torch.ops.aserve.gemm_int8(x.float(), tiles, scales.float(), None, 2 * inner, SILU_AND_MUL)
-    with pytest.raises(RuntimeError, match="SiLU-and-mul needs bf16 rows"):
+    fp32_plain = torch.ops.aserve.gemm_int8(x.float(), tiles, scales.float(), None, 2 * inner)
+    assert torch.equal(torch.ops.aserve.gemm_int8(x.float(), tiles, scales.float(), None, 2 * inner, SILU_AND_MUL),
+                       torch.ops.aserve.silu_and_mul(fp32_plain, GATE_ROWS))
+    with pytest.raises(RuntimeError, match="whole pairs of 16-row panels"):
         torch.ops.aserve.gemm_int8(x, tile(q[:-16]), scale[:-16], None, 2 * inner - 16, SILU_AND_MUL)
 
 

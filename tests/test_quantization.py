@@ -10,7 +10,7 @@ import torch
 
 from aserve import LLM, SamplingParams
 from aserve.errors import ModelLoadError
-from aserve.models.layers import Linear
+from aserve.models.layers import Linear, silu_and_mul
 from aserve.models.loader import load_model
 from aserve.ops import cpu_kernels
 from aserve.quantization import int4, int8
@@ -248,20 +248,24 @@ def test_int4_bf16_kernel_is_within_bf16_rounding(checkpoints, monkeypatch, case
                 assert (got - expected).abs().max() <= 0.02 * expected.abs().max(), (kernels, name, rows)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("case", ["gptq-desc-act", "awq-g64"])
-def test_int4_gate_up_is_tiled_for_the_silu_and_mul_epilogue(checkpoints, monkeypatch, bf16_products, case):
-    """Loaded in bf16, a GPTQ/AWQ gate | up has its tiles reordered a gate tile, then its up tile (prepack with
-    `gated`): its product stays gate | up, bit for bit the unordered layer's, at every row count; forward_silu_and_mul
-    (the row kernel's product combined, or gemm_int4's SiLU-and-mul epilogue, on vdpbf16ps and on FMA products)
-    gives silu(gate) * up of the dequantized weights to bf16 precision; the C++ loop is told so. The other layers
-    are left as they were."""
+def test_int4_gate_up_is_tiled_for_the_silu_and_mul_epilogue(checkpoints, monkeypatch, request, case, dtype):
+    """Loaded in bf16 or fp32, a GPTQ/AWQ gate | up has its tiles reordered a gate tile, then its up tile (prepack
+    with `gated`): its product stays gate | up, bit for bit the unordered layer's, at every row count;
+    forward_silu_and_mul (the row kernel's product combined, or gemm_int4's SiLU-and-mul epilogue, in bf16 on
+    vdpbf16ps and on FMA products) gives silu(gate) * up of the dequantized weights to bf16 precision, and in fp32
+    the separate silu_and_mul's bits; the C++ loop is told so. The other layers are left as they were."""
     from aserve.ops.cpu_gemm import SILU_AND_MUL
 
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels are not built here")
+    bf16_products = request.getfixturevalue("bf16_products") if dtype == "bfloat16" else None  # skips without
     quantized_dir, reference_dir = checkpoints[case]
     ref = linears(load_model(reference_dir, dtype="float32").model)
-    gated_layers = linears(load_model(quantized_dir, dtype="bfloat16").model)
+    gated_layers = linears(load_model(quantized_dir, dtype=dtype).model)
     monkeypatch.setattr(int4.AserveInt4Method, "prepack", lambda *args, **kwargs: False)
-    plain_layers = linears(load_model(quantized_dir, dtype="bfloat16").model)
+    plain_layers = linears(load_model(quantized_dir, dtype=dtype).model)
     name = next(n for n in gated_layers if n.endswith("gate_up_proj"))
     gated, plain = gated_layers[name], plain_layers[name]
     assert gated.int4_gated and gated.silu_and_mul_fused is not None and gated.method.name.endswith("int4")
@@ -272,17 +276,20 @@ def test_int4_gate_up_is_tiled_for_the_silu_and_mul_epilogue(checkpoints, monkey
     half = gated.out_features // 2
     weight = ref[name].weight.double()
     gen = torch.Generator().manual_seed(4)
-    for products in ("dpbf16", "fma"):
-        bf16_products(products)
+    for products in ("dpbf16", "fma") if bf16_products else ("",):
+        if bf16_products:
+            bf16_products(products)
         with torch.inference_mode():
             for rows in (1, 3, 8, 9, 20, 64):
-                x = torch.randn(rows, gated.in_features, generator=gen).to(torch.bfloat16)
+                x = torch.randn(rows, gated.in_features, generator=gen).to(getattr(torch, dtype))
                 assert torch.equal(gated(x), plain(x)), (products, rows)
                 product = x.double() @ weight.t()
                 expected = torch.nn.functional.silu(product[:, :half]) * product[:, half:]
                 got = gated.forward_silu_and_mul(x)
                 assert got.shape == (rows, half)
                 assert (got.double() - expected).abs().max() <= 0.02 * expected.abs().max(), (products, rows)
+                if dtype == "float32":
+                    assert torch.equal(got, silu_and_mul(plain(x))), rows
 
 
 @pytest.mark.parametrize("case", ["gptq-desc-act", "gptq-row", "awq-g64"])
@@ -381,16 +388,17 @@ def test_int8_kernel_rows_and_dequantized_rows_agree(kernels, dtype, monkeypatch
         assert (got - expected[:len(got)]).abs().max() <= tolerance * expected.abs().max()
 
 
-def test_int8_gate_up_is_tiled_for_the_silu_and_mul_epilogue():
-    """prepack with `gated` reorders a bf16 int8 gate | up's tiles for gemm_int8's SiLU-and-mul: the layer's product
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_gate_up_is_tiled_for_the_silu_and_mul_epilogue(dtype):
+    """prepack with `gated` reorders an int8 gate | up's tiles for gemm_int8's SiLU-and-mul: the layer's product
     stays gate | up, bit for bit the plain layer's, at every row count; forward_silu_and_mul gives silu(gate) * up
-    (the row kernel's product combined, or the GEMM's epilogue) to bf16 precision; the C++ loop is told so. A layer
-    with a bias, or in fp32, is left as it was."""
-    if torch.bfloat16 not in int8.gemm_dtypes():
+    (the row kernel's product combined, or the GEMM's epilogue) to bf16 precision, and in fp32 the separate
+    silu_and_mul's bits; the C++ loop is told so. A layer with a bias is left as it was."""
+    if dtype not in int8.gemm_dtypes():
         pytest.skip("aserve's int8 GEMM takes bf16 rows only with AVX512-BF16")
     from aserve.ops.cpu_gemm import SILU_AND_MUL
 
-    def layer_of(weight, bias=False, dtype=torch.bfloat16):
+    def layer_of(weight, bias=False):
         layer = Linear(96, [64, 64], bias=bias).to(dtype)
         layer.set_method(int8.Int8LinearMethod(), dtype)
         layer.weight.data.copy_(weight)
@@ -399,20 +407,21 @@ def test_int8_gate_up_is_tiled_for_the_silu_and_mul_epilogue():
 
     weight = torch.randn(128, 96) / 10
     plain, gated = layer_of(weight), layer_of(weight)
-    assert gated.prepack(torch.bfloat16, gated=True) and gated.int8_gated and gated.silu_and_mul_fused is not None
-    assert plain.silu_and_mul_fused is None and not layer_of(weight, bias=True).prepack(torch.bfloat16, gated=True)
-    assert not layer_of(weight, dtype=torch.float32).prepack(torch.float32, gated=True)
+    assert gated.prepack(dtype, gated=True) and gated.int8_gated and gated.silu_and_mul_fused is not None
+    assert plain.silu_and_mul_fused is None and not layer_of(weight, bias=True).prepack(dtype, gated=True)
     assert gated.method.native_projection(gated).activation == SILU_AND_MUL
     dequantized = int8.codes(plain).double() * plain.scales.double()[:, None]
     with torch.inference_mode():
         for rows in (1, 3, 8, 9, 64, 100):
-            x = torch.randn(2, rows, 96).to(torch.bfloat16)
+            x = torch.randn(2, rows, 96).to(dtype)
             assert torch.equal(gated(x), plain(x)), rows
             product = x.double() @ dequantized.t()
             expected = torch.nn.functional.silu(product[..., :64]) * product[..., 64:]
             got = gated.forward_silu_and_mul(x)
             assert got.shape == (2, rows, 64)
             torch.testing.assert_close(got.double(), expected, atol=4e-3, rtol=2 ** -6)
+            if dtype == torch.float32:
+                assert torch.equal(got, silu_and_mul(plain(x).view(-1, 128)).view(got.shape)), rows
 
 
 @pytest.mark.parametrize("family", ["llama-untied", "llama-gqa-tied"])

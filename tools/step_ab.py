@@ -12,6 +12,8 @@ median and mean step time.
 --compare team: the C++ loop's small steps as one team of threads (csrc/step_team.h) against an OpenMP region a kernel.
 --compare gemm: aserve's GEMM (csrc/cpu_gemm.cpp; fp32, or bf16 with AVX512-BF16) against oneDNN's, every linear layer packed for both.
 --compare bf16-panels: an fp32 model's weights of bf16 values in aserve's fp32 panels stored as bf16 against fp32.
+--compare silu-epilogue: gate | up weights packed for the GEMM's SiLU-and-mul epilogue against packed plainly, the
+product then silu_and_mul.
 --compare one-call: decode steps in one call of the C++ stack (DecoderStack::decode_steps: layers, head and the
 tokens) against the step-by-step path (the forward, compute_logits and the sampler from Python).
 --compare tail-kernel: a prompt's short tail after a prefix-cache hit on the prefill kernel (backend.batch_order: the
@@ -119,13 +121,25 @@ def bf16_panels_sides(model):
     return sides_of(model, both)
 
 
+def silu_epilogue_sides(model):
+    """Each gate | up packed for the SiLU-and-mul epilogue (cpu_gemm.pack_gated_weight) and plainly."""
+    layers = [m for m in model.modules() if getattr(getattr(m, "packed", None), "gated", False)]
+    if not layers:
+        raise SystemExit("--compare silu-epilogue needs dense gate | up weights packed for aserve's GEMM")
+    return sides_of(model, [(layer, {"epilogue": layer.packed, "separate": cpu_gemm.pack_weight(layer.weight)})
+                            for layer in layers])
+
+
 def sides_of(model, both):
-    """`use(side)` for layers each with a PackedWeight per side: points them at it, with its own flat forward."""
+    """`use(side)` for layers each with a PackedWeight per side: points them at it (and their SiLU-and-mul at the
+    epilogue where it has one), with its own flat forward."""
     names = tuple(both[0][1])
 
     def point(side: str) -> None:
         for layer, packed in both:
             layer.packed = packed[side]
+            if hasattr(layer, "silu_and_mul_fused"):
+                layer.silu_and_mul_fused = layer.method.silu_and_mul_projection(layer)
 
     flats = {}
     for side in names:  # the flat forward holds the packed weights it was built with: one per side
@@ -144,8 +158,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=("int8", "gptq", "awq"), default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, or an FP8 format (fp8, fp8_e4m3, fp8_e5m2)")
-    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "bf16-panels", "one-call",
-                                                  "tail-kernel"),
+    parser.add_argument("--compare", choices=("flat", "native", "team", "gemm", "bf16-panels", "silu-epilogue",
+                                                  "one-call", "tail-kernel"),
                         default="flat")
     parser.add_argument("--phase", choices=("decode", "prefill", "tails"), default="decode")
     parser.add_argument("--requests", type=int, default=64)
@@ -196,7 +210,7 @@ def main() -> None:
         engine.step()
 
     sides = {"flat": flat_sides, "native": native_sides, "team": team_sides, "gemm": gemm_sides,
-             "bf16-panels": bf16_panels_sides,
+             "bf16-panels": bf16_panels_sides, "silu-epilogue": silu_epilogue_sides,
              "one-call": lambda model: one_call_sides(engine.runner), "tail-kernel": lambda model: tail_kernel_sides()}
     names, use = sides[args.compare](model)
     print(f"{args.compare}, {args.phase}: {names[0]} against {names[1]}")

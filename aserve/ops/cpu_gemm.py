@@ -179,17 +179,19 @@ def gates_in_order(y: torch.Tensor) -> torch.Tensor:
 
 
 def pack_gated_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """A SwiGLU's gate | up weight [2I, in] packed for aserve's bf16 GEMM to apply silu(gate) * up as it writes its
-    outputs (`packed_silu_and_mul`): rows interleaved 16 gates, their 16 ups, the next 16 gates..., so each 32-column
-    panel's two 16-lane halves are a gate and its up, and the [rows, 2I] product is never written. None where that
-    GEMM does not multiply this weight (oneDNN's, fp32) or I is not a multiple of 16. A 4 x 128-token prefill step of
-    the bench model (Xeon with AMX, 2 threads) spent 7% of its time in the separate silu_and_mul."""
+    """A SwiGLU's gate | up weight [2I, in] packed for aserve's GEMM to apply silu(gate) * up as it writes its
+    outputs (`packed_silu_and_mul`): rows interleaved 16 gates, their 16 ups, the next 16 gates..., so each bf16
+    panel's two 16-lane halves, or each pair of fp32 panels, are a gate and its up, and the [rows, 2I] product is never
+    written. None where aserve's GEMM does not multiply this weight (oneDNN's) or I is not a multiple of 16. A 4 x
+    128-token prefill step of the bench model (Xeon with AMX, 2 threads) spent 7% of its time in the separate
+    silu_and_mul; its fp32 decode and prefill steps 2% (AMD EPYC Zen 4, 2 threads)."""
     weight = weight.detach()
     rows = weight.shape[0]
-    if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or rows % (2 * GATE_ROWS)
+    if (weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2 or rows % (2 * GATE_ROWS)
             or gemm_for(weight.dtype, _LARGE_STEPS.get()) != "aserve"):
         return None
-    return PackedWeight(torch.ops.aserve.pack_gemm_weight(interleave_gates(weight)), rows, True, True)
+    pack = torch.ops.aserve.pack_gemm_weight_bf16 if holds_bf16(weight) else torch.ops.aserve.pack_gemm_weight
+    return PackedWeight(pack(interleave_gates(weight)), rows, True, True)
 
 
 def packed_silu_and_mul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

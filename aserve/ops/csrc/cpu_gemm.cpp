@@ -144,11 +144,11 @@ struct PacedPrefetch {
 
 // The activation a GEMM can apply to its outputs as it writes them (gemm_packed's `activation`): GELU, from the
 // exact erf or from tanh, on the fp32 sums (before a bf16 output is rounded), so that no second pass reads and writes
-// the product. A BERT-base MLP's separate GELU was 3% of an embedding run (Zen 5). kSiluMul (bf16 only): SwiGLU's
-// silu(gate) * up, from a gate | up weight packed with each 32-column panel holding 16 gates' rows and then the same
-// 16 ups' rows (ops/cpu_gemm.py's pack_gated_weight), so that a panel's two 16-lane halves are a gate and its up; the
-// output is [M, N/2], rounded to bf16 once. Separately, a [512, 3072] product's silu_and_mul read 3 MB and wrote
-// 1.5 MB a layer, 7% of a 4 x 128-token prefill step (Xeon with AMX, 2 threads).
+// the product. A BERT-base MLP's separate GELU was 3% of an embedding run (Zen 5). kSiluMul: SwiGLU's silu(gate) * up,
+// from a gate | up weight packed with its rows interleaved 16 gates, their 16 ups, the next 16 gates... (ops/cpu_gemm.py's
+// pack_gated_weight): a bf16 panel's two 16-lane halves, or two fp32 panels side by side, are a gate and its up; the
+// output is [M, N/2] (bf16 rounded once). Separately, a [512, 3072] product's silu_and_mul read 3 MB and wrote 1.5 MB a
+// layer, 7% of a 4 x 128-token prefill step (Xeon with AMX, 2 threads); 2% of the bench model's fp32 steps (Zen 4).
 enum Activation : int64_t { kNoActivation = 0, kGeluErf = 1, kGeluTanh = 2, kSiluMul = 3 };
 
 // torch's GELU: 0.5 x (1 + erf(x / sqrt 2)), or with tanh(sqrt(2 / pi) (x + 0.044715 x^3)).
@@ -159,6 +159,22 @@ inline Vec gelu(Vec x, int64_t act) {
     return at::vec::fmadd(half, aserve_kernels::erf_rational(x * Vec(static_cast<float>(M_SQRT1_2))), half);
   const Vec u = Vec(0.7978845608028654f) * at::vec::fmadd(Vec(0.044715f) * x, x * x, x);
   return at::vec::fmadd(half, aserve_kernels::tanh_rational(u), half);
+}
+
+// fp32 kSiluMul: silu(gate) * up as silu_and_mul computes it in fp32 (norm_activation.cpp, the same 1-ulp exp), so
+// that the fused product is the separate one's bit for bit.
+inline aserve_kernels::fVec silu_times_fp32(aserve_kernels::fVec gate, aserve_kernels::fVec up) {
+  using V = aserve_kernels::fVec;
+  return gate / (V(1.f) + gate.neg().exp()) * up;
+}
+
+// `rows` rows of 16 gates and their 16 ups -> 16 outputs each.
+inline void silu_times_rows(const float* gates, int64_t ldg, const float* ups, int64_t ldu, float* out, int64_t ldo,
+                            int rows) {
+  using V = aserve_kernels::fVec;
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < kNR; j += V::size())
+      silu_times_fp32(V::loadu(gates + i * ldg + j), V::loadu(ups + i * ldu + j)).store(out + i * ldo + j);
 }
 
 inline void activate(float* v, int64_t n, int64_t act) {
@@ -325,28 +341,55 @@ void by_blocks(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t i0, in
   }
 }
 
-// Panels [p0, p1) of out for all M rows (by_blocks: or the parts `claims` hands this thread).
+// A thread's gate sums of a row block (kSiluMul on the 256-bit tiles): [rows][16], until their ups' panel is done.
+inline float* gate_scratch(int64_t rows) {
+  thread_local std::vector<float> scratch;
+  scratch.resize(rows * kNR);
+  return scratch.data();
+}
+
+// Panels [p0, p1) of out for all M rows (by_blocks: or the parts `claims` hands this thread). kSiluMul (K one chunk):
+// items are a gate panel and its up panel (2i, 2i + 1) and out is [M, N/2]; each block's gate sums wait in
+// gate_scratch for its up tile, which writes silu(gate) * up.
 template <class Panels>
 void gemm_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, const float* bias,
                  float* out, int64_t N, int64_t p0, int64_t p1, int64_t act = kNoActivation,
                  aserve_kernels::Claims* claims = nullptr) {
+  const bool gated = act == kSiluMul;
+  const int64_t per_item = gated ? 2 : 1;
   by_blocks<kMR>(x, ldx, M, K, p0, p1, claims, [&](int64_t k0, int64_t kc, int64_t m0, int64_t mc, int64_t blocks,
                                                    const float* packed, int64_t q0, int64_t q1, int64_t end) {
     const RowCalls<kMR> calls(mc);
     const bool first = k0 == 0, last = k0 + kc == K;
     const int64_t total_lines = (kc * Panels::kBytesPerK + 63) / 64;  // of the next panel, shared out to the blocks
-    for (int64_t p = q0; p < q1; ++p) {
+    float* gates = gated ? gate_scratch(mc) : nullptr;
+    for (int64_t p = q0 * per_item; p < q1 * per_item; ++p) {
       const auto* panel = panels.get(p, k0, kc);  // fp32, or bf16 values to widen (Bf16Panels)
-      const char* next = p + 1 < end ? panels.stored(p + 1, k0) : nullptr;
+      const auto tile_fn = kTiles<std::remove_cv_t<std::remove_pointer_t<decltype(panel)>>>;
+      const char* next = p + 1 < end * per_item ? panels.stored(p + 1, k0) : nullptr;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, N - p * kNR));
       const float* b = bias != nullptr ? bias + p * kNR : nullptr;
       for (int64_t r = 0; r < blocks; ++r) {  // block r fetches its share of the next panel's lines
         const int64_t from = r * total_lines / blocks;
         const int64_t lines = next != nullptr ? (r + 1) * total_lines / blocks - from : 0;
+        const char* pf = next != nullptr ? next + from * 64 : nullptr;
         const int rows = calls.rows(r);
+        const float* a = packed + r * kMR * kc;
+        if (gated) {
+          float* g = gates + calls.first(r) * kNR;
+          if (p % 2 == 0) {
+            tile_fn[rows](a, panel, kc, g, kNR, kNR, b, true, pf, lines);
+            continue;
+          }
+          alignas(64) float ups[kMR * kNR];
+          float* o = out + (m0 + calls.first(r)) * (N / 2) + p / 2 * kNR;
+          fetch_rows_for_writing(o, N / 2, rows, kNR);  // as the tile does its own output lines (below)
+          tile_fn[rows](a, panel, kc, ups, kNR, kNR, b, true, pf, lines);
+          silu_times_rows(g, kNR, ups, kNR, o, N / 2, rows);
+          continue;
+        }
         float* c = out + (m0 + calls.first(r)) * N + p * kNR;
-        kTiles<std::remove_cv_t<std::remove_pointer_t<decltype(panel)>>>[rows](
-            packed + r * kMR * kc, panel, kc, c, N, cols, b, first, next != nullptr ? next + from * 64 : nullptr, lines);
+        tile_fn[rows](a, panel, kc, c, N, cols, b, first, pf, lines);
         if (last && act != kNoActivation)
           for (int i = 0; i < rows; ++i) activate(c + i * N, cols, act);
       }
@@ -398,11 +441,12 @@ inline void micro_kernel(const float* a, const W* b0, const W* b1, int64_t kc, _
 // bias (first chunk of k) or what earlier chunks summed, plus this chunk. On the first chunk its output lines are
 // fetched for writing first, as the AVX2 tile's are: the bench model's 120 fp32 layers and its head (bf16 panels), both
 // ways alternated in one process, 15 rounds (AMD EPYC Zen 4, avx512f, 2 threads): 16 rows 1.020x, 64 rows 1.013-1.025x,
-// 128 rows 1.013x, 512 rows 1.019x.
+// 128 rows 1.013x, 512 rows 1.019x. `silu` (kSiluMul, K one chunk): the pair is a gate panel and its up panel, and c
+// gets silu(gate) * up, 16 columns a row.
 template <int MR, int NP, typename W>
 void tile(const float* a, const W* b0, const W* b1, int64_t kc, float* c, int64_t ldc, int cols,
-          const float* bias, bool first, const char* pf, int64_t lines) {
-  if (first) fetch_rows_for_writing(c, ldc, MR, cols);
+          const float* bias, bool first, const char* pf, int64_t lines, bool silu) {
+  if (first) fetch_rows_for_writing(c, ldc, MR, silu ? kNR : cols);
   __m512 acc[kMR][2];
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1) : 0;
@@ -412,6 +456,11 @@ void tile(const float* a, const W* b0, const W* b1, int64_t kc, float* c, int64_
     acc[i][1] = src != nullptr && NP == 2 ? _mm512_maskz_loadu_ps(m1, src + 16) : _mm512_setzero_ps();
   }
   micro_kernel<MR, NP, W>(a, b0, b1, kc, acc, pf, lines);
+  if (silu) {
+    for (int i = 0; i < MR; ++i)
+      silu_times_fp32(aserve_kernels::fVec(acc[i][0]), aserve_kernels::fVec(acc[i][1])).store(c + i * ldc);
+    return;
+  }
   for (int i = 0; i < MR; ++i) {
     _mm512_mask_storeu_ps(c + i * ldc, m0, acc[i][0]);
     if constexpr (NP == 2) _mm512_mask_storeu_ps(c + i * ldc + 16, m1, acc[i][1]);
@@ -420,7 +469,7 @@ void tile(const float* a, const W* b0, const W* b1, int64_t kc, float* c, int64_
 
 template <typename W>
 using TileFn = void (*)(const float*, const W*, const W*, int64_t, float*, int64_t, int, const float*, bool,
-                       const char*, int64_t);
+                       const char*, int64_t, bool);
 template <int NP, typename W = float>
 constexpr TileFn<W> kTiles[kMR + 1] = {nullptr, tile<1, NP, W>, tile<2, NP, W>, tile<3, NP, W>, tile<4, NP, W>,
                                        tile<5, NP, W>, tile<6, NP, W>, tile<7, NP, W>, tile<8, NP, W>, tile<9, NP, W>,
@@ -428,7 +477,8 @@ constexpr TileFn<W> kTiles[kMR + 1] = {nullptr, tile<1, NP, W>, tile<2, NP, W>, 
 
 // Panel pairs [q0, q1) (panels 2q and 2q + 1; a last odd panel alone) of out for all M rows, K in chunks of at most
 // kKC, from `panels` (DensePanels, or int8 / int4 tiles widened into scratch: Int8Panels, Int4Panels below); or
-// the parts of them `claims` hands this thread (by_blocks).
+// the parts of them `claims` hands this thread (by_blocks). kSiluMul (K one chunk): each pair is a gate panel and its
+// up panel, and out is [M, N/2].
 template <class Panels>
 void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& source, const float* bias, float* out,
                 int64_t N, int64_t q0, int64_t q1, int64_t act, aserve_kernels::Claims* claims = nullptr) {
@@ -452,10 +502,15 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels&
         const int64_t from = r * total_lines / blocks, lines = (r + 1) * total_lines / blocks - from;
         const int rows = calls.rows(r);
         const char* pf = lines > 0 ? source.stored(p + 2 + from * 64 / chunk, k0) + from * 64 % chunk : nullptr;
-        float* c = out + (m0 + calls.first(r)) * N + p * kNR;
         using W = std::remove_cv_t<std::remove_pointer_t<decltype(b0)>>;
+        if (act == kSiluMul) {
+          kTiles<2, W>[rows](packed + r * kMR * kc, b0, b1, kc, out + (m0 + calls.first(r)) * (N / 2) + q * kNR,
+                             N / 2, cols, pb, true, pf, lines, true);
+          continue;
+        }
+        float* c = out + (m0 + calls.first(r)) * N + p * kNR;
         (np == 2 ? kTiles<2, W> : kTiles<1, W>)[rows](packed + r * kMR * kc, b0, b1, kc, c, N, cols, pb, first, pf,
-                                                       lines);
+                                                       lines, false);
         if (last && act != kNoActivation)
           for (int i = 0; i < rows; ++i) activate(c + i * N, cols, act);
       }
@@ -486,7 +541,9 @@ void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const P
   constexpr int64_t kPanelsPerItem = 1;
   constexpr int MR = kMR;
 #endif
-  const int64_t items = (num_panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  // kSiluMul (K one chunk, N whole pairs of panels): an item is a gate panel and its up panel on either kernel
+  const int64_t per_item = act == kSiluMul ? 2 : kPanelsPerItem;
+  const int64_t items = (num_panels + per_item - 1) / per_item;
   if (std::is_same_v<Done, NothingAfter> && M > kClaimRows && K <= kKC) {
     const int64_t row_block = row_block_of<MR>(K);
     aserve_kernels::parallel_claims((M + row_block - 1) / row_block, items, [&](aserve_kernels::Claims& claims) {
@@ -568,21 +625,45 @@ GemmArgs gemm_args(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   return gemm_args(x, bias, out_features, out_columns);
 }
 
+// An fp32 GEMM over `num_panels` panels of `panels` into args.out, `act` applied. kSiluMul is fused where K is one
+// chunk; a longer K (partial sums between chunks) has its product written whole, then silu(gate) * up taken over it.
+template <class Panels>
+void run_fp32(const GemmArgs& args, const Panels& panels, int64_t num_panels, int64_t act) {
+  const float* x = args.rows.data_ptr<float>();
+  const auto* bias = static_cast<const float*>(args.bias);
+  const int64_t M = args.M, K = args.K, N = args.N, ldx = args.rows.stride(0);
+  if (act != kSiluMul || K <= kKC) {
+    gemm_fp32_panels(x, ldx, M, K, panels, num_panels, bias, args.out.data_ptr<float>(), N, act);
+    return;
+  }
+  at::Tensor product = at::empty({M, N}, args.out.options());
+  const float* pr = product.data_ptr<float>();
+  float* o = args.out.data_ptr<float>();
+  gemm_fp32_panels(x, ldx, M, K, panels, num_panels, bias, product.data_ptr<float>(), N, kNoActivation);
+  aserve_kernels::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t q = 0; q < N / (2 * kNR); ++q)
+      silu_times_rows(pr + begin * N + 2 * q * kNR, N, pr + begin * N + (2 * q + 1) * kNR, N,
+                      o + begin * (N / 2) + q * kNR, N / 2, static_cast<int>(end - begin));
+  });
+}
+
+// kSiluMul's weight: whole pairs of panels (a gate | up of 2 x a multiple of 16 rows, pack_gated_weight's order).
+void check_silu_mul(const at::Tensor& x, int64_t out_features, int64_t act, const char* op) {
+  TORCH_CHECK(act != kSiluMul || (out_features % (2 * kNR) == 0 && x.size(-1) > 0), op,
+              ": SiLU-and-mul needs a gate | up weight of whole pairs of 16-row panels (2 x a multiple of 16)");
+}
+
 at::Tensor gemm_fp32_bf16_stored(GemmArgs& args, const at::Tensor& packed, int64_t act);  // after Bf16Panels
 
 at::Tensor gemm_fp32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                      int64_t out_features, int64_t act) {
-  GemmArgs args = gemm_args(x, packed, bias, out_features, x.size(-1), kNR, "[ceil(out/16), in, 16]");
+  check_silu_mul(x, out_features, act, "gemm_packed");
+  GemmArgs args = gemm_args(x, packed, bias, out_features, x.size(-1), kNR, "[ceil(out/16), in, 16]",
+                            act == kSiluMul ? out_features / 2 : -1);
   if (packed.scalar_type() == at::kBFloat16) return gemm_fp32_bf16_stored(args, packed, act);
-  const int64_t M = args.M, K = args.K, N = args.N;
-  at::Tensor out = args.out, rows = args.rows;
-  if (M == 0 || N == 0 || K == 0) return out;
-  const float* b = static_cast<const float*>(args.bias);
-  const float* xp = rows.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  gemm_fp32_panels(xp, rows.stride(0), M, K, DensePanels{w, K}, packed.size(0), b, o, N, act);
-  return out;
+  if (args.M == 0 || args.N == 0 || args.K == 0) return args.out;
+  run_fp32(args, DensePanels{packed.data_ptr<float>(), args.K}, packed.size(0), act);
+  return args.out;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -1844,11 +1925,8 @@ at::Tensor gemm_fp32_bf16_stored(GemmArgs& args, const at::Tensor& packed, int64
 #else
   constexpr int64_t kCallRows = kMR;
 #endif
-  const auto run = [&](const auto& source) {
-    gemm_fp32_panels(args.rows.data_ptr<float>(), args.rows.stride(0), args.M, args.K, source, packed.size(0),
-                     static_cast<const float*>(args.bias), args.out.data_ptr<float>(), args.N, act);
-  };
-  args.M <= kCallRows ? run(panels) : run(Bf16PanelsWidened{panels});
+  args.M <= kCallRows ? run_fp32(args, panels, packed.size(0), act)
+                      : run_fp32(args, Bf16PanelsWidened{panels}, packed.size(0), act);
   return args.out;
 }
 
@@ -1867,9 +1945,7 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
                   scales.scalar_type() == x.scalar_type(),
               "gemm_int8: scales must be a contiguous [out] vector of x's dtype");
   TORCH_CHECK(act == kNoActivation || act == kSiluMul, "gemm_int8: the activation is none or SiLU-and-mul");
-  TORCH_CHECK(act != kSiluMul || (x.scalar_type() == at::kBFloat16 && out_features % 32 == 0 && x.size(-1) > 0),
-              "gemm_int8: SiLU-and-mul needs bf16 rows and gate | up tiles of whole 32-row panels (2 x a multiple of "
-              "16)");
+  check_silu_mul(x, out_features, act, "gemm_int8");
   GemmArgs args = gemm_args(x, bias, out_features, act == kSiluMul ? out_features / 2 : -1);
   const int64_t M = args.M, K = args.K, N = args.N;
   at::Tensor out = args.out;
@@ -1893,11 +1969,7 @@ at::Tensor gemm_int8(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
 #endif
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm_int8: x must be fp32, or bf16 on a CPU with AVX512-BF16; got ",
               x.scalar_type());
-  const float* xp = args.rows.data_ptr<float>();
-  const float* b = static_cast<const float*>(args.bias);
-  float* o = out.data_ptr<float>();
-  const Int8Panels panels{tiled.data_ptr<int8_t>(), scale.data(), K};
-  gemm_fp32_panels(xp, args.rows.stride(0), M, K, panels, tiled.size(0), b, o, N, kNoActivation);
+  run_fp32(args, Int8Panels{tiled.data_ptr<int8_t>(), scale.data(), K}, tiled.size(0), act);
   return out;
 }
 
@@ -1946,9 +2018,7 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
   const int64_t K = x.size(-1);
   aserve_kernels::check_int4_weights("gemm_int4", x, K, tiled, scales_zeros, group, out_features);
   TORCH_CHECK(act == kNoActivation || act == kSiluMul, "gemm_int4: the activation is none or SiLU-and-mul");
-  TORCH_CHECK(act != kSiluMul || (x.scalar_type() == at::kBFloat16 && out_features % 32 == 0),
-              "gemm_int4: SiLU-and-mul needs bf16 rows and gate | up tiles of whole 32-row panels (2 x a multiple of "
-              "16)");
+  check_silu_mul(x, out_features, act, "gemm_int4");
   GemmArgs args = gemm_args(x, bias, out_features, act == kSiluMul ? out_features / 2 : -1);
   at::Tensor out = args.out;
   if (args.M == 0 || args.N == 0 || K == 0) return out;
@@ -1958,14 +2028,10 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& tiled, const at::Ten
     return out;
   }
 #endif
-  TORCH_CHECK(act == kNoActivation, "gemm_int4: SiLU-and-mul needs bf16 rows on a CPU with AVX512-BF16");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm_int4: x must be fp32, or bf16 on a CPU with AVX512-BF16; got ",
               x.scalar_type());
-  const float* xp = args.rows.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const Int4Panels panels{tiled.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::Half>(), K, group};
-  const auto* b = static_cast<const float*>(args.bias);
-  gemm_fp32_panels(xp, args.rows.stride(0), args.M, K, panels, tiled.size(0), b, o, args.N, kNoActivation);
+  run_fp32(args, Int4Panels{tiled.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::Half>(), K, group}, tiled.size(0),
+           act);
   return out;
 }
 
@@ -1997,7 +2063,6 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, const c10:
   if (packed.scalar_type() == at::kBFloat16 && x.scalar_type() != at::kFloat)
     return bf16::gemm(x, packed, bias, out_features, activation);
 #endif
-  TORCH_CHECK(activation != kSiluMul, "gemm_packed: SiLU-and-mul is the bf16 GEMM's only (fp32 takes silu_and_mul)");
   return gemm_fp32(x, packed, bias, out_features, activation);
 }
 
