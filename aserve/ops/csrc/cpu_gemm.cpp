@@ -523,17 +523,13 @@ void gemm_pairs(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels&
 #endif  // __AVX512F__
 
 // The fp32 GEMM over `num_panels` panels of `panels`, the threads splitting them: the 512-bit tiles' pairs where
-// AVX-512 is, else single panels. `done(n0, n1)` then runs on each thread's output columns [n0, n1), all M rows.
-// Calls of more than kClaimRows rows are bound by the multiplies, and in every GEMM here their threads claim parts as
-// they go (aserve_kernels::Claims; here where K is one chunk and there is nothing to do after, `done` a no-op); fewer
-// rows stream the weights, each thread its own even share.
+// AVX-512 is, else single panels. Calls of more than kClaimRows rows are bound by the multiplies, and in every GEMM
+// here their threads claim parts as they go (aserve_kernels::Claims; here where K is one chunk); fewer rows stream the
+// weights, each thread its own even share.
 constexpr int64_t kClaimRows = 4;
-struct NothingAfter {
-  void operator()(int64_t, int64_t) const {}
-};
-template <class Panels, class Done = NothingAfter>
+template <class Panels>
 void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const Panels& panels, int64_t num_panels,
-                      const float* bias, float* out, int64_t N, int64_t act, Done done = {}) {
+                      const float* bias, float* out, int64_t N, int64_t act) {
 #if defined(__AVX512F__)
   constexpr int64_t kPanelsPerItem = 2;
   constexpr int MR = wide::kMR;
@@ -544,7 +540,7 @@ void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const P
   // kSiluMul (K one chunk, N whole pairs of panels): an item is a gate panel and its up panel on either kernel
   const int64_t per_item = act == kSiluMul ? 2 : kPanelsPerItem;
   const int64_t items = (num_panels + per_item - 1) / per_item;
-  if (std::is_same_v<Done, NothingAfter> && M > kClaimRows && K <= kKC) {
+  if (M > kClaimRows && K <= kKC) {
     const int64_t row_block = row_block_of<MR>(K);
     aserve_kernels::parallel_claims((M + row_block - 1) / row_block, items, [&](aserve_kernels::Claims& claims) {
 #if defined(__AVX512F__)
@@ -561,7 +557,6 @@ void gemm_fp32_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const P
 #else
     gemm_panels(x, ldx, M, K, panels, bias, out, N, begin, end, act);
 #endif
-    done(begin * kPanelsPerItem * kNR, std::min(N, end * kPanelsPerItem * kNR));
   });
 }
 
