@@ -271,7 +271,7 @@ def test_fp32_gemm_applies_silu_and_mul_as_it_writes(aserve_gemm, rows, inner, i
     """fp32: a gate | up weight packed by pack_gated_weight (its panels in pairs, a gate panel and its up panel) gives
     through the SiLU-and-mul epilogue the bits of the separate path (pack_weight's product, then silu_and_mul), with
     the same exp; its plain product is pack_weight's, bit for bit. Past one chunk of K (2048) the product is written
-    whole first, then combined. A row alone (its panels one at a time on the 512-bit tiles) gives its bits in a batch."""
+    whole first, then combined. A row alone gets the bits it gets in a batch."""
     from aserve.ops.cpu_gemm import pack_gated_weight, pack_weight, packed_linear, packed_silu_and_mul
 
     gen = torch.Generator().manual_seed(rows * 7 + inner)

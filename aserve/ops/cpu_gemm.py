@@ -190,8 +190,7 @@ def pack_gated_weight(weight: torch.Tensor) -> PackedWeight | None:
     if (weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2 or rows % (2 * GATE_ROWS)
             or gemm_for(weight.dtype, _LARGE_STEPS.get()) != "aserve"):
         return None
-    pack = torch.ops.aserve.pack_gemm_weight_bf16 if holds_bf16(weight) else torch.ops.aserve.pack_gemm_weight
-    return PackedWeight(pack(interleave_gates(weight)), rows, True, True)
+    return pack_weight(interleave_gates(weight))._replace(gated=True)  # fp32 panels may hold bf16 (holds_bf16)
 
 
 def packed_silu_and_mul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

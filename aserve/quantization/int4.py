@@ -158,11 +158,11 @@ class AserveInt4Method(LinearMethod):
         return cpu_gemm.gates_in_order(out) if layer.int4_gated else out
 
     def prepack(self, layer, dtype, gated=False):
-        """A SwiGLU's gate | up (bf16 or fp32): its tiles (and their scales) reordered a gate tile, then its up tile, so that
-        each of gemm_int4's panels (two tiles) is 16 gates and their 16 ups and the GEMM applies silu(gate) * up as
-        it writes (`silu_and_mul_projection`), as int8's gated tiles do; the layer's product stays gate | up (apply
-        puts it back in order). Without it a GPTQ step ran a separate silu_and_mul a layer: at 16 x 128/128 other
-        ops took 7% of the bench model's run against dense's 5% (AMD EPYC Zen 5)."""
+        """A SwiGLU's gate | up (bf16 or fp32): its tiles (and their scales) reordered a gate tile, then its up tile, so
+        that each of gemm_int4's panels (two tiles) is 16 gates and their 16 ups and the GEMM applies silu(gate) * up as
+        it writes (`silu_and_mul_projection`), as int8's gated tiles do; the layer's product stays gate | up (apply puts
+        it back in order). Without it a GPTQ step ran a separate silu_and_mul a layer: at 16 x 128/128 other ops took 7%
+        of the bench model's run against dense's 5% (AMD EPYC Zen 5)."""
         if (not gated or layer.int4_gated or layer.bias is not None or dtype not in (torch.bfloat16, torch.float32)
                 or layer.int4_dtype != dtype or layer.out_features % (2 * cpu_gemm.GATE_ROWS)):
             return False

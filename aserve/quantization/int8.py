@@ -107,11 +107,11 @@ class Int8LinearMethod(LinearMethod):
         layer.int8_gated = False  # prepack may tile a gate | up for the SiLU-and-mul epilogue
 
     def prepack(self, layer, dtype, gated=False):
-        """A SwiGLU's gate | up on aserve's int8 GEMM (bf16 or fp32): its codes and scales reordered 16 gates, then their 16
-        ups (cpu_gemm.interleave_gates), so that each panel of two tiles is a gate and its up and the GEMM applies
-        silu(gate) * up as it writes (gemm_int8's SiLU-and-mul: `silu_and_mul_projection`). The layer's product
-        stays gate | up (apply puts it back in order). Without it the bench model's int8 run at 64 x 128/128 spent
-        5% of its time in a separate silu_and_mul and ran at 0.90-0.92x the dense bf16 weights (Xeon with AMX)."""
+        """A SwiGLU's gate | up on aserve's int8 GEMM (bf16 or fp32): its codes and scales reordered 16 gates, then
+        their 16 ups (cpu_gemm.interleave_gates), so that each panel of two tiles is a gate and its up and the GEMM
+        applies silu(gate) * up as it writes (gemm_int8's SiLU-and-mul: `silu_and_mul_projection`). The layer's product
+        stays gate | up (apply puts it back in order). Without it the bench model's int8 run at 64 x 128/128 spent 5% of
+        its time in a separate silu_and_mul and ran at 0.90-0.92x the dense bf16 weights (Xeon with AMX)."""
         if (not gated or not layer.int8_tiled or layer.int8_gated or layer.bias is not None
                 or layer.scales.dtype != dtype or dtype not in gemm_dtypes()
                 or layer.out_features % (2 * cpu_gemm.GATE_ROWS)):

@@ -145,10 +145,11 @@ struct PacedPrefetch {
 // The activation a GEMM can apply to its outputs as it writes them (gemm_packed's `activation`): GELU, from the
 // exact erf or from tanh, on the fp32 sums (before a bf16 output is rounded), so that no second pass reads and writes
 // the product. A BERT-base MLP's separate GELU was 3% of an embedding run (Zen 5). kSiluMul: SwiGLU's silu(gate) * up,
-// from a gate | up weight packed with its rows interleaved 16 gates, their 16 ups, the next 16 gates... (ops/cpu_gemm.py's
-// pack_gated_weight): a bf16 panel's two 16-lane halves, or two fp32 panels side by side, are a gate and its up; the
-// output is [M, N/2] (bf16 rounded once). Separately, a [512, 3072] product's silu_and_mul read 3 MB and wrote 1.5 MB a
-// layer, 7% of a 4 x 128-token prefill step (Xeon with AMX, 2 threads); 2% of the bench model's fp32 steps (Zen 4).
+// from a gate | up weight packed with its rows interleaved 16 gates, their 16 ups, the next 16 gates...
+// (ops/cpu_gemm.py's pack_gated_weight): a bf16 panel's two 16-lane halves, or two fp32 panels side by side, are a gate
+// and its up; the output is [M, N/2] (bf16 rounded once). Separately, a [512, 3072] product's silu_and_mul read 3 MB
+// and wrote 1.5 MB a layer, 7% of a 4 x 128-token prefill step (Xeon with AMX, 2 threads); 2% of the bench model's fp32
+// steps (Zen 4).
 enum Activation : int64_t { kNoActivation = 0, kGeluErf = 1, kGeluTanh = 2, kSiluMul = 3 };
 
 // torch's GELU: 0.5 x (1 + erf(x / sqrt 2)), or with tanh(sqrt(2 / pi) (x + 0.044715 x^3)).
