@@ -32,6 +32,18 @@ def test_bench_model_maker_writes_the_documented_shape_and_aserve_benchmarks_it(
                      r"gptq4h@3steps [0-9.]+ \([0-9.]+x\), dense@fp8kv [0-9.]+ \([0-9.]+x\)", formats.stdout, re.M)
     assert re.search(r"bandwidth [0-9.]+ GB/s before, [0-9.]+ after", formats.stdout)
     assert re.search(r"^the 1 rounds at >= 0 GB/s: median output tok/s \(ratio to dense\): dense", formats.stdout, re.M)
+    gptq = tmp_path / "bench-gptq4"
+    quantized = subprocess.run([sys.executable, "-m", "aserve.bench.quantize_rtn", str(out), str(gptq), "--group-size",
+                                "64", "--lm-head"], capture_output=True, text=True, timeout=600)
+    assert quantized.returncode == 0, quantized.stderr
+    rows = subprocess.run([sys.executable, str(BENCH / "row_kernels.py"), "--model", str(out), "--gptq", str(gptq),
+                           "--formats", "dense,int8h,gptq", "--rounds", "1", "--rows", "2", "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=600)
+    assert rows.returncode == 0, rows.stderr
+    assert rows.stdout.startswith("row_kernels: CPU capability") and "2 row(s)" in rows.stdout
+    for name in ("dense", "int8h", "gptq"):  # the 1-layer model: 4 projections and the head
+        assert re.search(rf"^{name}: 5 projections, [0-9.]+ MB; kernels [0-9.]+ ms \([0-9.]+ GB/s\), reads [0-9.]+ ms "
+                         r"\([0-9.]+ GB/s\); kernels / reads [0-9.]+", rows.stdout, re.M), rows.stdout
 
 
 def test_weight_formats_names_take_their_suffixes():
@@ -95,3 +107,36 @@ def test_decode_attention_benchmark_times_each_cache():
                              r"[0-9.]+x, hot [0-9.]+x$", run.stdout, re.M), run.stdout
     wrong = subprocess.run(common + ["--caches", "float32"], capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "in the queries' dtype" in wrong.stderr
+
+
+def test_row_kernels_reads_what_the_roofline_counts_and_runs_each_projection(model_dirs):
+    """benchmarks/row_kernels.py sets each projection's kernel against reading the tensors it reads: together they are
+    the roofline's count of a step's weight bytes (packed panels where a dense weight is packed, not its plain copy;
+    codes and scales), and each projection's run gives the module's product (silu(gate) * up where the gate | up
+    weight is packed for it)."""
+    import importlib.util
+
+    import torch
+
+    from aserve import LLM
+    from aserve.bench import roofline
+
+    spec = importlib.util.spec_from_file_location("row_kernels", BENCH / "row_kernels.py")
+    row_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(row_kernels)
+    for options in ({}, {"quantization": "int8", "quantize_lm_head": True}):
+        llm = LLM(str(model_dirs["llama-gqa-tied"]), dtype="float32", kv_cache_memory="16MiB", **options)
+        model = llm.engine.runner.model
+        found = row_kernels.projections(model)
+        read = sum(t.numel() * t.element_size() for *_, tensors in found for t in tensors)
+        assert read == roofline.ModelCost.of(model, llm.engine.runner.kv_cache).weight_bytes
+        assert len(found) == 4 * model.shape.num_layers + 1
+        for module, run, in_features, _ in found:
+            x = torch.randn(3, in_features)
+            with torch.inference_mode():
+                out, plain = run(x), module(x)
+            if out.shape == plain.shape:
+                torch.testing.assert_close(out, plain)
+            else:  # gate | up packed for SiLU-and-mul: the run is the gated product
+                gate, up = plain.chunk(2, dim=-1)
+                torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-5)

@@ -4,6 +4,8 @@
 //
 // Returns the xor of the buffer's 64-bit words, so the compiler cannot drop the reads; four independent
 // accumulators per thread keep the xors off the loads' critical path (the compiler widens them to vector lanes).
+// stream_read_each reads several buffers in turn, a parallel read each, in one call: benchmarks/row_kernels.py sets a
+// projection's kernel against reading what it reads (its codes and their scales), a call each from Python.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -50,8 +52,20 @@ int64_t stream_read(const at::Tensor& buffer) {
   return out;
 }
 
+int64_t stream_read_each(const std::vector<at::Tensor>& buffers) {
+  int64_t all = 0;
+  for (const at::Tensor& buffer : buffers) all ^= stream_read(buffer);
+  return all;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(aserve, m) { m.def("stream_read(Tensor buffer) -> int"); }
+TORCH_LIBRARY_FRAGMENT(aserve, m) {
+  m.def("stream_read(Tensor buffer) -> int");
+  m.def("stream_read_each(Tensor[] buffers) -> int");
+}
 
-TORCH_LIBRARY_IMPL(aserve, CPU, m) { m.impl("stream_read", &stream_read); }
+TORCH_LIBRARY_IMPL(aserve, CPU, m) {
+  m.impl("stream_read", &stream_read);
+  m.impl("stream_read_each", &stream_read_each);
+}
