@@ -2,14 +2,14 @@
 """A model's linear kernels at a few rows against reading their bytes: whether a decode step's projections stream
 their weights as fast as this machine reads the same bytes in the same calls.
 
-For each weight format, every projection of the model (the decoder layers' and the head, in module order) runs once
-on --rows rows as the engine runs it (aserve's GEMM on packed weights, int8_linear, int4_linear, SiLU-and-mul in
-the gate | up GEMM where it is packed for it), the caches flushed first; then torch.ops.aserve.stream_read_each reads
-the tensors each kernel reads (packed panels, codes, scales), one call a projection, in the same order, flushed the
-same way. Both sides are called from Python, a dispatch a projection. Round by round the sides alternate, so a VM whose
-speed drifts slows both alike; the lines give each format's medians: the kernels' time and rate, the reads' rate,
-and kernels / reads (1.00: the projections are at the memory wall; above it, the time the kernels spend beyond
-reading their bytes).
+For each weight format, every projection of the model (the decoder layers' and the head, in module order) runs once on
+--rows rows as the engine runs it (aserve's GEMM on packed weights, int8_linear, int4_linear, SiLU-and-mul in the gate |
+up GEMM where it is packed for it), the caches flushed first; then torch.ops.aserve.stream_read_each reads the tensors
+each kernel reads (packed panels, codes, scales), one call a projection, in the same order, flushed the same way. Both
+sides are called from Python, a dispatch a projection (the kernels' Python wrappers cost a few us a call more than the
+reads': the flat forward calls the kernels from C++). Round by round the sides alternate, so a VM whose speed drifts
+slows both alike; the lines give each format's medians: the kernels' time and rate, the reads' rate, and kernels / reads
+(1.00: the projections are at the memory wall; above it, the time the kernels spend beyond reading their bytes).
 
     python benchmarks/row_kernels.py --model /tmp/bench-model
     python benchmarks/row_kernels.py --model /tmp/bench-model --gptq /tmp/bench-gptq4 --formats dense,int8h,gptq
@@ -42,8 +42,8 @@ def projections(model):
         packed = getattr(module, "packed", None)
         if packed is not None and packed.aserve:  # the panels are what the GEMM reads, not the plain weight
             read = [packed.data]
-        else:
-            read = [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
+        else:  # codes and scales; or a weight packed for oneDNN, whose opaque copy has the plain weight's bytes
+            read = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if isinstance(module, PackedLinear):
             run = module
         else:
